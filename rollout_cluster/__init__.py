@@ -1,0 +1,15 @@
+"""rollout_cluster: the rollout tier under an RL trainer (vLLM engines on Ray Serve, a
+per-sequence router that migrates running sequences, and a driver API)."""
+from .config import ClusterConfig, ConfigError, load_config
+from .types import Completion, InputError, SamplingSpec
+
+
+def __getattr__(name):  # RolloutClient imports ray: only on use
+    if name == "RolloutClient":
+        from .driver import RolloutClient
+
+        return RolloutClient
+    raise AttributeError(name)
+
+
+__all__ = ["ClusterConfig", "Completion", "ConfigError", "InputError", "RolloutClient", "SamplingSpec", "load_config"]

@@ -1,0 +1,106 @@
+"""rollout-cluster: serve | generate | make-model | demo | bench | simulate | calibrate."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def cmd_make_model(a) -> int:
+    from .model_maker import make_model
+
+    path = make_model(a.dir, hidden=a.hidden, layers=a.layers, heads=a.heads, vocab=a.vocab,
+                      intermediate=a.intermediate, seed=a.seed, dtype=a.dtype)
+    print(f"model written to {path}")
+    return 0
+
+
+def cmd_serve(a) -> int:
+    from .driver import RolloutClient
+
+    client = RolloutClient.start(a.config, address=a.address)
+    print(json.dumps(client.status(), indent=1, default=str))
+    print(f"app {client.app_name!r} is serving; attach with RolloutClient.connect(app_name={client.app_name!r}). Ctrl-C stops it.")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        client.shutdown()
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from .driver import RolloutClient
+    from .jsonl_io import run_jsonl
+
+    if a.app_name:
+        client = RolloutClient.connect(a.app_name, address=a.address or "auto")
+    else:
+        client = RolloutClient.start(a.config, address=a.address)
+    try:
+        summary = run_jsonl(client, a.input, a.output, progress=not a.quiet, timeout_s=a.timeout_s)
+    finally:
+        if not a.app_name:
+            client.shutdown()
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+
+    run_demo(a.config, a.prompts, a.samples)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="rollout-cluster")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-model", help="write a small random-weight Llama to DIR")
+    p.add_argument("dir")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("serve", help="start a long-lived app (local Ray unless --address)")
+    p.add_argument("config")
+    p.add_argument("--address", default=None)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("generate", help="JSONL batch in, JSONL results out")
+    p.add_argument("--config", required=False)
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--address", default=None, help="Ray address; default: start a local cluster")
+    p.add_argument("--app-name", default=None, help="use an app that already runs instead of starting one")
+    p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")
+    p.add_argument("--config", default="configs/local-cpu.yaml")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4)
+    p.set_defaults(fn=cmd_demo)
+
+    try:
+        from .bench.cli import add_commands
+
+        add_commands(sub)
+    except ImportError:
+        pass
+    a = ap.parse_args(argv)
+    if a.cmd == "generate" and not (a.config or a.app_name):
+        ap.error("generate needs --config (start a cluster) or --app-name (use a running app)")
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Cluster configuration: the one place where defaults live.
+
+YAML is loaded into these dataclasses by `load_config`, which refuses unknown keys, wrong
+types and impossible values with a ConfigError that names the key path and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "vllm"  # vllm | sim
+    model: str = "models/tiny-llama"  # local path or HF id
+    load_format: str = "auto"  # auto | dummy | safetensors | ...
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    max_num_seqs: int = 256  # set always: AsyncLLM's defaults are smaller than LLM's
+    max_num_batched_tokens: int = 8192
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    cpu_kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)
+    cpu_bind_cores: bool = True  # pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)
+    sim_profile: str = "a100-80g-7b"  # kind=sim: built-in profile name or YAML file
+    sim_vocab_size: int = 32000
+
+
+@dataclass
+class ReplicaResources:
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+@dataclass
+class RouterConfig:
+    pull_wait_s: float = 0.05  # long-poll: answer at once with orders, else after this
+    replica_timeout_s: float = 60.0  # no pull for this long: the replica is dead, requeue its work
+    max_ongoing_requests: int = 4096  # >> replicas + drivers: pulls must never queue
+    submit_wait_for_replica_s: float = 600.0  # a submit with no live replica fails after this
+    call_timeout_s: float = 120.0  # bound on every driver -> router call
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "steal"  # steal | pull | static | least-loaded | chunked | scripted
+    chunk_tokens: int = 1024  # chunked: tokens per round
+    min_move_interval_s: float = 2.0  # steal: no sequence moves twice within this
+    max_moves_per_seq: int = 3  # steal: cap on moves of one sequence
+    min_gain_s: float = 0.5  # steal: move only if predicted gain exceeds re-prefill + this
+    max_moves_per_decision: int = 32
+    tail_isolation: bool = True  # steal: use group siblings to find likely-long sequences
+    scripted_at_tokens: list = field(default_factory=list)  # scripted: migrate at these token counts
+
+
+@dataclass
+class SamplingDefaults:
+    """Defaults for batches submitted without a SamplingSpec (CLI lines override them)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class MetricsConfig:
+    port: int = 0  # 0: no HTTP endpoint
+
+
+@dataclass
+class ClusterConfig:
+    app_name: str = "rollout"
+    replicas: int = 2
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    resources: ReplicaResources = field(default_factory=ReplicaResources)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    base_dir: str = ""  # where relative model paths resolve; set by load_config
+
+    def validate(self) -> "ClusterConfig":
+        checks = [
+            ("replicas", self.replicas >= 1, "must be >= 1"),
+            ("engine.kind", self.engine.kind in ("vllm", "sim"), "must be 'vllm' or 'sim'"),
+            ("engine.max_model_len", self.engine.max_model_len >= 2, "must be >= 2"),
+            ("engine.max_num_seqs", self.engine.max_num_seqs >= 1, "must be >= 1"),
+            ("engine.max_num_batched_tokens", self.engine.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("engine.tensor_parallel_size", self.engine.tensor_parallel_size >= 1, "must be >= 1"),
+            ("engine.gpu_memory_utilization", 0 < self.engine.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            ("engine.cpu_kv_cache_gib", self.engine.cpu_kv_cache_gib > 0, "must be > 0"),
+            ("resources.num_cpus", self.resources.num_cpus >= 0, "must be >= 0"),
+            ("resources.num_gpus", self.resources.num_gpus >= 0, "must be >= 0"),
+            ("router.pull_wait_s", 0 < self.router.pull_wait_s <= 5, "must be in (0, 5]"),
+            ("router.replica_timeout_s", self.router.replica_timeout_s > 0, "must be > 0"),
+            ("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8,
+             "must exceed replicas + drivers, or pulls queue behind each other"),
+            ("router.call_timeout_s", self.router.call_timeout_s > 0, "must be > 0"),
+            ("policy.name", self.policy.name in POLICY_NAMES, f"must be one of {sorted(POLICY_NAMES)}"),
+            ("policy.chunk_tokens", self.policy.chunk_tokens >= 1, "must be >= 1"),
+            ("policy.min_move_interval_s", self.policy.min_move_interval_s >= 0, "must be >= 0"),
+            ("policy.max_moves_per_seq", self.policy.max_moves_per_seq >= 0, "must be >= 0"),
+            ("policy.max_moves_per_decision", self.policy.max_moves_per_decision >= 1, "must be >= 1"),
+            ("metrics.port", 0 <= self.metrics.port <= 65535, "must be in [0, 65535]"),
+            ("sampling.max_tokens", self.sampling.max_tokens >= 1, "must be >= 1"),
+            ("sampling.max_tokens", self.sampling.max_tokens < self.engine.max_model_len,
+             f"must be below engine.max_model_len={self.engine.max_model_len}"),
+            ("sampling.temperature", self.sampling.temperature >= 0, "must be >= 0"),
+            ("sampling.top_p", 0 < self.sampling.top_p <= 1, "must be in (0, 1]"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{key}={_get(self, key)!r}: {why}")
+        return self
+
+    def model_path(self) -> str:
+        """The model as vLLM should see it: a relative local path resolves against base_dir."""
+        m = self.engine.model
+        p = Path(self.base_dir or ".") / m
+        if not Path(m).is_absolute() and p.exists():
+            return str(p.resolve())
+        return m
+
+
+POLICY_NAMES = {"steal", "pull", "static", "least-loaded", "chunked", "scripted"}
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _coerce(tp, value, key: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: must be a mapping")
+        return from_dict(tp, value, key + ".")
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _coerce(args[0], value, key)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r}: must be a list")
+        return value
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}={value!r}: must be of type {tp.__name__}")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def load_config(source) -> ClusterConfig:
+    """Load a ClusterConfig from a YAML path, a YAML string's dict, or pass one through."""
+    if isinstance(source, ClusterConfig):
+        return source.validate()
+    base = ""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        base = str(path.resolve().parent.parent) if path.resolve().parent.name == "configs" else str(path.resolve().parent)
+    else:
+        data = dict(source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+    cfg = from_dict(ClusterConfig, data)
+    if not cfg.base_dir:
+        cfg.base_dir = base
+    return cfg.validate()
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

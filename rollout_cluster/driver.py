@@ -1,0 +1,165 @@
+"""RolloutClient: the driver API. Submit a batch, get every completion back.
+
+    client = RolloutClient.start("configs/local-cpu.yaml")   # local Ray + the Serve app
+    client = RolloutClient.connect(app_name="rollout")          # an app that already runs
+    results = client.generate(prompts, SamplingSpec(n=4, max_tokens=256))
+    async for c in client.stream(prompts, sampling): ...
+
+Every call is bounded: a router that does not answer within `timeout_s` raises TimeoutError.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import AsyncIterator, Optional, Sequence, Union
+
+from .config import ClusterConfig, load_config
+from .types import Completion, InputError, SamplingSpec, SequenceRequest
+
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
+           hidden_lengths: Optional[Sequence] = None) -> list:
+    """One SequenceRequest per (prompt, sample), in input order. A prompt whose spec is invalid
+    (n < 1, say) yields one request carrying the error, so it comes back as an error line."""
+    specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
+    if len(specs) != len(prompts):
+        raise InputError("sampling", f"<{len(specs)} specs>", f"needs one spec per prompt ({len(prompts)})")
+    out = []
+    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        n = spec.n if isinstance(spec.n, int) and spec.n >= 1 else 1
+        for j in range(n):
+            hidden = None if hidden_lengths is None else hidden_lengths[len(out)]
+            ids = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+            out.append(SequenceRequest(ids if isinstance(ids, list) else [], spec, i, j, hidden,
+                                       prompt_len=len(ids) if isinstance(ids, list) else 0))
+            if not isinstance(ids, list):
+                out[-1].prompt_token_ids = ids  # the router refuses it, naming the field
+    return out
+
+
+class RolloutClient:
+    def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 config: Optional[ClusterConfig] = None, owns_cluster: bool = False):
+        from ray import serve
+
+        self.app_name = app_name
+        self.timeout_s = timeout_s
+        self.config = config
+        self.owns_cluster = owns_cluster
+        self.router = serve.get_deployment_handle("Router", app_name)
+        self.call_timeout_s = config.router.call_timeout_s if config else 120.0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str] = None,
+              wait_ready_s: float = 600.0, **ray_init) -> "RolloutClient":
+        """Start (or join) Ray, deploy the application, and wait until every replica is up."""
+        import ray
+        from ray import serve
+
+        from .serve.app import build_app
+
+        cfg = load_config(config)
+        if not ray.is_initialized():
+            env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
+            ray.init(address=address, runtime_env=env, **ray_init)
+        serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
+        serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+        client = cls(cfg.app_name, config=cfg, owns_cluster=address is None)
+        client.wait_ready(cfg.replicas, wait_ready_s)
+        return client
+
+    @classmethod
+    def connect(cls, app_name: str = "rollout", address: str = "auto", **kw) -> "RolloutClient":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address)
+        return cls(app_name, **kw)
+
+    def wait_ready(self, replicas: int, timeout_s: float = 600.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if len(st["replicas"]) >= replicas and st["model"]:
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(st['replicas'])} of {replicas} replicas pulling after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def status(self) -> dict:
+        return self.router.status.remote().result(timeout_s=self.call_timeout_s)
+
+    def set_policy(self, name: str, **params) -> str:
+        return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
+
+    def shutdown(self) -> None:
+        from ray import serve
+
+        serve.delete(self.app_name)
+        if self.owns_cluster:
+            import ray
+
+            serve.shutdown()
+            ray.shutdown()
+
+    # ---- generation -----------------------------------------------------------------------
+    def submit(self, requests: list, wait_for_replica_s: Optional[float] = None) -> str:
+        return self.router.submit.remote(requests, wait_for_replica_s).result(
+            timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
+
+    def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]] = SamplingSpec(),
+                 progress: bool = False, timeout_s: Optional[float] = None,
+                 hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None) -> list:
+        """One Completion per (prompt, sample), in input order."""
+        requests = expand(prompts, sampling, hidden_lengths)
+        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s)
+
+    def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
+                     wait_for_replica_s: Optional[float] = None) -> list:
+        bid = self.submit(requests, wait_for_replica_s)
+        results: list = [None] * len(requests)
+        bar = _bar(len(requests), progress)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        cursor, done = 0, False
+        while not done:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} sequences done after "
+                                   f"{timeout_s or self.timeout_s:.0f} s (timeout_s)")
+            new, cursor, done = self.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=self.call_timeout_s)
+            for c in new:
+                results[c.index] = c
+            if bar:
+                bar.update(len(new))
+        if bar:
+            bar.close()
+        return results
+
+    async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]] = SamplingSpec(),
+                     timeout_s: Optional[float] = None) -> AsyncIterator[Completion]:
+        """Completions as they finish (not in input order)."""
+        requests = expand(prompts, sampling)
+        bid = await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        cursor, done = 0, False
+        while not done:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} done at timeout_s")
+            new, cursor, done = await asyncio.wait_for(self.router.fetch.remote(bid, cursor, 1.0), self.call_timeout_s)
+            for c in new:
+                yield c
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="sequences", unit="seq")
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,44 @@
+"""EngineAdapter: the one interface a replica drives, whatever runs the model.
+
+Contract:
+- `start()` loads the model and returns its ModelInfo; nothing else is called before it.
+- `submit(work)` starts one segment. Exactly one final SeqProgress (finish_reason set) comes
+  back for every submitted (seq_id, attempt): natural end, "abort" after a give-up, or "error".
+- `give_up(keys)` aborts running segments. Their final report carries finish_reason "abort";
+  if a segment finished on its own first, its natural final report stands and the give-up is
+  a no-op (the router reconciles by attempt).
+- `drain()` returns every delta produced since the last drain, in order, and never twice.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ..types import EngineStats, ModelInfo, Work
+
+
+class EngineAdapter(ABC):
+    capacity: int = 1  # sequences decoded at once (max_num_seqs)
+
+    @abstractmethod
+    async def start(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def submit(self, work: Work) -> None: ...
+
+    @abstractmethod
+    async def give_up(self, keys: list) -> None: ...
+
+    @abstractmethod
+    def drain(self) -> list: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (vLLM sleep mode)."""
+
+    async def wake(self) -> None:
+        """Undo sleep()."""
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes."""

@@ -1,0 +1,142 @@
+"""SimEngineCore: a vLLM-like engine in virtual time, driven by the cost model.
+
+Each step admits waiting sequences while the batch has room (max_num_seqs) and KV fits
+(prefill charged at the prefill rate), decodes one token for every running sequence, and
+finishes those that reached their stop. Past KV capacity it preempts the newest running
+sequence and recomputes it later, as vLLM does. `advance(limit)` jumps over many steps at once
+while the batch is unchanged (closed form), which makes 32 replicas x 8192 sequences cheap.
+Pure: no clock, no asyncio.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from ..types import SeqProgress, Work
+from .cost_model import CostModel
+
+
+@dataclass(eq=False)
+class _Seq:
+    work: Work
+    context: int  # tokens in KV: prompt (incl. earlier segments) + this segment's output
+    stop: int  # tokens this segment produces before it ends
+    produced: int = 0
+    reported: int = 0
+    admitted: bool = False
+
+
+class SimEngineCore:
+    def __init__(self, cost: CostModel, vocab_size: int = 32000, emit_tokens: bool = True):
+        self.cost = cost
+        self.vocab_size = vocab_size
+        self.emit_tokens = emit_tokens
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.finals: list = []
+        self.preemptions = 0
+        self.context = 0  # KV tokens of running sequences
+        self.last_step_s = 0.0
+        self.steps = 0
+
+    def submit(self, work: Work) -> None:
+        stop = work.sampling.max_tokens if work.stop_after is None else min(work.sampling.max_tokens, work.stop_after)
+        self.waiting.append(_Seq(work, work.prompt_len, max(1, stop)))
+
+    def abort(self, keys) -> None:
+        keys = set(keys)
+        for group in (self.running, self.waiting):
+            for s in list(group):
+                if (s.work.seq_id, s.work.attempt) in keys:
+                    group.remove(s)
+                    self._final(s, "abort")
+        self.context = sum(s.context for s in self.running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _admit(self) -> float:
+        """Admit waiting work; returns the prefill time charged to this step."""
+        t = 0.0
+        while self.waiting and len(self.running) < self.cost.max_num_seqs:
+            s = self.waiting[0]
+            if self.context + s.context + 1 > self.cost.kv_tokens and self.running:
+                break
+            self.waiting.popleft()
+            s.admitted = True
+            self.running.append(s)
+            self.context += s.context
+            t += self.cost.prefill_s(s.context)
+        return t
+
+    def _preempt_if_needed(self) -> None:
+        while self.running and self.context + len(self.running) > self.cost.kv_tokens and len(self.running) > 1:
+            s = self.running.pop()  # newest
+            self.context -= s.context
+            s.admitted = False
+            self.waiting.appendleft(s)  # recompute: re-prefilled with its output so far
+            self.preemptions += 1
+
+    def advance(self, limit_s: float = math.inf, max_steps: int = 1 << 30) -> float:
+        """Run steps while the batch is unchanged, up to `limit_s` of virtual time (at least
+        one step). Returns the virtual seconds spent."""
+        prefill = self._admit()
+        self._preempt_if_needed()
+        if not self.running:
+            return prefill
+        b = len(self.running)
+        k = min(min(s.stop - s.produced for s in self.running), max_steps)
+        if self.cost.kv_tokens < math.inf:
+            k = max(1, min(k, (self.cost.kv_tokens - self.context) // b))
+        base = self.cost.a + self.cost.e * b + self.cost.c * self.context
+        grow = self.cost.c * b
+        budget = limit_s - prefill
+        if budget < math.inf and k > 1:
+            # largest k with k*base + grow*k(k-1)/2 <= budget
+            if grow > 0:
+                disc = (base - grow / 2) ** 2 + 2 * grow * budget
+                k_fit = int((-(base - grow / 2) + math.sqrt(max(0.0, disc))) / grow)
+            else:
+                k_fit = int(budget / base)
+            k = max(1, min(k, k_fit))
+        dt = prefill + k * base + grow * k * (k - 1) / 2
+        self.last_step_s = (dt - prefill) / k
+        self.steps += k
+        for s in self.running:
+            s.produced += k
+            s.context += k
+        self.context += b * k
+        done = [s for s in self.running if s.produced >= s.stop]
+        if done:
+            self.running = [s for s in self.running if s.produced < s.stop]
+            for s in done:
+                self.context -= s.context
+                reason = "length" if s.produced >= s.work.sampling.max_tokens or s.work.stop_after is not None else "stop"
+                self._final(s, reason)
+        return dt
+
+    def _tokens(self, s: _Seq, start: int, end: int) -> list:
+        base = hash(s.work.seq_id) % self.vocab_size
+        return [(base + s.work.prompt_len + i) % self.vocab_size for i in range(start, end)]
+
+    def _final(self, s: _Seq, reason: str) -> None:
+        n = s.produced - s.reported
+        toks = self._tokens(s, s.reported, s.produced) if self.emit_tokens else []
+        lps = [-1.0] * n if self.emit_tokens and s.work.sampling.logprobs is not None else None
+        s.reported = s.produced
+        self.finals.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, reason, num_tokens=n))
+
+    def drain(self) -> list:
+        out = []
+        for s in self.running:
+            n = s.produced - s.reported
+            if n:
+                toks = self._tokens(s, s.reported, s.produced) if self.emit_tokens else []
+                lps = [-1.0] * n if self.emit_tokens and s.work.sampling.logprobs is not None else None
+                out.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, None, num_tokens=n))
+                s.reported = s.produced
+        out += self.finals
+        self.finals = []
+        return out

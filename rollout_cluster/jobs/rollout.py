@@ -1,0 +1,44 @@
+"""Batch job for `ray job submit`: deploy the app on the cluster, run a JSONL batch, write results.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input in.jsonl --output out.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="rollout_cluster.jobs.rollout")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--keep-app", action="store_true", help="leave the Serve app running afterwards")
+    ap.add_argument("--timeout-s", type=float, default=None)
+    a = ap.parse_args(argv)
+    import ray
+    from ray import serve
+
+    from ..config import load_config
+    from ..driver import RolloutClient
+    from ..jsonl_io import run_jsonl
+    from ..serve.app import build_app
+
+    cfg = load_config(a.config)
+    ray.init(address="auto")
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+    client = RolloutClient(cfg.app_name, config=cfg)
+    try:
+        client.wait_ready(cfg.replicas)
+        summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s)
+    finally:
+        if not a.keep_app:
+            serve.delete(cfg.app_name)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

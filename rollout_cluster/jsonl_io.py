@@ -1,0 +1,104 @@
+"""The stable batch file formats of `rollout-cluster generate` and the Ray job.
+
+Input, one JSON object a line: {"prompt_token_ids": [..], "n": 1, "max_tokens": 128, "temperature": 1.0,
+"top_p": 1.0, "ignore_eos": false, "logprobs": null, "stop_token_ids": [], "seed": null}; all but
+prompt_token_ids optional. Output, one line per (line, sample) in input order: {"prompt_index",
+"sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations"}.
+A bad line yields one output line with finish_reason "error" naming the field; the rest still run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Optional
+
+from .types import Completion, InputError, SamplingSpec, SequenceRequest
+
+SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
+LINE_FIELDS = {"prompt_token_ids"} | SPEC_FIELDS
+
+
+def parse_line(text: str, index: int) -> tuple:
+    """(prompt_token_ids, SamplingSpec); raises InputError naming the field."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"line {index + 1}", text.strip()[:40], f"not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"line {index + 1}", obj, "must be a JSON object")
+    unknown = sorted(set(obj) - LINE_FIELDS)
+    if unknown:
+        raise InputError(unknown[0], obj[unknown[0]], f"unknown field (known: {', '.join(sorted(LINE_FIELDS))})")
+    if "prompt_token_ids" not in obj:
+        raise InputError("prompt_token_ids", None, "is required")
+    ids = obj["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise InputError("prompt_token_ids", ids, "must be a non-empty list of token ids")
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise InputError("prompt_token_ids", bad, "every token id must be an integer")
+    kw = {k: v for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed")}
+    kw.pop("prompt_token_ids", None)
+    if "stop_token_ids" in kw:
+        if not isinstance(kw["stop_token_ids"], list):
+            raise InputError("stop_token_ids", kw["stop_token_ids"], "must be a list of integers")
+        kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+    spec = SamplingSpec(**kw)
+    spec.validate()
+    return ids, spec
+
+
+def read_requests(lines: list) -> tuple:
+    """(requests, errors): requests expanded prompt-major; errors maps line index -> message."""
+    requests, errors = [], {}
+    for i, line in enumerate(lines):
+        if not line.strip():
+            errors[i] = "line is empty: expected a JSON object"
+            continue
+        try:
+            ids, spec = parse_line(line, i)
+        except InputError as e:
+            errors[i] = str(e)
+            continue
+        except TypeError as e:
+            errors[i] = f"invalid field: {e}"
+            continue
+        for j in range(spec.n):
+            requests.append(SequenceRequest(ids, spec, i, j))
+    return requests, errors
+
+
+def merge_results(num_lines: int, requests: list, completions: list, errors: dict) -> list:
+    """Output records in input order: each line's samples, or its one error record."""
+    by_line: dict = {}
+    for req, c in zip(requests, completions):
+        by_line.setdefault(req.prompt_index, []).append(c.to_json())
+    out = []
+    for i in range(num_lines):
+        if i in errors:
+            out.append(Completion(i, 0, [], None, "error", errors[i]).to_json())
+        else:
+            out.extend(by_line.get(i, []))
+    return out
+
+
+def write_jsonl(path: str, records: list) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_jsonl_lines(path: str) -> list:
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
+              timeout_s: Optional[float] = None) -> dict:
+    lines = read_jsonl_lines(input_path)
+    requests, errors = read_requests(lines)
+    completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s) if requests else []
+    records = merge_results(len(lines), requests, completions, errors)
+    write_jsonl(output_path, records)
+    return {"lines": len(lines), "sequences": len(requests), "bad_lines": len(errors),
+            "errors": sum(1 for r in records if r["finish_reason"] == "error")}

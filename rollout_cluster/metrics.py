@@ -1,0 +1,44 @@
+"""Prometheus metrics of the router, served on `metrics.port` (0: off)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .router_core import RouterCore, RouterMetrics
+
+
+class PrometheusRouterMetrics(RouterMetrics):
+    def __init__(self, port: int = 0):
+        self.registry = r = CollectorRegistry()
+        self.queued = Gauge("rollout_sequences_queued", "Sequences waiting in the router's queue", registry=r)
+        self.running = Gauge("rollout_sequences_running", "Sequences running, per replica", ["replica"], registry=r)
+        self.finished_total = Counter("rollout_sequences_finished_total", "Sequences finished, per replica and reason",
+                                      ["replica", "reason"], registry=r)
+        self.migrations = Counter("rollout_migrations_total", "Sequences moved between replicas", ["source"], registry=r)
+        self.reprefill = Counter("rollout_reprefill_tokens_total", "Tokens prefilled again after a migration", registry=r)
+        self.give_up_s = Histogram("rollout_give_up_latency_seconds", "Give-up ordered to partial received", registry=r,
+                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.decision_s = Histogram("rollout_router_decision_seconds", "Policy decision time per pull", registry=r,
+                                    buckets=(1e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1))
+        self.replicas = Gauge("rollout_replicas_alive", "Engine replicas pulling", registry=r)
+        self.port = port
+        if port:
+            start_http_server(port, registry=r)
+
+    def decision(self, seconds: float) -> None:
+        self.decision_s.observe(seconds)
+
+    def migration(self, source: str, reprefill_tokens: int) -> None:
+        self.migrations.labels(source).inc()
+        self.reprefill.inc(reprefill_tokens)
+
+    def give_up_latency(self, seconds: float) -> None:
+        self.give_up_s.observe(seconds)
+
+    def finished(self, replica_id: str, reason: str) -> None:
+        self.finished_total.labels(replica_id, reason).inc()
+
+    def gauges(self, core: RouterCore) -> None:
+        self.queued.set(len(core.queue))
+        self.replicas.set(len(core.replicas))
+        for rid, rep in core.replicas.items():
+            self.running.labels(rid).set(len(rep.seqs))

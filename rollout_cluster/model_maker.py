@@ -1,0 +1,43 @@
+"""`rollout-cluster make-model DIR`: a small Llama with random weights, saved like any HF model.
+
+No model hub is reachable here, so tests and the demo load a model made locally through the
+real loading path (config.json + safetensors). No tokenizer: prompts are token ids.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def make_model(out_dir: str, hidden: int = 128, layers: int = 2, heads: int = 2, vocab: int = 2048,
+               intermediate: int | None = None, max_positions: int = 4096, seed: int = 0,
+               dtype: str = "float32") -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "rollout_model.json").exists():
+        spec = json.loads((out / "rollout_model.json").read_text())
+        if spec == _spec(hidden, layers, heads, vocab, intermediate, max_positions, seed, dtype):
+            return out  # already made with the same spec
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                      max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False, torch_dtype=dtype)
+    model = LlamaForCausalLM(cfg)
+    # Random init gives near-uniform next-token distributions; scale up the head so greedy
+    # decoding has clear winners and sampling is not pure noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model = model.to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "rollout_model.json").write_text(json.dumps(_spec(hidden, layers, heads, vocab, intermediate,
+                                                             max_positions, seed, dtype)))
+    return out
+
+
+def _spec(*args) -> dict:
+    keys = ["hidden", "layers", "heads", "vocab", "intermediate", "max_positions", "seed", "dtype"]
+    return dict(zip(keys, args))

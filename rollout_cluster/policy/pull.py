@@ -1,0 +1,53 @@
+"""`pull`: one global queue; a replica that pulls gets work up to its free slots.
+
+Order of preference for the puller: continuations reserved for it (always taken: the policy
+counted the slot when it chose this destination), then other continuations
+(work already paid for), then fresh samples of groups it already runs (prefix cache), then the
+queue head. The queue is in group order, so a contiguous take keeps groups together.
+"""
+from __future__ import annotations
+
+from .base import Assign, Decision, Policy
+from ..state import ClusterView
+
+
+def take_for(view: ClusterView, replica_id: str, limit: int) -> list:
+    """Up to `limit` queued sequences for `replica_id`, in the order described above."""
+    q = view.queue
+    out = list(q.reserved.get(replica_id, {}).values())  # slots were counted when reserved
+    if limit <= len(out):
+        return out
+    for seq in q.continuations.values():
+        out.append(seq)
+        if len(out) >= limit:
+            return out
+    rep = view.replicas[replica_id]
+    if q.fresh and rep.seqs:
+        for group in {s.group for s in rep.seqs.values()}:
+            for seq in q.fresh_by_group.get(group, {}).values():
+                out.append(seq)
+                if len(out) >= limit:
+                    return out
+    taken = {s.seq_id for s in out}
+    for seq in q.fresh.values():
+        if seq.seq_id not in taken:
+            out.append(seq)
+            if len(out) >= limit:
+                break
+    return out
+
+
+def fair_take(view: ClusterView, replica_id: str) -> int:
+    """How much the puller may take: its free slots, but no more than its even share of all
+    work (queued + running), so a small batch is not swallowed by the first replica to pull."""
+    rep = view.replicas[replica_id]
+    total = len(view.queue) + view.running
+    share = -(-total // max(1, len(view.replicas)))
+    return max(0, min(rep.free_slots, share - rep.load))
+
+
+class PullPolicy(Policy):
+    name = "pull"
+
+    def decide(self, view: ClusterView, replica_id: str) -> Decision:
+        return Decision(assign=[Assign(s, replica_id) for s in take_for(view, replica_id, fair_take(view, replica_id))])

@@ -1,0 +1,306 @@
+"""RouterCore: the single owner of sequence state. No Ray, no asyncio, no clock.
+
+The Ray Serve Router deployment wraps it in asyncio; the simulator drives it in virtual time.
+Entry points: `submit` (driver), `on_report` (a replica's pull: apply its report, decide, and
+return its orders), `fetch` (finished completions of a batch), `expire` (declare silent
+replicas dead). Migration semantics: docs/semantics.md.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .policy.base import Decision, Policy
+from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
+from .types import Completion, InputError, Migration, ModelInfo, Orders, Report, SequenceRequest, Work
+
+
+class NoLiveReplicaError(RuntimeError):
+    pass
+
+
+class RouterMetrics:
+    """Hooks the router calls; the Prometheus implementation lives in metrics.py."""
+
+    def decision(self, seconds: float) -> None: ...
+    def migration(self, source: str, reprefill_tokens: int) -> None: ...
+    def give_up_latency(self, seconds: float) -> None: ...
+    def finished(self, replica_id: str, reason: str) -> None: ...
+    def gauges(self, core: "RouterCore") -> None: ...
+
+
+@dataclass
+class BatchState:
+    batch_id: str
+    size: int
+    submitted_t: float
+    results: list  # Completion or None, by index
+    order: list = field(default_factory=list)  # indices in finishing order
+
+
+class RouterCore:
+    def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
+                 metrics: Optional[RouterMetrics] = None, record_tokens: bool = True):
+        self.policy = policy
+        self.expected_replicas = expected_replicas
+        self.replica_timeout_s = replica_timeout_s
+        self.metrics = metrics or RouterMetrics()
+        self.record_tokens = record_tokens
+        self.queue = WorkQueue()
+        self.replicas: dict = {}
+        self.seqs: dict = {}
+        self.groups: dict = {}
+        self.batches: dict = {}
+        self.outbox: dict = {}  # replica_id -> Orders
+        self.give_up_t: dict = {}  # seq_id -> (time ordered, destination)
+        self.model: Optional[ModelInfo] = None
+        self.finished_lengths: list = []
+        self.counters = {"migrations": 0, "reprefill_tokens": 0, "generated_tokens": 0,
+                         "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0}
+        self.decision_times: list = []
+        self.finished_count = 0
+        self._ids = itertools.count()
+
+    # ---- driver side --------------------------------------------------------------------
+    def submit(self, requests: list, now: float, batch_id: Optional[str] = None) -> str:
+        """Queue a batch of SequenceRequests. Invalid ones finish at once with an error."""
+        if not self.replicas:
+            raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
+        bid = batch_id or f"b{next(self._ids)}"
+        batch = BatchState(bid, len(requests), now, [None] * len(requests))
+        self.batches[bid] = batch
+        group_sizes: dict = {}
+        for r in requests:
+            group_sizes[(bid, r.prompt_index)] = group_sizes.get((bid, r.prompt_index), 0) + 1
+        for key, size in group_sizes.items():
+            self.groups[key] = GroupState(size=size)
+        for i, req in enumerate(requests):
+            seq = SeqState(f"{bid}:{i}", bid, i, (bid, req.prompt_index), req, now)
+            error = self._validate(req)
+            if error:
+                seq.error = error
+                self._finish(seq, "error", now, replica_id=None)
+                continue
+            self.seqs[seq.seq_id] = seq
+            self.queue.push(seq)
+        return bid
+
+    def _validate(self, req: SequenceRequest) -> Optional[str]:
+        try:
+            if isinstance(req, InputError):
+                raise req
+            req.sampling.validate()
+            ids = req.prompt_token_ids
+            if ids is not None:
+                if not isinstance(ids, list) or not ids:
+                    raise InputError("prompt_token_ids", ids, "must be a non-empty list of token ids")
+                bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+                if bad is not None:
+                    raise InputError("prompt_token_ids", bad, "every token id must be an integer")
+            m = self.model
+            if m is not None and ids is not None:
+                bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
+                if bad is not None:
+                    raise InputError("prompt_token_ids", bad, f"token id outside the vocabulary [0, {m.vocab_size})")
+            if m is not None:
+                if req.prompt_len >= m.max_model_len:
+                    raise InputError("prompt_token_ids", f"<{req.prompt_len} tokens>",
+                                     f"prompt longer than the model's context (max_model_len={m.max_model_len})")
+                if req.prompt_len + req.sampling.max_tokens > m.max_model_len:
+                    raise InputError("max_tokens", req.sampling.max_tokens,
+                                     f"prompt ({req.prompt_len}) + max_tokens exceeds max_model_len={m.max_model_len}")
+        except InputError as e:
+            return str(e)
+        return None
+
+    def fetch(self, batch_id: str, cursor: int) -> tuple:
+        """(completions finished since `cursor`, new cursor, batch done)."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise KeyError(f"batch_id={batch_id!r}: unknown batch (finished and collected, or never submitted)")
+        new = [batch.results[i] for i in batch.order[cursor:]]
+        return new, len(batch.order), len(batch.order) == batch.size
+
+    def release(self, batch_id: str) -> None:
+        batch = self.batches.pop(batch_id, None)
+        if batch is None:
+            return
+        for key in [k for k in self.groups if k[0] == batch_id]:
+            del self.groups[key]
+
+    # ---- replica side -------------------------------------------------------------------
+    def on_report(self, report: Report, now: float, timer=None) -> Orders:
+        rep = self._register(report, now)
+        for p in report.progress:
+            self._apply(rep, p, now)
+        return self.decide(rep.replica_id, now, timer)
+
+    def decide(self, replica_id: str, now: float, timer=None) -> Orders:
+        rep = self.replicas.get(replica_id)
+        if rep is None:
+            return Orders()
+        if len(self.queue) or self.seqs:
+            t0 = timer() if timer else None
+            decision = self.policy.decide(self.view(now), replica_id)
+            if timer:
+                dt = timer() - t0
+                self.decision_times.append(dt)
+                self.metrics.decision(dt)
+            self._apply_decision(decision, now)
+        return self.outbox.pop(replica_id, None) or Orders()
+
+    def view(self, now: float) -> ClusterView:
+        return ClusterView(now, self.queue, self.replicas, self.groups, self.seqs,
+                           self.expected_replicas, self.finished_lengths)
+
+    def expire(self, now: float) -> list:
+        dead = [rid for rid, r in self.replicas.items() if now - r.last_pull_t > self.replica_timeout_s]
+        for rid in dead:
+            self.remove_replica(rid, now)
+        return dead
+
+    def remove_replica(self, replica_id: str, now: float) -> None:
+        """Requeue the replica's sequences from their last reported tokens."""
+        rep = self.replicas.pop(replica_id, None)
+        if rep is None:
+            return
+        self.counters["replica_deaths"] += 1
+        self.outbox.pop(replica_id, None)
+        for seq in list(rep.seqs.values()):
+            seq.status, seq.replica = SeqStatus.QUEUED, None
+            self.queue.push(seq)
+        self.queue.release_reserved(replica_id)
+        self.policy.on_replica_removed(replica_id)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _register(self, report: Report, now: float) -> ReplicaState:
+        rep = self.replicas.get(report.replica_id)
+        if rep is not None and rep.incarnation != report.incarnation:
+            self.remove_replica(report.replica_id, now)  # restarted: its old work is gone
+            rep = None
+        if rep is None:
+            rep = ReplicaState(report.replica_id, report.incarnation, report.capacity, now, now)
+            self.replicas[report.replica_id] = rep
+        if report.model is not None and self.model is None:
+            self.model = report.model
+        rep.capacity = report.capacity or rep.capacity
+        rep.stats = report.stats
+        rep.last_pull_t = now
+        rep.pulls += 1
+        return rep
+
+    def _apply(self, rep: ReplicaState, p, now: float) -> None:
+        seq = self.seqs.get(p.seq_id)
+        if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
+                or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
+            self.counters["stale_reports"] += 1
+            return
+        if p.num_tokens:
+            seq.generated += p.num_tokens
+            self.counters["generated_tokens"] += p.num_tokens
+            if self.record_tokens:
+                seq.token_ids.extend(p.token_ids)
+                if p.logprobs is not None:
+                    if seq.logprobs is None:
+                        seq.logprobs = []
+                    seq.logprobs.extend(p.logprobs)
+        reason = p.finish_reason
+        if reason is None:
+            return
+        del rep.seqs[seq.seq_id]
+        if reason == "error":
+            seq.error = p.error or "engine error"
+            self._finish(seq, "error", now, rep.replica_id)
+        elif reason == "abort" or self._segment_cut(seq, reason):
+            self._requeue_after_segment(seq, rep.replica_id, now)
+        else:
+            self._finish(seq, reason, now, rep.replica_id)
+
+    def _segment_cut(self, seq: SeqState, reason: str) -> bool:
+        """A policy's segment cap (not the sequence's own end) stopped this segment."""
+        if reason != "length" or seq.segment_cap is None:
+            return False
+        hidden = seq.request.hidden_length
+        return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
+                and (hidden is None or seq.generated < hidden))
+
+    def _requeue_after_segment(self, seq: SeqState, source: str, now: float) -> None:
+        ordered = self.give_up_t.pop(seq.seq_id, None)
+        destination = None
+        if ordered is not None:
+            t_ordered, destination = ordered
+            seq.moves += 1
+            seq.last_move_t = now
+            seq.migrations.append(Migration(source, destination, seq.generated, now - seq.submitted_t))
+            self.counters["migrations"] += 1
+            self.counters["reprefill_tokens"] += seq.context_tokens
+            self.metrics.migration(source, seq.context_tokens)
+            self.metrics.give_up_latency(now - t_ordered)
+        seq.status, seq.replica = SeqStatus.QUEUED, None
+        if destination is not None and destination not in self.replicas:
+            destination = None
+        self.queue.push(seq, reserved_for=destination)
+
+    def _finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
+        seq.status = SeqStatus.DONE
+        seq.finish_reason = reason
+        seq.replica = None
+        self.give_up_t.pop(seq.seq_id, None)
+        batch = self.batches.get(seq.batch_id)
+        req = seq.request
+        logprobs = seq.logprobs if req.sampling.logprobs is not None else None
+        done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
+                          seq.replicas, list(seq.migrations), seq.batch_id, seq.index)
+        self.seqs.pop(seq.seq_id, None)
+        if reason != "error":
+            self.finished_lengths.append(seq.generated)
+            g = self.groups.get(seq.group)
+            if g is not None:
+                g.finished += 1
+                g.finished_len_max = max(g.finished_len_max, seq.generated)
+                g.finished_len_sum += seq.generated
+        elif self.groups.get(seq.group) is not None:
+            self.groups[seq.group].finished += 1
+        self.metrics.finished(replica_id or "-", reason)
+        self.finished_count += 1
+        if batch is not None:
+            batch.results[seq.index] = done
+            batch.order.append(seq.index)
+
+    def _apply_decision(self, decision: Decision, now: float) -> None:
+        for a in decision.assign:
+            seq = a.seq
+            if seq.status is not SeqStatus.QUEUED or a.replica_id not in self.replicas:
+                self.counters["policy_errors"] += 1
+                continue
+            self.queue.remove(seq)
+            self._dispatch(seq, a.replica_id, a.segment_cap)
+        for g in decision.give_up:
+            seq = g.seq
+            if seq.status is not SeqStatus.RUNNING or seq.replica not in self.replicas:
+                self.counters["policy_errors"] += 1
+                continue
+            seq.status = SeqStatus.GIVING_UP
+            self.give_up_t[seq.seq_id] = (now, g.destination)
+            self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
+
+    def _dispatch(self, seq: SeqState, replica_id: str, segment_cap: Optional[int]) -> None:
+        req = seq.request
+        seq.attempt += 1
+        seq.status, seq.replica = SeqStatus.RUNNING, replica_id
+        seq.segment_cap, seq.segment_start = segment_cap, seq.generated
+        if not seq.replicas or seq.replicas[-1] != replica_id:
+            seq.replicas.append(replica_id)
+        if seq.migrations and seq.migrations[-1].destination != replica_id:
+            m = seq.migrations[-1]
+            seq.migrations[-1] = Migration(m.source, replica_id, m.at_token, m.time_s)
+        stop_after = segment_cap
+        if req.hidden_length is not None:
+            left = max(1, req.hidden_length - seq.generated)
+            stop_after = left if stop_after is None else min(stop_after, left)
+        prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids
+        work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
+                    prompt_len=req.prompt_len + seq.generated)
+        self.replicas[replica_id].seqs[seq.seq_id] = seq
+        self.outbox.setdefault(replica_id, Orders()).start.append(work)

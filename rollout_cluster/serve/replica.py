@@ -1,0 +1,86 @@
+"""EngineReplica deployment: hosts one engine and pulls work from the Router.
+
+The pull loop: drain the engine's deltas, send them with stats in a Report, apply the Orders.
+A report that fails to reach the router is kept and sent again, so no delta is lost. Ray Serve
+restarts a crashed replica; the new one has a new incarnation and the router requeues the old
+one's sequences from their last reported tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from ray import serve
+
+from ..config import load_config
+from ..engines.factory import make_engine
+from ..types import Report
+
+log = logging.getLogger("ray.serve")
+
+
+def replica_rank() -> int:
+    ctx = serve.get_replica_context()
+    rank = getattr(ctx, "rank", 0)
+    return int(getattr(rank, "rank", rank) or 0)
+
+
+@serve.deployment
+class EngineReplica:
+    async def __init__(self, router, config: dict):
+        self.cfg = load_config(config)
+        self.router = router
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.engine = make_engine(self.cfg, replica_rank())
+        self.model = await self.engine.start()
+        self.unsent: list = []
+        self.stopping = False
+        self.loop_error = None
+        self.task = asyncio.get_running_loop().create_task(self._pull_loop())
+
+    async def _pull_loop(self) -> None:
+        first = True
+        while not self.stopping:
+            self.unsent += self.engine.drain()
+            report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
+                            self.model if first else None, self.engine.capacity)
+            try:
+                orders = await self.router.pull.remote(report)
+            except Exception as e:  # router restarting or overloaded: keep the deltas, retry
+                log.warning("pull failed (%s); retrying", e)
+                await asyncio.sleep(0.5)
+                first = True
+                continue
+            self.unsent = []
+            first = False
+            try:
+                for work in orders.start:
+                    self.engine.submit(work)
+                if orders.give_up:
+                    await self.engine.give_up(orders.give_up)
+                for cmd, arg in orders.control:
+                    await self._control(cmd, arg)
+            except Exception as e:
+                self.loop_error = e
+                log.exception("replica %s failed applying orders", self.replica_id)
+                raise
+
+    async def _control(self, cmd: str, arg) -> None:
+        if cmd == "sleep":
+            await self.engine.sleep(int(arg or 1))
+        elif cmd == "wake":
+            await self.engine.wake()
+
+    async def info(self) -> dict:
+        return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__}
+
+    def check_health(self) -> None:
+        if self.task.done():
+            raise RuntimeError(f"pull loop stopped: {self.loop_error or self.task.exception()}")
+
+    async def __del__(self):
+        self.stopping = True
+        await self.engine.shutdown()

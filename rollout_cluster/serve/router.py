@@ -1,0 +1,132 @@
+"""Router deployment: one replica, asyncio, the single owner of sequence state.
+
+Replicas long-poll `pull(report)`: orders go back at once when there are any, otherwise after
+`pull_wait_s` (or sooner when work arrives). Drivers call `submit` and long-poll `fetch`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ray import serve
+
+from ..config import load_config
+from ..engines.cost_model import load_profile
+from ..metrics import PrometheusRouterMetrics
+from ..policy import make_policy
+from ..router_core import NoLiveReplicaError, RouterCore
+from ..types import Orders, Report
+
+log = logging.getLogger("ray.serve")
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Router:
+    def __init__(self, config: dict):
+        self.cfg = cfg = load_config(config)
+        cost = load_profile(cfg.engine.sim_profile, cfg.engine.max_num_seqs)
+        self.metrics = PrometheusRouterMetrics(cfg.metrics.port)
+        self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics)
+        self.work_ready: dict = {}  # replica_id -> Event: set when its outbox or the queue gains work
+        self.batch_progress: dict = {}  # batch_id -> Event
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            dead = self.core.expire(time.monotonic())
+            if dead:
+                log.warning("replicas %s stopped pulling; their sequences were requeued", dead)
+                self._wake_all()
+            self.metrics.gauges(self.core)
+
+    def _wake_all(self) -> None:
+        for ev in self.work_ready.values():
+            ev.set()
+
+    def _notify_batches(self) -> None:
+        for ev in self.batch_progress.values():
+            ev.set()
+
+    async def pull(self, report: Report) -> Orders:
+        now = time.monotonic()
+        core = self.core
+        before = core.finished_count
+        orders = core.on_report(report, now, timer=time.perf_counter)
+        if core.finished_count != before:
+            self._notify_batches()
+        if core.outbox:
+            for rid in core.outbox:
+                if rid in self.work_ready:
+                    self.work_ready[rid].set()
+        if not orders:
+            ev = self.work_ready.setdefault(report.replica_id, asyncio.Event())
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), self.cfg.router.pull_wait_s)
+            except asyncio.TimeoutError:
+                pass
+            orders = core.decide(report.replica_id, time.monotonic(), timer=time.perf_counter)
+        return orders
+
+    async def submit(self, requests: list, wait_for_replica_s: float | None = None) -> str:
+        wait = self.cfg.router.submit_wait_for_replica_s if wait_for_replica_s is None else wait_for_replica_s
+        deadline = time.monotonic() + wait
+        while not self.core.replicas or self.core.model is None:
+            if time.monotonic() >= deadline:
+                raise NoLiveReplicaError(
+                    f"no live engine replica after {wait:.0f} s (router.submit_wait_for_replica_s): "
+                    "the batch was not run; check that the engine replicas started")
+            await asyncio.sleep(0.1)
+        bid = self.core.submit(requests, time.monotonic())
+        self.batch_progress[bid] = asyncio.Event()
+        self._wake_all()
+        if self.core.batches[bid].order:
+            self.batch_progress[bid].set()
+        return bid
+
+    async def fetch(self, batch_id: str, cursor: int = 0, wait_s: float = 1.0) -> tuple:
+        """(new completions, cursor, done). Waits up to `wait_s` for something new."""
+        done, new_cursor = False, cursor
+        new, new_cursor, done = self.core.fetch(batch_id, cursor)
+        if not new and not done:
+            ev = self.batch_progress.setdefault(batch_id, asyncio.Event())
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            new, new_cursor, done = self.core.fetch(batch_id, cursor)
+        if done:
+            self.core.release(batch_id)
+            self.batch_progress.pop(batch_id, None)
+        return new, new_cursor, done
+
+    async def status(self) -> dict:
+        c = self.core
+        dt = c.decision_times[-10000:]
+        return {
+            "replicas": {rid: {"running": len(r.seqs), "capacity": r.capacity, "pulls": r.pulls,
+                               "step_time_s": r.stats.step_time_s} for rid, r in c.replicas.items()},
+            "queued": len(c.queue), "live_sequences": len(c.seqs), "batches": len(c.batches),
+            "policy": c.policy.name, "counters": dict(c.counters),
+            "model": None if c.model is None else c.model.__dict__,
+            "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
+            "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
+        }
+
+    async def set_policy(self, policy: dict) -> str:
+        """Swap the policy between batches (benchmarks run every policy on one cluster)."""
+        from ..config import PolicyConfig, from_dict
+
+        if self.core.seqs:
+            raise RuntimeError("set_policy: a batch is running; switch policies between batches")
+        pc = from_dict(PolicyConfig, policy, "policy.")
+        self.cfg.policy = pc
+        self.cfg.validate()
+        self.core.policy = make_policy(pc, load_profile(self.cfg.engine.sim_profile, self.cfg.engine.max_num_seqs))
+        self.core.decision_times.clear()
+        for k in self.core.counters:
+            self.core.counters[k] = 0
+        return pc.name

@@ -1,0 +1,216 @@
+"""Messages between driver, router, policy and replicas.
+
+Plain dataclasses only: they cross Ray's object store (pickled), the simulator's
+event loop and the unit tests unchanged. Nothing here imports ray or vllm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class InputError(ValueError):
+    """A request field has an invalid value. The message names the field and the value."""
+
+    def __init__(self, field_name: str, value, why: str):
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"{field_name}={shown}: {why}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-prompt sampling parameters; `n` samples share a group id."""
+
+    n: int = 1
+    max_tokens: int = 128
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: no logprobs; k>=0: logprob of the sampled token (+k top)
+    stop_token_ids: tuple = ()
+    seed: Optional[int] = None
+    repetition_penalty: float = 1.0  # counts prompt+output: exact across migration
+    presence_penalty: float = 0.0  # counts output only: pins the sequence
+    frequency_penalty: float = 0.0  # counts output only: pins the sequence
+
+    def validate(self) -> None:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise InputError("n", self.n, "must be an integer >= 1")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InputError("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise InputError("temperature", self.temperature, "must be a number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InputError("top_p", self.top_p, "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise InputError("top_k", self.top_k, "must be an integer >= -1")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError("ignore_eos", self.ignore_eos, "must be true or false")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise InputError("logprobs", self.logprobs, "must be null or an integer >= 0")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise InputError("stop_token_ids", self.stop_token_ids, "must be a list of integers >= 0")
+        if self.seed is not None and not is_int(self.seed):
+            raise InputError("seed", self.seed, "must be null or an integer")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), (int, float)):
+                raise InputError(name, getattr(self, name), "must be a number")
+        if self.repetition_penalty <= 0:
+            raise InputError("repetition_penalty", self.repetition_penalty, "must be > 0")
+
+    @property
+    def migratable(self) -> bool:
+        """False where vLLM cannot be given the output-so-far state (DESIGN: pinned)."""
+        return self.presence_penalty == 0 and self.frequency_penalty == 0
+
+    def for_continuation(self, generated: int) -> "SamplingSpec":
+        """The spec of a segment that continues after `generated` tokens."""
+        return replace(
+            self,
+            n=1,
+            max_tokens=self.max_tokens - generated,
+            min_tokens=max(0, self.min_tokens - generated),
+            seed=None if self.seed is None else self.seed + generated,
+        )
+
+
+@dataclass
+class SequenceRequest:
+    """One sample to generate: a prompt's sample `sample_index`."""
+
+    prompt_token_ids: list
+    sampling: SamplingSpec
+    prompt_index: int
+    sample_index: int
+    # Benchmarks only: the true response length. Only the engine adapter acts on it (it stops
+    # the sequence there); the policy never reads it.
+    hidden_length: Optional[int] = None
+    # Simulation may omit the token ids and give only their number.
+    prompt_len: int = -1
+
+    def __post_init__(self):
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class Migration:
+    source: str
+    destination: Optional[str]  # None until the continuation starts somewhere
+    at_token: int
+    time_s: float  # seconds since the batch was submitted
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list
+    logprobs: Optional[list]
+    finish_reason: str
+    error: Optional[str] = None
+    replicas: list = field(default_factory=list)
+    migrations: list = field(default_factory=list)
+    batch_id: str = ""
+    index: int = -1  # position in the submitted batch
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+            "token_ids": list(self.token_ids),
+            "logprobs": None if self.logprobs is None else list(self.logprobs),
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "replicas": list(self.replicas),
+            "migrations": [m.__dict__ for m in self.migrations],
+        }
+
+
+# ---- router <-> replica protocol -------------------------------------------------------
+
+
+@dataclass
+class Work:
+    """Router -> replica: run one segment of a sequence."""
+
+    seq_id: str
+    attempt: int
+    prompt_token_ids: Optional[list]  # original prompt + tokens generated so far (None in simulation)
+    sampling: SamplingSpec  # already reduced for the tokens generated so far
+    stop_after: Optional[int] = None  # hidden length left, or a policy's segment cap
+    prompt_len: int = -1
+
+    def __post_init__(self):
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt_token_ids)
+
+
+@dataclass
+class SeqProgress:
+    """Replica -> router: what one segment produced since the last report (a delta)."""
+
+    seq_id: str
+    attempt: int
+    token_ids: list
+    logprobs: Optional[list] = None
+    finish_reason: Optional[str] = None  # set on the segment's one final report
+    error: Optional[str] = None
+    num_tokens: int = -1  # simulation reports counts without ids
+
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
+
+
+@dataclass
+class ModelInfo:
+    vocab_size: int
+    max_model_len: int
+    model: str = ""
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    context_tokens: int = 0  # prompt + generated tokens of every sequence held
+    step_time_s: float = 0.0  # recent mean decode step time
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class Report:
+    """Replica -> router, on every pull."""
+
+    replica_id: str
+    incarnation: str  # changes when the replica restarts: the router drops its old state
+    progress: list = field(default_factory=list)
+    stats: EngineStats = field(default_factory=EngineStats)
+    model: Optional[ModelInfo] = None
+    capacity: int = 0  # most sequences the engine runs at once (max_num_seqs)
+
+
+@dataclass
+class Orders:
+    """Router -> replica, answer to a pull."""
+
+    start: list = field(default_factory=list)  # Work
+    give_up: list = field(default_factory=list)  # (seq_id, attempt)
+    control: list = field(default_factory=list)  # ("pause"|"resume"|"sleep"|"wake"|"shutdown", arg)
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.give_up or self.control)

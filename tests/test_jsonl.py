@@ -1,0 +1,37 @@
+import json
+
+from rollout_cluster.jsonl_io import merge_results, read_requests
+from rollout_cluster.types import Completion
+
+
+def test_lines_expand_to_samples_and_bad_lines_name_the_field():
+    lines = [
+        json.dumps({"prompt_token_ids": [1, 2, 3], "n": 2, "max_tokens": 8}),
+        "{not json",
+        json.dumps({"prompt_token_ids": [], "max_tokens": 8}),
+        json.dumps({"prompt_token_ids": [1, "x"]}),
+        json.dumps({"prompt_token_ids": [1], "max_tokens": -1}),
+        json.dumps({"prompt_token_ids": [1], "n": 0}),
+        json.dumps({"prompt_token_ids": [1], "temprature": 0.5}),
+        json.dumps({"max_tokens": 3}),
+        "",
+        json.dumps({"prompt_token_ids": [4], "logprobs": None, "seed": None, "stop_token_ids": [2], "ignore_eos": True}),
+    ]
+    reqs, errors = read_requests(lines)
+    assert [(r.prompt_index, r.sample_index) for r in reqs] == [(0, 0), (0, 1), (9, 0)]
+    assert reqs[2].sampling.stop_token_ids == (2,) and reqs[2].sampling.ignore_eos is True
+    assert "line 2" in errors[1] and "not valid JSON" in errors[1]
+    assert errors[2].startswith("prompt_token_ids=[]")
+    assert errors[3].startswith("prompt_token_ids='x'")
+    assert errors[4].startswith("max_tokens=-1")
+    assert errors[5].startswith("n=0")
+    assert errors[6].startswith("temprature=0.5: unknown field")
+    assert errors[7].startswith("prompt_token_ids=None: is required")
+    assert "empty" in errors[8]
+    comps = [Completion(r.prompt_index, r.sample_index, [7], None, "length") for r in reqs]
+    out = merge_results(len(lines), reqs, comps, errors)
+    assert [(o["prompt_index"], o["sample_index"], o["finish_reason"]) for o in out][:4] == [
+        (0, 0, "length"), (0, 1, "length"), (1, 0, "error"), (2, 0, "error")]
+    assert len(out) == 11 and out[-1]["prompt_index"] == 9
+    assert set(out[0]) == {"prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "error",
+                           "replicas", "migrations"}

@@ -1,0 +1,200 @@
+"""RouterCore + policies in virtual time over SimEngineCores: no Ray, no vLLM."""
+from collections import Counter
+
+import pytest
+
+from rollout_cluster.config import PolicyConfig
+from rollout_cluster.engines.cost_model import load_profile
+from rollout_cluster.policy import make_policy
+from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
+from rollout_cluster.sim.simulator import Simulation
+from rollout_cluster.types import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress,
+                                   SequenceRequest)
+
+from conftest import longtail_requests
+
+COST = load_profile("h200-1.5b", max_num_seqs=32)
+POLICIES = ["static", "pull", "least-loaded", "chunked", "steal"]
+
+
+def simulate(policy, requests, replicas=4, **pc):
+    sim = Simulation(make_policy(PolicyConfig(name=policy, **pc), COST), COST, replicas, pull_interval_s=0.05,
+                     record_tokens=True)
+    return sim, sim.run(requests)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_sequence_returns_once_in_order_with_exact_length(policy):
+    reqs = longtail_requests(prompts=12, samples=4, with_ids=True)
+    sim, res = simulate(policy, reqs, chunk_tokens=64)
+    batch = sim.core.batches["sim"]
+    assert sorted(batch.order) == list(range(len(reqs)))  # each index finished exactly once
+    for i, (req, c) in enumerate(zip(reqs, res.completions)):
+        assert (c.index, c.prompt_index, c.sample_index) == (i, req.prompt_index, req.sample_index)
+        assert len(c.token_ids) == req.hidden_length, (policy, i)
+        assert c.finish_reason == "length"
+    assert res.counters["stale_reports"] == 0 and res.counters["policy_errors"] == 0
+    assert not sim.core.seqs  # nothing left behind
+
+
+def test_chunked_cuts_segments_and_reprefills():
+    reqs = longtail_requests(prompts=8, samples=2, median=300, with_ids=True)
+    sim, res = simulate("chunked", reqs, chunk_tokens=64)
+    long_ones = [c for c, r in zip(res.completions, reqs) if r.hidden_length > 64]
+    assert long_ones and all(len(c.token_ids) == r.hidden_length for c, r in zip(res.completions, reqs))
+    # every segment boundary forces a new attempt: more dispatches than sequences
+    assert sim.core.policy.rounds >= max(r.hidden_length for r in reqs) // 64
+
+
+def test_pull_keeps_groups_together():
+    reqs = longtail_requests(prompts=16, samples=4)
+    sim, res = simulate("pull", reqs, replicas=4)
+    by_group = {}
+    for c in res.completions:
+        by_group.setdefault(c.prompt_index, set()).add(c.replicas[0])
+    together = sum(1 for reps in by_group.values() if len(reps) == 1)
+    assert together >= 0.75 * len(by_group)
+
+
+def test_least_loaded_spreads_groups():
+    reqs = longtail_requests(prompts=16, samples=4)
+    _, res = simulate("least-loaded", reqs, replicas=4)
+    counts = Counter(c.replicas[0] for c in res.completions)
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_static_split_is_contiguous_and_even():
+    reqs = longtail_requests(prompts=16, samples=4)
+    _, res = simulate("static", reqs, replicas=4)
+    owners = [c.replicas[0] for c in res.completions]
+    assert Counter(owners) == Counter({o: 16 for o in set(owners)})
+    changes = sum(1 for a, b in zip(owners, owners[1:]) if a != b)
+    assert changes == 3  # four contiguous blocks
+
+
+def _register(core, rid, now=0.0, capacity=8, model=ModelInfo(100, 64)):
+    return core.on_report(Report(rid, "i1", [], EngineStats(), model, capacity), now)
+
+
+def _core(policy="pull", **pc):
+    return RouterCore(make_policy(PolicyConfig(name=policy, **pc), COST), expected_replicas=2, replica_timeout_s=5.0)
+
+
+def test_submit_without_replica_fails_clearly():
+    core = _core()
+    with pytest.raises(NoLiveReplicaError, match="no live engine replica"):
+        core.submit([SequenceRequest([1, 2], SamplingSpec(), 0, 0)], 0.0)
+
+
+@pytest.mark.parametrize("prompt, spec, field", [
+    ([], SamplingSpec(), "prompt_token_ids"),
+    ([1, 100], SamplingSpec(), "prompt_token_ids=100"),
+    ([1, -1], SamplingSpec(), "prompt_token_ids=-1"),
+    ([1, "a"], SamplingSpec(), "prompt_token_ids='a'"),
+    ([1, 2.5], SamplingSpec(), "prompt_token_ids=2.5"),
+    ([1] * 64, SamplingSpec(max_tokens=1), "prompt longer than the model's context"),
+    ([1, 2], SamplingSpec(max_tokens=0), "max_tokens=0"),
+    ([1, 2], SamplingSpec(max_tokens=-3), "max_tokens=-3"),
+    ([1, 2], SamplingSpec(max_tokens=63), "max_tokens=63"),
+    ([1, 2], SamplingSpec(n=0), "n=0"),
+    ([1, 2], SamplingSpec(temperature=-1.0), "temperature=-1.0"),
+    ([1, 2], SamplingSpec(top_p=0.0), "top_p=0.0"),
+])
+def test_bad_request_errors_name_the_field_and_batch_goes_on(prompt, spec, field):
+    core = _core()
+    _register(core, "a")
+    good = SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=4), 0, 0)
+    bad = SequenceRequest(prompt, spec, 1, 0)
+    bid = core.submit([good, bad], 0.0)
+    done, _, finished = core.fetch(bid, 0)
+    assert len(done) == 1 and done[0].finish_reason == "error" and field in done[0].error
+    assert not finished
+    orders = core.decide("a", 0.1)
+    assert [w.seq_id for w in orders.start] == [f"{bid}:0"]
+    core.on_report(Report("a", "i1", [SeqProgress(f"{bid}:0", 1, [5, 6, 7, 8], None, "length")], EngineStats(),
+                          None, 8), 0.2)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and [c.index for c in done] == [1, 0] and done[1].token_ids == [5, 6, 7, 8]
+
+
+def test_give_up_racing_natural_finish_returns_once():
+    """Regression: the give-up is ordered in the same interval in which the sequence finishes."""
+    core = _core("scripted", scripted_at_tokens=[2])
+    _register(core, "a")
+    _register(core, "b")
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4), 0, 0)], 0.0)
+    work = core.decide("a", 0.0).start[0]
+    orders = core.on_report(Report("a", "i1", [SeqProgress(work.seq_id, 1, [7, 8])], EngineStats(), None, 8), 0.1)
+    assert orders.give_up == [(work.seq_id, 1)]  # ordered at 2 tokens...
+    # ...but the engine finished naturally before it saw the order, then acknowledged nothing.
+    core.on_report(Report("a", "i1", [SeqProgress(work.seq_id, 1, [9, 10], None, "length")], EngineStats(), None, 8), 0.2)
+    # a late abort report of the same attempt must be dropped
+    core.on_report(Report("a", "i1", [SeqProgress(work.seq_id, 1, [], None, "abort")], EngineStats(), None, 8), 0.3)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and len(done) == 1 and done[0].token_ids == [7, 8, 9, 10] and done[0].migrations == []
+    assert core.counters["stale_reports"] == 1 and not core.decide("b", 0.4).start
+
+
+def test_give_up_continues_elsewhere_with_prompt_plus_partial():
+    core = _core("scripted", scripted_at_tokens=[2])
+    _register(core, "a")
+    _register(core, "b")
+    spec = SamplingSpec(max_tokens=5, min_tokens=3, seed=11, logprobs=0)
+    bid = core.submit([SequenceRequest([1, 2], spec, 0, 0)], 0.0)
+    w1 = core.decide("a", 0.0).start[0]
+    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [7, 8], [-0.1, -0.2])], EngineStats(), None, 8), 0.1)
+    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [9], [-0.3], "abort")], EngineStats(), None, 8), 0.2)
+    w2 = core.decide("b", 0.3).start[0]
+    assert w2.attempt == 2 and w2.prompt_token_ids == [1, 2, 7, 8, 9]
+    assert (w2.sampling.max_tokens, w2.sampling.min_tokens, w2.sampling.seed) == (2, 0, 14)
+    # a late delta from attempt 1 is dropped
+    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [99])], EngineStats(), None, 8), 0.35)
+    core.on_report(Report("b", "i1", [SeqProgress(w1.seq_id, 2, [10, 11], [-0.4, -0.5], "length")], EngineStats(), None, 8), 0.4)
+    (c,), _, finished = core.fetch(bid, 0)
+    assert finished and c.token_ids == [7, 8, 9, 10, 11] and c.logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert c.replicas == ["a", "b"]
+    assert [(m.source, m.destination, m.at_token) for m in c.migrations] == [("a", "b", 3)]
+
+
+def test_dead_replica_work_resumes_from_last_reported_tokens():
+    core = _core()
+    _register(core, "a")
+    _register(core, "b")
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, j) for j in range(2)], 0.0)
+    works = core.decide("a", 0.0).start + core.decide("b", 0.0).start
+    wa = next(w for w in works if core.seqs[w.seq_id].replica == "a")
+    core.on_report(Report("a", "i1", [SeqProgress(wa.seq_id, 1, [4, 5])], EngineStats(), None, 8), 1.0)
+    core.on_report(Report("b", "i1", [], EngineStats(), None, 8), 6.5)
+    assert core.expire(7.0) == ["a"]
+    w = core.decide("b", 7.0).start[0]
+    assert w.seq_id == wa.seq_id and w.prompt_token_ids == [1, 2, 4, 5] and w.sampling.max_tokens == 4
+    # the dead replica comes back with an old report: dropped
+    core.on_report(Report("a", "i1", [SeqProgress(wa.seq_id, 1, [6], None, "length")], EngineStats(), None, 8), 7.1)
+    assert core.counters["stale_reports"] == 1
+
+
+def test_restarted_replica_requeues_its_old_work():
+    core = _core()
+    _register(core, "a")
+    core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
+    w = core.decide("a", 0.0).start[0]
+    orders = core.on_report(Report("a", "i2", [], EngineStats(), None, 8), 1.0)  # new incarnation
+    assert [x.seq_id for x in orders.start] == [w.seq_id] and orders.start[0].attempt == 2
+
+
+def test_pinned_sequences_never_move():
+    reqs = longtail_requests(prompts=8, samples=4, with_ids=True)
+    for r in reqs:
+        r.sampling = SamplingSpec(max_tokens=r.sampling.max_tokens, ignore_eos=True, presence_penalty=0.5)
+    _, res = simulate("scripted", reqs, replicas=2, scripted_at_tokens=[4])
+    assert res.counters["migrations"] == 0
+
+
+def test_scripted_migrations_keep_lengths_exact():
+    reqs = longtail_requests(prompts=8, samples=2, with_ids=True)
+    _, res = simulate("scripted", reqs, replicas=2, scripted_at_tokens=[5, 17, 40])
+    assert res.counters["migrations"] > 8
+    for r, c in zip(reqs, res.completions):
+        assert len(c.token_ids) == r.hidden_length
+        assert len(c.migrations) == sum(1 for t in (5, 17, 40) if t < r.hidden_length - 1) or len(c.migrations) <= 3
+        assert [m.at_token for m in c.migrations] == sorted(m.at_token for m in c.migrations)
