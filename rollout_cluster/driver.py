@@ -96,6 +96,12 @@ class RolloutClient:
     def set_policy(self, name: str, **params) -> str:
         return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
 
+    def set_trace(self, on: bool = True) -> None:
+        self.router.set_trace.remote(on).result(timeout_s=self.call_timeout_s)
+
+    def take_trace(self, batch_id: str) -> list:
+        return self.router.take_trace.remote(batch_id).result(timeout_s=self.call_timeout_s)
+
     def shutdown(self) -> None:
         from ray import serve
 
@@ -121,6 +127,7 @@ class RolloutClient:
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
                      wait_for_replica_s: Optional[float] = None) -> list:
         bid = self.submit(requests, wait_for_replica_s)
+        self.last_batch_id = bid
         results: list = [None] * len(requests)
         bar = _bar(len(requests), progress)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)

@@ -41,7 +41,7 @@ class BatchState:
 
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
-                 metrics: Optional[RouterMetrics] = None, record_tokens: bool = True):
+                 metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False):
         self.policy = policy
         self.expected_replicas = expected_replicas
         self.replica_timeout_s = replica_timeout_s
@@ -60,6 +60,7 @@ class RouterCore:
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0}
         self.decision_times: list = []
         self.finished_count = 0
+        self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
         self._ids = itertools.count()
 
     # ---- driver side --------------------------------------------------------------------
@@ -134,7 +135,10 @@ class RouterCore:
         rep = self._register(report, now)
         for p in report.progress:
             self._apply(rep, p, now)
-        return self.decide(rep.replica_id, now, timer)
+        orders = self.decide(rep.replica_id, now, timer)
+        if self.trace is not None:
+            self.trace.append((now, rep.replica_id, len(rep.seqs)))
+        return orders
 
     def decide(self, replica_id: str, now: float, timer=None) -> Orders:
         rep = self.replicas.get(replica_id)
@@ -251,7 +255,8 @@ class RouterCore:
         req = seq.request
         logprobs = seq.logprobs if req.sampling.logprobs is not None else None
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
-                          seq.replicas, list(seq.migrations), seq.batch_id, seq.index)
+                          seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
+                          now - seq.submitted_t)
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
             self.finished_lengths.append(seq.generated)

@@ -125,6 +125,7 @@ class Completion:
     migrations: list = field(default_factory=list)
     batch_id: str = ""
     index: int = -1  # position in the submitted batch
+    finish_time_s: float = 0.0  # seconds from the batch's submission to this sequence's end
 
     def to_json(self) -> dict:
         return {
@@ -136,6 +137,7 @@ class Completion:
             "error": self.error,
             "replicas": list(self.replicas),
             "migrations": [m.__dict__ for m in self.migrations],
+            "finish_time_s": round(self.finish_time_s, 4),
         }
 
 

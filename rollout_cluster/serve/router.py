@@ -30,6 +30,7 @@ class Router:
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics)
         self.work_ready: dict = {}  # replica_id -> Event: set when its outbox or the queue gains work
         self.batch_progress: dict = {}  # batch_id -> Event
+        self.submit_t: dict = {}  # batch_id -> router clock at submission (trace alignment)
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
@@ -80,6 +81,7 @@ class Router:
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
         bid = self.core.submit(requests, time.monotonic())
+        self.submit_t[bid] = self.core.batches[bid].submitted_t
         self.batch_progress[bid] = asyncio.Event()
         self._wake_all()
         if self.core.batches[bid].order:
@@ -115,6 +117,19 @@ class Router:
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
         }
+
+    async def set_trace(self, on: bool = True) -> None:
+        """Record (time, replica, sequences held) at every pull: benchmarks plot it."""
+        self.core.trace = [] if on else None
+        self.submit_t.clear()
+
+    async def take_trace(self, batch_id: str) -> list:
+        """The recorded trace with times relative to `batch_id`'s submission; clears it."""
+        t0 = self.submit_t.get(batch_id, 0.0)
+        out = [(t - t0, rid, n) for t, rid, n in (self.core.trace or [])]
+        if self.core.trace is not None:
+            self.core.trace = []
+        return out
 
     async def set_policy(self, policy: dict) -> str:
         """Swap the policy between batches (benchmarks run every policy on one cluster)."""
