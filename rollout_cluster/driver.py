@@ -96,6 +96,16 @@ class RolloutClient:
     def set_policy(self, name: str, **params) -> str:
         return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
 
+    def cancel(self, batch_id: str) -> int:
+        """Stop a batch: its unfinished sequences come back with finish_reason "abort"."""
+        return self.router.cancel.remote(batch_id).result(timeout_s=self.call_timeout_s)
+
+    def _cancel_quietly(self, batch_id: str) -> None:
+        try:
+            self.cancel(batch_id)
+        except Exception:
+            pass
+
     def set_trace(self, on: bool = True) -> None:
         self.router.set_trace.remote(on).result(timeout_s=self.call_timeout_s)
 
@@ -134,8 +144,9 @@ class RolloutClient:
         cursor, done = 0, False
         while not done:
             if time.monotonic() > deadline:
+                self._cancel_quietly(bid)
                 raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} sequences done after "
-                                   f"{timeout_s or self.timeout_s:.0f} s (timeout_s)")
+                                   f"{timeout_s or self.timeout_s:.1f} s (timeout_s); the batch was cancelled")
             new, cursor, done = self.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=self.call_timeout_s)
             for c in new:
                 results[c.index] = c
@@ -154,7 +165,8 @@ class RolloutClient:
         cursor, done = 0, False
         while not done:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} done at timeout_s")
+                self._cancel_quietly(bid)
+                raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} done at timeout_s; the batch was cancelled")
             new, cursor, done = await asyncio.wait_for(self.router.fetch.remote(bid, cursor, 1.0), self.call_timeout_s)
             for c in new:
                 yield c

@@ -123,6 +123,20 @@ class RouterCore:
         new = [batch.results[i] for i in batch.order[cursor:]]
         return new, len(batch.order), len(batch.order) == batch.size
 
+    def cancel(self, batch_id: str, now: float) -> int:
+        """Stop a batch (the driver timed out or gave up): queued sequences finish as "abort"
+        at once, running ones when their replica confirms the give-up. Returns how many."""
+        seqs = [s for s in self.seqs.values() if s.batch_id == batch_id]
+        for seq in seqs:
+            seq.cancelled = True
+            if seq.status is SeqStatus.QUEUED:
+                self.queue.remove(seq)
+                self._finish(seq, "abort", now, None)
+            elif seq.status is SeqStatus.RUNNING:
+                seq.status = SeqStatus.GIVING_UP
+                self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
+        return len(seqs)
+
     def release(self, batch_id: str) -> None:
         batch = self.batches.pop(batch_id, None)
         if batch is None:
@@ -230,6 +244,9 @@ class RouterCore:
                 and (hidden is None or seq.generated < hidden))
 
     def _requeue_after_segment(self, seq: SeqState, source: str, now: float) -> None:
+        if seq.cancelled:
+            self._finish(seq, "abort", now, source)
+            return
         ordered = self.give_up_t.pop(seq.seq_id, None)
         destination = None
         if ordered is not None:

@@ -46,6 +46,7 @@ class SeqState:
     last_move_t: float = float("-inf")
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    cancelled: bool = False  # the driver gave up on the batch: finish as "abort", never requeue
 
     @property
     def prompt_len(self) -> int:

@@ -198,3 +198,19 @@ def test_scripted_migrations_keep_lengths_exact():
         assert len(c.token_ids) == r.hidden_length
         assert len(c.migrations) == sum(1 for t in (5, 17, 40) if t < r.hidden_length - 1) or len(c.migrations) <= 3
         assert [m.at_token for m in c.migrations] == sorted(m.at_token for m in c.migrations)
+
+
+def test_cancel_finishes_queued_at_once_and_running_on_confirmation():
+    core = _core()
+    _register(core, "a", capacity=1)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, j) for j in range(3)], 0.0)
+    w = core.decide("a", 0.0).start[0]
+    assert core.cancel(bid, 0.1) == 3
+    done, _, finished = core.fetch(bid, 0)
+    assert len(done) == 2 and all(c.finish_reason == "abort" for c in done) and not finished
+    orders = core.decide("a", 0.2)
+    assert orders.give_up == [(w.seq_id, 1)] and not orders.start
+    core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, 1, [3], None, "abort")], EngineStats(), None, 1), 0.3)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and done[-1].token_ids == [3] and done[-1].finish_reason == "abort"
+    assert not core.decide("a", 0.4).start

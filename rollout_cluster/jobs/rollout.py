@@ -15,7 +15,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--keep-app", action="store_true", help="leave the Serve app running afterwards")
+    ap.add_argument("--keep-app", action="store_true", help="leave an app this job deployed running afterwards")
+    ap.add_argument("--redeploy", action="store_true", help="redeploy even if an app of that name is running")
     ap.add_argument("--timeout-s", type=float, default=None)
     a = ap.parse_args(argv)
     import ray
@@ -28,16 +29,31 @@ def main(argv=None) -> int:
 
     cfg = load_config(a.config)
     ray.init(address="auto")
-    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+    running = _app_running(cfg.app_name)
+    deployed = a.redeploy or not running
+    if deployed:
+        serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+    else:  # a long-lived rollout service: use it, never tear it down
+        print(f"using the running application {cfg.app_name!r}")
     client = RolloutClient(cfg.app_name, config=cfg)
     try:
-        client.wait_ready(cfg.replicas)
+        client.wait_ready(cfg.replicas if deployed else 1)
         summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s)
     finally:
-        if not a.keep_app:
+        if deployed and not a.keep_app:
             serve.delete(cfg.app_name)
     print(json.dumps(summary))
     return 0
+
+
+def _app_running(name: str) -> bool:
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(name)
+    except Exception:
+        return False
+    return app is not None and str(app.status).endswith("RUNNING")
 
 
 if __name__ == "__main__":

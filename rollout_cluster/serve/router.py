@@ -105,6 +105,12 @@ class Router:
             self.batch_progress.pop(batch_id, None)
         return new, new_cursor, done
 
+    async def cancel(self, batch_id: str) -> int:
+        n = self.core.cancel(batch_id, time.monotonic())
+        self._wake_all()
+        self._notify_batches()
+        return n
+
     async def status(self) -> dict:
         c = self.core
         dt = c.decision_times[-10000:]

