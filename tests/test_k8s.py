@@ -1,0 +1,311 @@
+"""The KubeRay manifests in k8s/ against KubeRay's own CRD schemas and against our config schema.
+
+Every document in k8s/*.yaml is validated against the OpenAPI v3 schema of its kind: ray.io/v1
+kinds from the CRDs in shared/k8s-crds/ (beside the repository, here and in CI), core kinds from
+a small schema below. Unknown fields are refused, as `kubectl apply` (strict field validation)
+does. Then the contents are checked: serveConfigV2 loads with `load_config`, mirrors
+configs/a100x32.yaml and imports `rollout_cluster.serve.app.build`; the RayJob's entrypoint names
+a real module and config; the worker groups hold enough GPUs and CPUs; token auth is on.
+The CRDs missing is a failure, never a skip.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from rollout_cluster.config import ConfigError, load_config, to_dict
+
+ROOT = Path(__file__).absolute().parents[1]
+K8S = ROOT / "k8s"
+CRD_DIR = Path(__file__).absolute().parents[1].parent / "shared" / "k8s-crds"
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml",
+             "RayCluster": "ray.io_rayclusters.yaml"}
+GPU = "nvidia.com/gpu"
+MIN_RAY_FOR_TOKEN_AUTH = (2, 52, 0)  # KubeRay refuses authOptions below this rayVersion
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are 60k lines: libyaml if there
+
+# Core kinds that may sit beside the Ray resources: the fields we use, strictly.
+PVC_SCHEMA = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "v1"}, "kind": {"const": "PersistentVolumeClaim"},
+        "metadata": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        "spec": {"type": "object", "required": ["accessModes", "resources"], "additionalProperties": False, "properties": {
+            "accessModes": {"type": "array", "minItems": 1, "items": {
+                "enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
+            "storageClassName": {"type": "string"}, "volumeMode": {"enum": ["Filesystem", "Block"]},
+            "resources": {"type": "object", "additionalProperties": False, "required": ["requests"], "properties": {
+                "requests": {"type": "object", "required": ["storage"],
+                             "properties": {"storage": {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$"}}}}}}},
+    },
+}
+CORE_SCHEMAS = {("v1", "PersistentVolumeClaim"): PVC_SCHEMA}
+
+
+# ---- schema loading -----------------------------------------------------------------------------
+def strict(node):
+    """The CRD schema as the API server applies it: unknown fields refused (no pruning), nullable
+    honoured, int-or-string spelled out. jsonschema ignores the x-kubernetes-* keywords."""
+    if isinstance(node, list):
+        return [strict(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: strict(v) for k, v in node.items()}
+    if node.get("x-kubernetes-int-or-string") and "anyOf" not in node and "type" not in node:
+        node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and isinstance(node.get("type"), str):
+        node["type"] = [node["type"], "null"]
+    if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")):
+        node["additionalProperties"] = False
+    return node
+
+
+_validators: dict = {}
+
+
+def validator_for(api_version: str, kind: str):
+    key = (api_version, kind)
+    if key not in _validators:
+        if key in CORE_SCHEMAS:
+            schema = CORE_SCHEMAS[key]
+        elif api_version == "ray.io/v1" and kind in CRD_FILES:
+            crd = yaml.load((CRD_DIR / CRD_FILES[kind]).read_text(), Loader=LOADER)
+            assert crd["spec"]["names"]["kind"] == kind
+            v1 = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+            assert len(v1) == 1, f"{CRD_FILES[kind]} has no single v1 version"
+            schema = strict(v1[0]["schema"]["openAPIV3Schema"])
+        else:
+            raise AssertionError(f"no schema for apiVersion={api_version} kind={kind}: add one to tests/test_k8s.py")
+        jsonschema.Draft7Validator.check_schema(schema)
+        _validators[key] = jsonschema.Draft7Validator(schema)
+    return _validators[key]
+
+
+def schema_errors(doc: dict) -> list:
+    v = validator_for(doc.get("apiVersion"), doc.get("kind"))
+    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+            for e in sorted(v.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+# ---- manifests ----------------------------------------------------------------------------------
+def manifest_files() -> list:
+    return sorted(K8S.glob("*.yaml"))
+
+
+def documents() -> list:
+    """(id, doc) for every non-empty YAML document in k8s/*.yaml."""
+    out = []
+    for path in manifest_files():
+        for i, doc in enumerate(d for d in yaml.safe_load_all(path.read_text()) if d):
+            out.append((f"{path.name}#{i}", doc))
+    return out
+
+
+DOCS = documents()
+RAY_DOCS = [(i, d) for i, d in DOCS if d.get("apiVersion") == "ray.io/v1"]
+
+
+def by_kind(kind: str) -> list:
+    return [d for _, d in RAY_DOCS if d["kind"] == kind]
+
+
+def cluster_spec(doc: dict) -> dict:
+    return doc["spec"]["rayClusterConfig"] if doc["kind"] == "RayService" else doc["spec"]["rayClusterSpec"]
+
+
+def serve_apps(doc: dict) -> list:
+    return yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+
+
+def job_config_path(doc: dict) -> Path:
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    return ROOT / argv[argv.index("--config") + 1]
+
+
+def quantity(q) -> float:
+    """A Kubernetes CPU or count quantity ("64", 8, "500m") as a number."""
+    s = str(q)
+    return float(s[:-1]) / 1000 if s.endswith("m") else float(s)
+
+
+def cluster_errors(spec: dict, cfg) -> list:
+    """What keeps this cluster from hosting `cfg`: GPUs, CPUs, /dev/shm, head without GPUs."""
+    errs = []
+    tp, gpus_per_replica = cfg.engine.tensor_parallel_size, cfg.resources.num_gpus
+    need_gpus = cfg.replicas * max(tp if gpus_per_replica > 0 else 0, gpus_per_replica)
+    head = spec["headGroupSpec"]
+    if head.get("rayStartParams", {}).get("num-gpus") != "0":
+        errs.append("head rayStartParams num-gpus must be \"0\": replicas belong on the GPU workers")
+    have_gpus = 0.0
+    for g in spec.get("workerGroupSpecs", []):
+        pods = g.get("replicas", 0) * g.get("numOfHosts", 1)
+        ray_c = g["template"]["spec"]["containers"][0]
+        limits = ray_c.get("resources", {}).get("limits", {})
+        per_pod = quantity(limits.get(GPU, 0))
+        declared = g.get("rayStartParams", {}).get("num-gpus")
+        if declared is not None and quantity(declared) != per_pod:
+            errs.append(f"group {g['groupName']}: num-gpus {declared} != {GPU} limit {per_pod:g}")
+        if g.get("minReplicas", 0) > g.get("replicas", 0) or g.get("replicas", 0) > g.get("maxReplicas", 0):
+            errs.append(f"group {g['groupName']}: replicas outside [minReplicas, maxReplicas]")
+        have_gpus += pods * per_pod
+        if per_pod and gpus_per_replica:
+            fits = per_pod // (tp if tp > 1 else gpus_per_replica)
+            if fits * cfg.resources.num_cpus > quantity(limits.get("cpu", 0)):
+                errs.append(f"group {g['groupName']}: {fits:g} replicas x {cfg.resources.num_cpus:g} CPUs "
+                            f"exceed the pod's cpu limit {limits.get('cpu')}")
+        shm = {v["name"] for v in g["template"]["spec"].get("volumes", [])
+               if v.get("emptyDir", {}).get("medium") == "Memory"}
+        if not any(m["mountPath"] == "/dev/shm" and m["name"] in shm for m in ray_c.get("volumeMounts", [])):
+            errs.append(f"group {g['groupName']}: no memory-backed emptyDir mounted at /dev/shm")
+    if have_gpus < need_gpus:
+        errs.append(f"worker groups hold {have_gpus:g} GPUs; the config needs {need_gpus:g} "
+                    f"(replicas={cfg.replicas} x tensor_parallel_size={tp})")
+    return errs
+
+
+def pinned_ray_version() -> str:
+    m = re.search(r'"ray\[serve\]==([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert m, "pyproject.toml no longer pins ray[serve]==X"
+    return m.group(1)
+
+
+# ---- tests: the schemas themselves ---------------------------------------------------------------
+def test_crds_are_present():
+    missing = [f for f in CRD_FILES.values() if not (CRD_DIR / f).is_file()]
+    assert not missing, (f"KubeRay CRDs missing from {CRD_DIR}: {missing}. They are data in shared/k8s-crds; "
+                         "CI must place a copy of shared/ beside the clone.")
+
+
+def test_manifests_exist():
+    names = {p.name for p in manifest_files()}
+    assert {"rayservice-a100x32.yaml", "rayjob-rollout.yaml"} <= names
+    assert by_kind("RayService") and by_kind("RayJob")
+
+
+@pytest.mark.parametrize("doc_id, doc", DOCS, ids=[i for i, _ in DOCS])
+def test_manifest_matches_schema(doc_id, doc):
+    errors = schema_errors(doc)
+    assert not errors, f"{doc_id}:\n  " + "\n  ".join(errors[:20])
+
+
+# ---- tests: negative cases, so the checks above can fail ---------------------------------------
+def _service() -> dict:
+    return copy.deepcopy(by_kind("RayService")[0])
+
+
+def test_wrong_type_fails_schema():
+    doc = _service()
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "four"
+    errors = schema_errors(doc)
+    assert any("workerGroupSpecs.0.replicas" in e and "'four' is not of type 'integer'" in e for e in errors), errors
+
+
+def test_unknown_field_fails_schema():
+    doc = _service()
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replica"] = 4
+    assert any("'replica' was unexpected" in e for e in schema_errors(doc))
+
+
+def test_missing_required_field_fails_schema():
+    doc = _service()
+    del doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]
+    assert any("'template' is a required property" in e for e in schema_errors(doc))
+
+
+def test_bad_enum_fails_schema():
+    doc = _service()
+    doc["spec"]["rayClusterConfig"]["authOptions"]["mode"] = "password"
+    assert any("authOptions.mode" in e for e in schema_errors(doc))
+
+
+def test_drifted_serve_args_fail_config():
+    args = copy.deepcopy(serve_apps(_service())[0]["args"])
+    args["engine"]["max_num_seq"] = 256
+    with pytest.raises(ConfigError, match="engine.max_num_seq: unknown key"):
+        load_config(args)
+
+
+def test_too_few_gpus_fails():
+    doc = _service()
+    doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = 3
+    cfg = load_config(serve_apps(doc)[0]["args"])
+    assert any("hold 24 GPUs; the config needs 32" in e for e in cluster_errors(cluster_spec(doc), cfg))
+
+
+# ---- tests: contents ------------------------------------------------------------------------------
+@pytest.mark.parametrize("doc_id, doc", RAY_DOCS, ids=[i for i, _ in RAY_DOCS])
+def test_token_auth_and_ray_version(doc_id, doc):
+    spec = cluster_spec(doc)
+    assert spec.get("authOptions", {}).get("mode") == "token", f"{doc_id}: token auth must be on"
+    assert spec["authOptions"].get("secretName"), f"{doc_id}: name the token Secret (stable across clusters)"
+    assert spec["rayVersion"] == pinned_ray_version(), f"{doc_id}: rayVersion != the ray pinned in pyproject.toml"
+    assert tuple(map(int, spec["rayVersion"].split("."))) >= MIN_RAY_FOR_TOKEN_AUTH
+
+
+def test_serve_config_loads_and_mirrors_a100x32():
+    (doc,) = by_kind("RayService")
+    conf = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    assert isinstance(conf, dict) and conf["applications"], "serveConfigV2 must parse to a mapping with applications"
+    (app,) = conf["applications"]
+    assert app["name"] == "rollout"
+    cfg = load_config(app["args"])
+    assert cfg.app_name == app["name"], "args.app_name must equal the application's name: drivers use it"
+    assert app.get("route_prefix") == f"/{cfg.app_name}"
+    shipped = to_dict(load_config(ROOT / "configs" / "a100x32.yaml"))
+    mine = to_dict(cfg)
+    shipped["base_dir"] = mine["base_dir"] = ""
+    assert mine == shipped, "serveConfigV2 args drifted from configs/a100x32.yaml"
+    assert (cfg.replicas, cfg.resources.num_gpus, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
+            cfg.policy.name, cfg.metrics.port) == (32, 1, 256, 16384, "steal", 9464)
+
+
+def test_import_path_resolves_to_build():
+    from rollout_cluster.serve import app as app_module
+
+    for doc in by_kind("RayService"):
+        for app in serve_apps(doc):
+            path = app["import_path"]
+            module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+            assert getattr(importlib.import_module(module), attr) is app_module.build
+
+
+def test_rayservice_cluster_fits_its_config():
+    for doc in by_kind("RayService"):
+        for app in serve_apps(doc):
+            assert cluster_errors(cluster_spec(doc), load_config(app["args"])) == []
+
+
+def test_rayjob_runs_the_rollout_job():
+    for doc in by_kind("RayJob"):
+        argv = shlex.split(doc["spec"]["entrypoint"])
+        assert argv[:3] == ["python", "-m", "rollout_cluster.jobs.rollout"]
+        assert importlib.util.find_spec(argv[2]) is not None
+        opts = dict(zip(argv[3::2], argv[4::2]))
+        assert opts == {"--config": "configs/a100x32.yaml", "--input": "/data/prompts.jsonl",
+                        "--output": "/data/results.jsonl"}
+        assert doc["spec"]["shutdownAfterJobFinishes"] is True
+        cfg = load_config(job_config_path(doc))
+        assert cluster_errors(cluster_spec(doc), cfg) == []
+        head = cluster_spec(doc)["headGroupSpec"]["template"]["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in head["containers"][0].get("volumeMounts", [])}
+        assert "/data" in mounts, "the job's driver runs on the head: it must mount /data"
+        vol = next(v for v in head["volumes"] if v["name"] == mounts["/data"])
+        claim = vol["persistentVolumeClaim"]["claimName"]
+        assert any(d.get("kind") == "PersistentVolumeClaim" and d["metadata"]["name"] == claim for _, d in DOCS), \
+            f"no PersistentVolumeClaim {claim!r} in k8s/"
+
+
+def test_both_clusters_have_the_same_layout():
+    """The RayJob's cluster is the RayService's: a change to one should reach the other."""
+    (svc,), (job,) = by_kind("RayService"), by_kind("RayJob")
+    strip = lambda s: {k: v for k, v in s.items() if k != "headGroupSpec"}  # noqa: E731
+    assert strip(cluster_spec(svc)) == strip(cluster_spec(job))
