@@ -11,7 +11,7 @@ from rollout_cluster.sim.simulator import Simulation
 from rollout_cluster.types import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress,
                                    SequenceRequest)
 
-from conftest import longtail_requests
+from longtail import longtail_requests
 
 COST = load_profile("h200-1.5b", max_num_seqs=32)
 POLICIES = ["static", "pull", "least-loaded", "chunked", "steal"]

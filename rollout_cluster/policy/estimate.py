@@ -7,6 +7,8 @@ after many tokens is probably long, and one whose siblings mostly finished is pr
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..engines.cost_model import CostModel
 from ..state import GroupState, SeqState
 
@@ -30,22 +32,28 @@ def expected_remaining(seq: SeqState, group: GroupState | None, typical: float, 
 
 
 def finish_time(remaining_and_context: list, cost: CostModel, scale: float = 1.0) -> float:
-    """Seconds until the last of these sequences finishes on one replica, if they decode
-    together and each stops after its remaining tokens. Items: (remaining, context_tokens)."""
+    """`finish_time_of` for a list of (remaining, context_tokens) pairs."""
     if not remaining_and_context:
         return 0.0
-    items = sorted(remaining_and_context)
-    batch = len(items)
-    context = sum(ctx for _, ctx in items)
-    t = 0.0
-    done = 0.0
-    for rem, ctx in items:
-        dt = rem - done
-        if dt > 0:
-            # context grows by `batch` tokens a step; use the interval's mean
-            t += dt * (cost.a + cost.c * (context + batch * dt / 2.0) + cost.e * batch)
-            context += batch * dt
-        context -= ctx + rem
-        batch -= 1
-        done = rem
-    return t * scale
+    arr = np.asarray(remaining_and_context, dtype=np.float64)
+    return finish_time_of(arr[:, 0], arr[:, 1], cost, scale)
+
+
+def finish_time_of(rem: np.ndarray, ctx: np.ndarray, cost: CostModel, scale: float = 1.0) -> float:
+    """Seconds until the last of these sequences finishes on one replica, if they decode
+    together and sequence i stops after rem[i] more tokens (ctx[i]: its context now).
+
+    Sorted by remaining r_1 <= ... <= r_m, interval i (from r_{i-1} to r_i) runs b_i = m-i+1
+    sequences whose context is sum_{j>=i} ctx_j + b_i * r_{i-1}, growing b_i tokens a step."""
+    if len(rem) == 0:
+        return 0.0
+    order = np.argsort(rem, kind="stable")
+    r, c = rem[order], ctx[order]
+    prev = np.empty_like(r)
+    prev[0] = 0.0
+    prev[1:] = r[:-1]
+    dt = r - prev
+    batch = np.arange(len(r), 0, -1, dtype=np.float64)
+    context = np.cumsum(c[::-1])[::-1] + batch * prev
+    t = dt * (cost.a + cost.e * batch + cost.c * (context + batch * dt / 2.0))
+    return float(t.sum()) * scale

@@ -1,27 +1,50 @@
 """`steal`: pull dispatch, then work-stealing once the global queue is empty.
 
-Algorithm, at a pull by replica R with free slots and nothing queued:
-1. Estimate R's finish time T_R and use the latest estimate of every other replica (each is
-   refreshed when that replica pulls, so a decision costs O(batch of R + batch of victim)).
-2. Take victims V in decreasing T_V. From V, consider movable sequences (not pinned, moved
-   fewer than `max_moves_per_seq` times, not within `min_move_interval_s` of their last move)
-   in decreasing expected remaining work. Move one if, with it moved, max(T_V', T_R' + re-prefill)
-   plus `min_gain_s` is still below T_V. The longest-expected work lands on the lightly loaded
-   replica, so the tail decodes at small-batch speed.
-3. Stop at `max_moves_per_decision`, when R has no free slot left, or when nothing gains.
+Algorithm, at a pull by replica R with free slots and nothing queued (rate-limited per replica):
+1. Estimate R's finish time T_R; every other replica's estimate is the one made at its own
+   latest pull, aged by the time since. A decision therefore costs O(batch of R + batch of V).
+2. For victims V in decreasing T_V (at most three): the movable sequences of V (not pinned,
+   moved fewer than `max_moves_per_seq` times, last moved over `min_move_interval_s` ago, with
+   enough expected work left to repay a re-prefill) in decreasing expected remaining work.
+   Moving the k longest shortens V (T_V(k) falls with k) and lengthens R (T_R(k) rises with k):
+   binary-search the k that minimises max(T_V(k), T_R(k) + re-prefill), and move them if that
+   beats T_V by `min_gain_s`. The longest-expected work lands on the lightly loaded replica, so
+   the tail decodes at small-batch speed.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from ..config import PolicyConfig
 from ..engines.cost_model import CostModel
 from ..state import ClusterView, ReplicaState, SeqStatus
 from .base import Assign, Decision, GiveUp, Policy
-from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, finish_time
+from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, finish_time_of
 from .pull import fair_take, take_for
 
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
 VICTIMS_PER_DECISION = 3
-STEAL_INTERVAL_S = 0.2  # per-replica rate limit on steal attempts; bounds decision cost
+STEAL_INTERVAL_S = 0.2  # per-replica rate limit on estimates and steal attempts
+REPAY_FACTOR = 4.0  # a move needs expected decode time left >= this x its re-prefill time
+
+
+class Load:
+    """The sequences of one replica as arrays: expected remaining tokens, context, the seqs."""
+
+    __slots__ = ("rem", "ctx", "seqs")
+
+    def __init__(self, rem, ctx, seqs):
+        self.rem, self.ctx, self.seqs = rem, ctx, seqs
+
+    def without(self, idx) -> "Load":
+        keep = np.ones(len(self.seqs), dtype=bool)
+        keep[list(idx)] = False
+        return Load(self.rem[keep], self.ctx[keep], [s for s, k in zip(self.seqs, keep) if k])
+
+    def plus(self, other: "Load", idx) -> "Load":
+        idx = list(idx)
+        return Load(np.concatenate((self.rem, other.rem[idx])), np.concatenate((self.ctx, other.ctx[idx])),
+                    self.seqs + [other.seqs[i] for i in idx])
 
 
 class StealPolicy(Policy):
@@ -36,15 +59,18 @@ class StealPolicy(Policy):
 
     # --- estimates -------------------------------------------------------------------
     def _typical(self, view: ClusterView) -> float:
-        f = view.finished_lengths
-        if len(f) < 8:
+        recent = view.finished_lengths[-512:]
+        if len(recent) < 8:
             return float(TYPICAL_LENGTH_FLOOR)
-        return float(max(TYPICAL_LENGTH_FLOOR, sorted(f[-512:])[len(f[-512:]) // 2]))
+        return float(max(TYPICAL_LENGTH_FLOOR, sorted(recent)[len(recent) // 2]))
 
-    def _remaining(self, view: ClusterView, seqs, typical: float) -> list:
+    def _load(self, view: ClusterView, seqs: list, typical: float) -> Load:
         use_group = self.cfg.tail_isolation
-        return [(expected_remaining(s, view.groups.get(s.group), typical, use_group), s.context_tokens, s)
-                for s in seqs]
+        groups = view.groups
+        rem = np.fromiter((expected_remaining(s, groups.get(s.group), typical, use_group) for s in seqs),
+                          dtype=np.float64, count=len(seqs))
+        ctx = np.fromiter((s.context_tokens for s in seqs), dtype=np.float64, count=len(seqs))
+        return Load(rem, ctx, seqs)
 
     def _scale(self, rep: ReplicaState) -> float:
         """Measured / modelled step time: corrects the profile for this replica's hardware."""
@@ -54,64 +80,99 @@ class StealPolicy(Policy):
             return 1.0
         return min(4.0, max(0.25, st.step_time_s / predicted))
 
-    def _finish(self, items: list, scale: float) -> float:
-        return finish_time([(r, c) for r, c, _ in items], self.cost, scale)
+    def _finish(self, load: Load, scale: float) -> float:
+        return finish_time_of(load.rem, load.ctx, self.cost, scale)
+
+    def _left(self, rid: str, now: float) -> float:
+        t0, est = self.finish_estimate.get(rid, (now, 0.0))
+        return est - (now - t0)
 
     # --- decision --------------------------------------------------------------------
     def decide(self, view: ClusterView, replica_id: str) -> Decision:
         rep = view.replicas[replica_id]
         starts = take_for(view, replica_id, fair_take(view, replica_id))
         decision = Decision(assign=[Assign(s, replica_id) for s in starts])
+        now = view.now
+        if now - self.last_attempt.get(replica_id, float("-inf")) < STEAL_INTERVAL_S:
+            return decision
+        self.last_attempt[replica_id] = now
         typical = self._typical(view)
-        mine = self._remaining(view, list(rep.seqs.values()) + starts, typical)
+        mine = self._load(view, list(rep.seqs.values()) + starts, typical)
         scale_r = self._scale(rep)
         t_r = self._finish(mine, scale_r)
-        self.finish_estimate[replica_id] = (view.now, t_r)
+        self.finish_estimate[replica_id] = (now, t_r)
         free = rep.capacity - rep.load - len(starts)
         if len(view.queue) > len(starts) or free <= 0 or self.cfg.max_moves_per_seq == 0:
             return decision
-        if view.now - self.last_attempt.get(replica_id, float("-inf")) < STEAL_INTERVAL_S:
-            return decision
-        self.last_attempt[replica_id] = view.now
-
-        def left(rid):
-            t0, est = self.finish_estimate.get(rid, (view.now, 0.0))
-            return est - (view.now - t0)
-
-        victims = sorted((rid for rid in view.replicas if rid != replica_id), key=left, reverse=True)
         budget = min(free, self.cfg.max_moves_per_decision)
+        victims = sorted((rid for rid in view.replicas if rid != replica_id), key=lambda r: -self._left(r, now))
         for vid in victims[:VICTIMS_PER_DECISION]:
-            if budget <= 0 or left(vid) <= t_r + self.cfg.min_gain_s:
+            if budget <= 0 or self._left(vid, now) <= t_r + self.cfg.min_gain_s:
                 break
             victim = view.replicas[vid]
             scale_v = self._scale(victim)
-            theirs = self._remaining(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
+            theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
             t_v = self._finish(theirs, scale_v)
-            movable = sorted((it for it in theirs if self._movable(it[2], view.now)), key=lambda it: -it[0])
-            moved_any = False
-            for item in movable:
-                if budget <= 0:
-                    break
-                rest = [it for it in theirs if it[2] is not item[2]]
-                t_v_new = self._finish(rest, scale_v)
-                seq = item[2]
-                reprefill = self.cost.prefill_s(seq.context_tokens) * scale_r + MIGRATION_OVERHEAD_S
-                t_r_new = self._finish(mine + [item], scale_r) + reprefill
-                if max(t_v_new, t_r_new) + self.cfg.min_gain_s >= t_v:
-                    continue
-                decision.give_up.append(GiveUp(seq, destination=replica_id))
-                theirs, mine, t_v, t_r = rest, mine + [item], t_v_new, t_r_new
-                budget -= 1
-                moved_any = True
-                self.moves += 1
-            if moved_any:
-                self.finish_estimate[vid] = (view.now, t_v)
-        self.finish_estimate[replica_id] = (view.now, t_r)
+            self.finish_estimate[vid] = (now, t_v)
+            movable = self._movable(theirs, now, scale_v)
+            if not movable:
+                continue
+            # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
+            # shed the rest of V's batch to R so V's critical sequence decodes at a smaller batch.
+            critical = int(np.argmax(theirs.rem))
+            best = (0, t_v, [])
+            for cand in (movable[:budget], [i for i in movable if i != critical][:budget]):
+                k, t_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
+                if k and t_after < best[1]:
+                    best = (k, t_after, cand[:k])
+            k, t_after, moved = best
+            if k == 0 or t_after + self.cfg.min_gain_s >= t_v:
+                continue
+            decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
+            mine = mine.plus(theirs, moved)
+            self.finish_estimate[vid] = (now, self._finish(theirs.without(moved), scale_v))
+            t_r = t_after
+            budget -= k
+            self.moves += k
+        self.finish_estimate[replica_id] = (now, t_r)
         return decision
 
-    def _movable(self, seq, now: float) -> bool:
-        return (seq.migratable and seq.moves < self.cfg.max_moves_per_seq
-                and now - seq.last_move_t >= self.cfg.min_move_interval_s)
+    def _movable(self, load: Load, now: float, scale: float) -> list:
+        """Indices of sequences that may move and repay their re-prefill, longest work first."""
+        cfg = self.cfg
+        step = self.cost.step_s(1, 0) * scale
+        out = [i for i, s in enumerate(load.seqs)
+               if s.migratable and s.moves < cfg.max_moves_per_seq and now - s.last_move_t >= cfg.min_move_interval_s
+               and load.rem[i] * step >= REPAY_FACTOR * (self.cost.prefill_s(load.ctx[i]) + MIGRATION_OVERHEAD_S)]
+        out.sort(key=lambda i: -load.rem[i])
+        return out
+
+    def _best_k(self, theirs: Load, cand: list, mine: Load, scale_v: float, scale_r: float) -> tuple:
+        """The k in [0, len(cand)] minimising the later of the two finishes if V's candidates
+        cand[:k] move to R, by binary search on the crossing of T_V(k) (falling) and T_R(k)
+        (rising). Returns (k, that finish)."""
+        def finishes(k):
+            moved = cand[:k]
+            reprefill = (float(theirs.ctx[moved].sum()) / self.cost.prefill_tokens_per_s * scale_r
+                         + MIGRATION_OVERHEAD_S) if k else 0.0
+            return (self._finish(theirs.without(moved), scale_v),
+                    self._finish(mine.plus(theirs, moved), scale_r) + reprefill)
+
+        lo, hi = 0, len(cand)
+        while lo < hi:  # smallest k with T_R(k) >= T_V(k)
+            mid = (lo + hi) // 2
+            t_v, t_r = finishes(mid)
+            if t_r >= t_v:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = (0, max(finishes(0)))
+        for k in sorted({max(1, lo - 1), lo}):
+            if 0 < k <= len(cand):
+                t = max(finishes(k))
+                if t < best[1]:
+                    best = (k, t)
+        return best
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.finish_estimate.pop(replica_id, None)

@@ -1,65 +1,7 @@
-"""One real cluster for every e2e test: `ray start --head` (token auth on, as Ray 2.60 sets it),
-the Serve app of configs/local-cpu.yaml with 2 vLLM-CPU replicas, and a RolloutClient."""
-import dataclasses
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+# `ray start --head` turns token auth on; Ray reads RAY_AUTH_MODE when it is imported, so it
+# must be set before any test module imports ray.
+os.environ["RAY_AUTH_MODE"] = "token"
 
-ROOT = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
-METRICS_PORT = 9465
-
-
-def ray_env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    env["RAY_AUTH_MODE"] = "token"  # the job API needs it once `ray start` turned token auth on
-    return env
-
-
-@pytest.fixture(scope="session")
-def ray_head():
-    env = ray_env()
-    subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
-    out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", "--num-cpus", "4", "--dashboard-host", "127.0.0.1",
-                          "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    os.environ["RAY_AUTH_MODE"] = "token"
-    yield "auto"
-    subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
-
-
-@pytest.fixture(scope="session")
-def cluster_config():
-    from rollout_cluster.config import load_config
-    from rollout_cluster.model_maker import make_model
-
-    cfg = load_config(ROOT / "configs" / "local-cpu.yaml")
-    if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
-        make_model(str(ROOT / "models" / "tiny-llama"))
-    cfg.router = dataclasses.replace(cfg.router, replica_timeout_s=8.0)
-    cfg.metrics = dataclasses.replace(cfg.metrics, port=METRICS_PORT)
-    cfg.policy = dataclasses.replace(cfg.policy, name="pull")
-    return cfg.validate()
-
-
-@pytest.fixture(scope="session")
-def client(ray_head, cluster_config):
-    from rollout_cluster.driver import RolloutClient
-
-    c = RolloutClient.start(cluster_config, address=ray_head, wait_ready_s=900)
-    yield c
-    c.shutdown()
-
-
-@pytest.fixture
-def fresh_policy(client):
-    """Each test states its policy; the next one starts from `pull`."""
-    yield client.set_policy
-    client.wait_ready(2, 600)
-    client.set_policy("pull")
+from e2e_support import client, cluster_config, fresh_policy, ray_head  # noqa: E402,F401  (fixtures)

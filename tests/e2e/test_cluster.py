@@ -10,7 +10,7 @@ from rollout_cluster.driver import expand
 from rollout_cluster.demo import demo_batch
 from rollout_cluster.types import SamplingSpec
 
-from conftest import ROOT, VENV_BIN, ray_env
+from e2e_support import ROOT, VENV_BIN, ray_env
 
 pytestmark = pytest.mark.e2e
 

@@ -1,8 +1,6 @@
 import math
 import random
 
-import pytest
-
 from rollout_cluster.types import SamplingSpec, SequenceRequest
 
 
@@ -20,8 +18,3 @@ def longtail_requests(prompts=16, samples=4, median=200, sigma_p=1.0, sigma_s=0.
             length = int(min(max_tokens, max(16, rng.lognormvariate(math.log(difficulty), sigma_s))))
             out.append(SequenceRequest(ids, spec, p, j, hidden_length=length, prompt_len=plen))
     return out
-
-
-@pytest.fixture
-def small_batch():
-    return longtail_requests()
