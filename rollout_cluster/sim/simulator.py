@@ -2,7 +2,10 @@
 
 The router and the policy are the very objects the Ray Serve deployment runs; only transport
 and the clock differ. Each replica pulls every `pull_interval_s` of virtual time (and at once
-when it runs dry); between pulls its engine advances by the cost model.
+when a sequence finishes); between pulls its engine advances by the cost model.
+
+Engines are FastEngineCore (sim/engine.py) by default: SimEngineCore's behaviour at a fraction
+of the cost. `engine=SimEngineCore` runs the reference engine (the equivalence test does).
 """
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..engines.cost_model import CostModel
-from ..engines.sim_core import SimEngineCore
+from ..engines.sim_core import SimEngineCore  # noqa: F401  (the reference engine; see engine=)
 from ..policy.base import Policy
 from ..router_core import RouterCore
 from ..types import EngineStats, ModelInfo, Report
+from .engine import FastEngineCore
 
 
 @dataclass
@@ -31,13 +35,14 @@ class SimResult:
 
 class Simulation:
     def __init__(self, policy: Policy, cost: CostModel, replicas: int, pull_interval_s: float = 0.5,
-                 record_tokens: bool = False, max_model_len: int = 1 << 22, trace: bool = True):
+                 record_tokens: bool = False, max_model_len: int = 1 << 22, trace: bool = True,
+                 engine=FastEngineCore):
         self.cost = cost
         self.n = replicas
         self.pull_interval_s = pull_interval_s
         self.core = RouterCore(policy, expected_replicas=replicas, replica_timeout_s=float("inf"),
                                record_tokens=record_tokens)
-        self.engines = {f"r{i:02d}": SimEngineCore(cost, emit_tokens=record_tokens) for i in range(replicas)}
+        self.engines = {f"r{i:02d}": engine(cost, emit_tokens=record_tokens) for i in range(replicas)}
         self.clock = {rid: 0.0 for rid in self.engines}
         self.busy = {rid: 0.0 for rid in self.engines}
         self.model = ModelInfo(vocab_size=32000, max_model_len=max_model_len, model=f"sim:{cost.name}")

@@ -1,0 +1,119 @@
+"""The bounds every benchmark reports against (DESIGN.md "Lower bound"), in the cost model.
+
+Notation: a sequence has prompt P and true length L; the cost model prices a decode step of a
+batch of B sequences holding C context tokens at a + c*C + e*B, and prefill at P / rate. A
+sequence's j-th token (j = 0..L-1) is decoded with its own context P + j, as in the simulator.
+
+- longest alone: P/rate + sum_j (a + e + c*(P + j)) = P/rate + L*(a + e) + c*(L*P + L*(L-1)/2),
+  the maximum over sequences. No schedule finishes a sequence faster: its steps are serial and
+  none is cheaper than batch 1 with its own context.
+- work: total replica-seconds at full batch, divided by the R replicas. Each token pays its own
+  e and c*context exactly; the step's a is shared by at most max_num_seqs tokens, so a token pays
+  at least a / max_num_seqs: W = sum over sequences of
+  P/rate + L*(a/B_max + e) + c*(L*P + L*(L-1)/2), and makespan >= W / R.
+- lower bound = max(longest alone, W / R). Pre-emptions and re-prefills only add to it.
+- balance bound: the makespan if at every step the active sequences and their context were spread
+  perfectly evenly over the replicas (see `balance_bound`). A policy that isolates the tail on
+  lightly loaded replicas may beat it; a policy that merely balances counts should not.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from ..engines.cost_model import CostModel
+
+
+def _shape(requests) -> list:
+    """(prompt tokens, true length) per sequence, in submission order."""
+    return [(r.prompt_len, min(r.hidden_length or r.sampling.max_tokens, r.sampling.max_tokens)) for r in requests]
+
+
+def decode_alone_s(cost: CostModel, prompt: int, length: int) -> float:
+    """Decode time of one sequence on its own: sum_j (a + e + c*(prompt + j)), j < length."""
+    return length * (cost.a + cost.e) + cost.c * (length * prompt + length * (length - 1) / 2)
+
+
+def alone_s(cost: CostModel, prompt: int, length: int) -> float:
+    """Prefill plus decode of one sequence on an otherwise idle replica."""
+    return cost.prefill_s(prompt) + decode_alone_s(cost, prompt, length)
+
+
+def work_s(cost: CostModel, prompt: int, length: int) -> float:
+    """Replica-seconds one sequence costs at best: its prefill, its own e and context reads, and
+    a 1/max_num_seqs share of each step's fixed cost a."""
+    return (cost.prefill_s(prompt) + length * (cost.a / cost.max_num_seqs + cost.e)
+            + cost.c * (length * prompt + length * (length - 1) / 2))
+
+
+def lower_bound(requests, cost: CostModel, replicas: int) -> dict:
+    """{longest_alone_s, work_s (total replica-seconds), lower_bound_s}."""
+    shape = _shape(requests)
+    longest = max((alone_s(cost, p, n) for p, n in shape), default=0.0)
+    work = sum(work_s(cost, p, n) for p, n in shape)
+    return {"longest_alone_s": longest, "work_s": work, "lower_bound_s": max(longest, work / replicas)}
+
+
+def balance_bound(requests, cost: CostModel, replicas: int) -> float:
+    """The fluid, perfectly balanced schedule's makespan.
+
+    All active sequences decode in lock step. With A active sequences holding C context tokens,
+    each replica runs a batch of A/R holding C/R context, and a step costs
+    a + e*max(1, A/R) + c*max(C/R, Cmax) where Cmax is the largest context of one active sequence:
+    a sequence is indivisible, so the replica of the longest holds at least that sequence. Over an
+    interval of k steps (until the next sequence ends) C grows by A a step and Cmax by one, so
+    the interval costs k*(a + e*max(1, A/R)) + c*max((k*C + A*k(k-1)/2)/R, k*Cmax + k(k-1)/2)
+    (the max of the two sums, which never exceeds the sum of the per-step maxima).
+    At most R*max_num_seqs sequences are active; the rest queue in submission order and start as
+    others end. Admitting a set of sequences costs max(sum of their prompts / R, largest prompt)
+    / rate. KV capacity is not modelled. The result is at least the lower bound.
+    """
+    shape = _shape(requests)
+    r = float(replicas)
+    slots = replicas * cost.max_num_seqs
+    queue = deque(range(len(shape)))
+    ends: list = []  # (end step, index) of active sequences
+    ctx_keys: list = []  # (-(prompt - start step), index): the largest active context is steps - key
+    done = [False] * len(shape)
+    t, steps, active, context = 0.0, 0, 0, 0
+
+    def admit() -> float:
+        nonlocal active, context
+        tokens, biggest = 0, 0
+        while queue and active < slots:
+            i = queue.popleft()
+            p, n = shape[i]
+            heapq.heappush(ends, (steps + n, i))
+            heapq.heappush(ctx_keys, (-(p - steps), i))
+            active += 1
+            context += p
+            tokens += p
+            biggest = max(biggest, p)
+        return max(tokens / r, biggest) / cost.prefill_tokens_per_s
+
+    t += admit()
+    while active:
+        while done[ctx_keys[0][1]]:
+            heapq.heappop(ctx_keys)
+        cmax = steps - ctx_keys[0][0]
+        k = ends[0][0] - steps
+        tri = k * (k - 1) / 2
+        even = (k * context + active * tri) / r
+        own = k * cmax + tri
+        t += k * (cost.a + cost.e * max(1.0, active / r)) + cost.c * max(even, own)
+        steps += k
+        context += active * k
+        while ends and ends[0][0] == steps:
+            _, i = heapq.heappop(ends)
+            done[i] = True
+            active -= 1
+            context -= shape[i][0] + shape[i][1]
+        t += admit()
+    return t
+
+
+def bounds(requests, cost: CostModel, replicas: int) -> dict:
+    """Everything a report needs: lower bound (and its two terms) and the balance bound."""
+    out = lower_bound(requests, cost, replicas)
+    out["balance_bound_s"] = balance_bound(requests, cost, replicas)
+    return out
