@@ -1,0 +1,79 @@
+"""Subcommands `bench`, `simulate` and `calibrate`, registered by rollout_cluster/cli.py.
+
+Nothing heavy is imported here: the commands import their modules when they run, and the sim
+engine never loads ray or vllm.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    """The workload flags of BENCHMARK.md; unset ones take the engine's scale (sim: seed scale,
+    vllm: CPU scale)."""
+    g = p.add_argument_group("workload (defaults: seed scale for sim, CPU scale for vllm)")
+    g.add_argument("--workload", default="rl-longtail", choices=["rl-longtail"])
+    g.add_argument("--prompts", type=int, default=None, help="P prompts")
+    g.add_argument("--samples", type=int, default=None, help="n samples per prompt")
+    g.add_argument("--median", type=float, default=None, help="M: median difficulty (tokens)")
+    g.add_argument("--sigma-prompt", type=float, default=None, help="σp: spread of difficulty across prompts")
+    g.add_argument("--sigma-sample", type=float, default=None, help="σs: spread of lengths within a prompt")
+    g.add_argument("--max-tokens", type=int, default=None, help="T: the batch's max_tokens cap")
+    g.add_argument("--prompt-min", type=int, default=None, help="shortest prompt (tokens)")
+    g.add_argument("--prompt-max", type=int, default=None, help="longest prompt (tokens)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", default=None, help="CSV group,prompt_tokens,response_tokens instead of rl-longtail")
+    p.add_argument("--replicas", type=int, default=None, help="sim: 32; vllm: the config's")
+    p.add_argument("--profile", default=None,
+                   help="cost model for the bounds (and the sim engine): a100-80g-7b | h200-7b | h200-1.5b | FILE.yaml")
+    p.add_argument("--config", default=None, help="cluster YAML (vllm: required; sim: policy tunables, max_num_seqs)")
+    p.add_argument("--pull-interval", type=float, default=0.5, help="sim: seconds of virtual time between pulls")
+
+
+def cmd_bench(a) -> int:
+    from .run import bench
+
+    bench(a)
+    return 0
+
+
+def cmd_simulate(a) -> int:
+    from .run import simulate
+
+    simulate(a)
+    return 0
+
+
+def cmd_calibrate(a) -> int:
+    from .calibrate import calibrate
+
+    calibrate(a)
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("bench", help="every policy on one workload, side by side; writes DIR/bench.{json,md,png}")
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    p.add_argument("--policies", default="static,chunked,least-loaded,pull,steal")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds: per-seed results plus their mean")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--bare-engine", action="store_true",
+                   help="vllm: also run the batch on one bare AsyncLLM and report router_overhead_pct "
+                        "against the 1-replica pull run")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="vllm: bound on each policy's batch")
+    _workload_flags(p)
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("simulate", help="one policy in the simulator; bench.json's form on stdout")
+    p.add_argument("--policy", default="steal")
+    _workload_flags(p)
+    p.set_defaults(fn=cmd_simulate)
+
+    p = sub.add_parser("calibrate", help="measure one vLLM engine's step and prefill times; write a cost profile")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True, help="profile YAML to write")
+    p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--contexts", default="64,512,1024")
+    p.add_argument("--decode-tokens", type=int, default=32, help="T: tokens decoded per step measurement")
+    p.add_argument("--name", default=None, help="profile name (default: derived from the model)")
+    p.set_defaults(fn=cmd_calibrate)
