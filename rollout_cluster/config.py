@@ -59,7 +59,8 @@ class PolicyConfig:
     chunk_tokens: int = 1024  # chunked: tokens per round
     min_move_interval_s: float = 2.0  # steal: no sequence moves twice within this
     max_moves_per_seq: int = 3  # steal: cap on moves of one sequence
-    min_gain_s: float = 0.5  # steal: move only if predicted gain exceeds re-prefill + this
+    min_gain_s: float = 0.5  # steal: a move must shorten the victim's predicted finish by this...
+    min_gain_frac: float = 0.03  # steal: ...and by this fraction of it (scale-free: CPU seconds, GPU minutes)
     max_moves_per_decision: int = 32
     tail_isolation: bool = True  # steal: use group siblings to find likely-long sequences
     scripted_at_tokens: list = field(default_factory=list)  # scripted: migrate at these token counts
@@ -111,6 +112,9 @@ class ClusterConfig:
             ("policy.name", self.policy.name in POLICY_NAMES, f"must be one of {sorted(POLICY_NAMES)}"),
             ("policy.chunk_tokens", self.policy.chunk_tokens >= 1, "must be >= 1"),
             ("policy.min_move_interval_s", self.policy.min_move_interval_s >= 0, "must be >= 0"),
+            ("policy.min_gain_s", self.policy.min_gain_s >= 0, "must be >= 0"),
+            ("policy.min_gain_frac", 0 <= self.policy.min_gain_frac < 1, "must be in [0, 1)"),
+            ("router.submit_wait_for_replica_s", self.router.submit_wait_for_replica_s >= 0, "must be >= 0"),
             ("policy.max_moves_per_seq", self.policy.max_moves_per_seq >= 0, "must be >= 0"),
             ("policy.max_moves_per_decision", self.policy.max_moves_per_decision >= 1, "must be >= 1"),
             ("metrics.port", 0 <= self.metrics.port <= 65535, "must be in [0, 65535]"),
@@ -123,7 +127,21 @@ class ClusterConfig:
         for key, ok, why in checks:
             if not ok:
                 raise ConfigError(f"{key}={_get(self, key)!r}: {why}")
+        from .engines.cost_model import PROFILES
+
+        if self.engine.sim_profile not in PROFILES and not Path(self.profile_path()).exists():
+            raise ConfigError(f"engine.sim_profile={self.engine.sim_profile!r}: neither a built-in profile "
+                              f"({', '.join(PROFILES)}) nor an existing file (make one with `rollout-cluster calibrate`)")
         return self
+
+    def profile_path(self) -> str:
+        """engine.sim_profile as load_profile should see it: a built-in name, or a file that
+        resolves against base_dir like the model path."""
+        name = self.engine.sim_profile
+        p = Path(self.base_dir or ".") / name
+        if not Path(name).is_absolute() and p.exists():
+            return str(p.resolve())
+        return name
 
     def model_path(self) -> str:
         """The model as vLLM should see it: a relative local path resolves against base_dir."""

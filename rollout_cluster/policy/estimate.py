@@ -7,28 +7,71 @@ after many tokens is probably long, and one whose siblings mostly finished is pr
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..engines.cost_model import CostModel
 from ..state import GroupState, SeqState
 
 TYPICAL_LENGTH_FLOOR = 64
+GROUP_SIGMA = 0.5  # spread of log-length within a prompt's group (prior; no oracle)
+_SQRT2 = math.sqrt(2.0)
 
 
-def expected_remaining(seq: SeqState, group: GroupState | None, typical: float, use_group: bool = True) -> float:
+def _phi_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / _SQRT2))
+
+
+def _phi_inv(p: float) -> float:
+    """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
+    a = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02, 1.383577518672690e+02,
+         -3.066479806614716e+01, 2.506628277459239e+00)
+    b = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02, 6.680131188771972e+01,
+         -1.328068155288572e+01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00, -2.549671010243243e+00,
+         4.374664141464968e+00, 2.938163982698783e+00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00)
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - 0.02425:
+        return -_phi_inv(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
+        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+def lognormal_remaining(g: float, mu: float, sigma: float, cap: float) -> float:
+    """E[min(L, cap) - g | L > g] for log L ~ N(mu, sigma^2)."""
+    lg, lc = math.log(max(g, 1.0)), math.log(cap)
+    surv = 1.0 - _phi_cdf((lg - mu) / sigma)
+    if surv < 1e-12 or cap <= g:
+        return max(1.0, cap - g) if cap > g else 1.0
+    mean_part = math.exp(mu + sigma * sigma / 2) * (
+        _phi_cdf((lc - mu - sigma * sigma) / sigma) - _phi_cdf((lg - mu - sigma * sigma) / sigma))
+    beyond_cap = cap * (1.0 - _phi_cdf((lc - mu) / sigma))
+    return max(1.0, (mean_part + beyond_cap) / surv - g)
+
+
+def expected_remaining(seq: SeqState, group: GroupState | None, typical: float, use_group: bool = True,
+                       sigma: float = GROUP_SIGMA) -> float:
+    """Expected tokens left, from the group's finished fraction at this age.
+
+    A prompt's samples start together, so when k of its n samples have finished by the time the
+    rest reached g tokens, Phi((ln g - mu)/sigma) ~ (k + 0.5)/(n + 1) gives the group's log-median
+    mu; the expected remaining length then follows from the lognormal tail beyond g, capped at
+    max_tokens. A group still whole after g tokens is long; a group mostly done is near its end."""
     g = seq.generated
-    cap = seq.max_tokens - g
-    if use_group and group is not None and group.finished > 0:
-        # Siblings still running are longer than the longest finished one (or than g); the
-        # larger the running fraction, the further the group's lengths reach beyond it.
-        base = max(g, group.finished_len_max)
-        total = base * (1.0 + group.running / group.size)
-    elif use_group and group is not None and group.size > 1:
-        # No sibling finished yet: a group-wide long one. Heavy tail: E[L | L > g] ~ 2g.
-        total = 2.0 * max(g, typical)
-    else:
-        total = max(2.0 * g, typical)
-    return float(max(1.0, min(cap, total - g)))
+    cap = seq.max_tokens
+    if use_group and group is not None and group.size > 1:
+        p = (group.finished + 0.5) / (group.size + 1.0)
+        mu = math.log(max(g, typical / 4, 1.0)) - sigma * _phi_inv(p)
+        return lognormal_remaining(g, mu, sigma, cap)
+    total = max(2.0 * g, typical)
+    return float(max(1.0, min(cap - g, total - g)))
 
 
 def finish_time(remaining_and_context: list, cost: CostModel, scale: float = 1.0) -> float:

@@ -8,7 +8,7 @@ Algorithm, at a pull by replica R with free slots and nothing queued (rate-limit
    enough expected work left to repay a re-prefill) in decreasing expected remaining work.
    Moving the k longest shortens V (T_V(k) falls with k) and lengthens R (T_R(k) rises with k):
    binary-search the k that minimises max(T_V(k), T_R(k) + re-prefill), and move them if that
-   beats T_V by `min_gain_s`. The longest-expected work lands on the lightly loaded replica, so
+   beats T_V by max(`min_gain_s`, `min_gain_frac` x T_V). The longest-expected work lands on the lightly loaded replica, so
    the tail decodes at small-batch speed.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, finish_time_of
 from .pull import fair_take, take_for
 
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
-VICTIMS_PER_DECISION = 3
-STEAL_INTERVAL_S = 0.2  # per-replica rate limit on estimates and steal attempts
+VICTIMS_PER_DECISION = 2
+STEAL_INTERVAL_S = 0.5  # per-replica rate limit on estimates and steal attempts: bounds router CPU
 REPAY_FACTOR = 4.0  # a move needs expected decode time left >= this x its re-prefill time
 
 
@@ -36,15 +36,16 @@ class Load:
     def __init__(self, rem, ctx, seqs):
         self.rem, self.ctx, self.seqs = rem, ctx, seqs
 
-    def without(self, idx) -> "Load":
-        keep = np.ones(len(self.seqs), dtype=bool)
+    def without(self, idx, arrays_only: bool = False) -> "Load":
+        keep = np.ones(len(self.rem), dtype=bool)
         keep[list(idx)] = False
-        return Load(self.rem[keep], self.ctx[keep], [s for s, k in zip(self.seqs, keep) if k])
+        seqs = None if arrays_only else [s for s, k in zip(self.seqs, keep) if k]
+        return Load(self.rem[keep], self.ctx[keep], seqs)
 
-    def plus(self, other: "Load", idx) -> "Load":
+    def plus(self, other: "Load", idx, arrays_only: bool = False) -> "Load":
         idx = list(idx)
-        return Load(np.concatenate((self.rem, other.rem[idx])), np.concatenate((self.ctx, other.ctx[idx])),
-                    self.seqs + [other.seqs[i] for i in idx])
+        seqs = None if arrays_only else self.seqs + [other.seqs[i] for i in idx]
+        return Load(np.concatenate((self.rem, other.rem[idx])), np.concatenate((self.ctx, other.ctx[idx])), seqs)
 
 
 class StealPolicy(Policy):
@@ -107,7 +108,7 @@ class StealPolicy(Policy):
         budget = min(free, self.cfg.max_moves_per_decision)
         victims = sorted((rid for rid in view.replicas if rid != replica_id), key=lambda r: -self._left(r, now))
         for vid in victims[:VICTIMS_PER_DECISION]:
-            if budget <= 0 or self._left(vid, now) <= t_r + self.cfg.min_gain_s:
+            if budget <= 0 or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
                 break
             victim = view.replicas[vid]
             scale_v = self._scale(victim)
@@ -126,7 +127,7 @@ class StealPolicy(Policy):
                 if k and t_after < best[1]:
                     best = (k, t_after, cand[:k])
             k, t_after, moved = best
-            if k == 0 or t_after + self.cfg.min_gain_s >= t_v:
+            if k == 0 or t_after + self._min_gain(t_v) >= t_v:
                 continue
             decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
             mine = mine.plus(theirs, moved)
@@ -136,6 +137,9 @@ class StealPolicy(Policy):
             self.moves += k
         self.finish_estimate[replica_id] = (now, t_r)
         return decision
+
+    def _min_gain(self, t_v: float) -> float:
+        return max(self.cfg.min_gain_s, self.cfg.min_gain_frac * t_v)
 
     def _movable(self, load: Load, now: float, scale: float) -> list:
         """Indices of sequences that may move and repay their re-prefill, longest work first."""
@@ -155,8 +159,8 @@ class StealPolicy(Policy):
             moved = cand[:k]
             reprefill = (float(theirs.ctx[moved].sum()) / self.cost.prefill_tokens_per_s * scale_r
                          + MIGRATION_OVERHEAD_S) if k else 0.0
-            return (self._finish(theirs.without(moved), scale_v),
-                    self._finish(mine.plus(theirs, moved), scale_r) + reprefill)
+            return (self._finish(theirs.without(moved, True), scale_v),
+                    self._finish(mine.plus(theirs, moved, True), scale_r) + reprefill)
 
         lo, hi = 0, len(cand)
         while lo < hi:  # smallest k with T_R(k) >= T_V(k)

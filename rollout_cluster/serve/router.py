@@ -25,7 +25,7 @@ log = logging.getLogger("ray.serve")
 class Router:
     def __init__(self, config: dict):
         self.cfg = cfg = load_config(config)
-        cost = load_profile(cfg.engine.sim_profile, cfg.engine.max_num_seqs)
+        cost = load_profile(cfg.profile_path(), cfg.engine.max_num_seqs)
         self.metrics = PrometheusRouterMetrics(cfg.metrics.port)
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics)
         self.work_ready: dict = {}  # replica_id -> Event: set when its outbox or the queue gains work
@@ -146,7 +146,7 @@ class Router:
         pc = from_dict(PolicyConfig, policy, "policy.")
         self.cfg.policy = pc
         self.cfg.validate()
-        self.core.policy = make_policy(pc, load_profile(self.cfg.engine.sim_profile, self.cfg.engine.max_num_seqs))
+        self.core.policy = make_policy(pc, load_profile(self.cfg.profile_path(), self.cfg.engine.max_num_seqs))
         self.core.decision_times.clear()
         for k in self.core.counters:
             self.core.counters[k] = 0
