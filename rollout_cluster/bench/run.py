@@ -38,14 +38,15 @@ def fill_defaults(args) -> None:
             setattr(args, key, value)
 
 
-def workload(args, seed: int, vocab_size: Optional[int] = None) -> tuple:
-    """(requests, description) for one seed: the trace file if given, else rl-longtail."""
+def workload(args, seed: int, vocab_size: Optional[int] = None, ids_salt: str = "") -> tuple:
+    """(requests, description) for one seed: the trace file if given, else rl-longtail.
+    Lengths depend on the seed only; `ids_salt` changes the token ids (vLLM: a fresh prefix cache)."""
     if args.trace:
-        reqs = load_trace(args.trace, args.max_tokens, vocab_size, seed)
+        reqs = load_trace(args.trace, args.max_tokens, vocab_size, seed, ids_salt)
         return reqs, {"workload": "trace", "trace": str(args.trace), **summary(reqs)}
     spec = LongtailSpec(args.prompts, args.samples, args.median, args.sigma_prompt, args.sigma_sample,
                         args.max_tokens, seed, args.prompt_min, args.prompt_max)
-    reqs = rl_longtail(spec, vocab_size)
+    reqs = rl_longtail(spec, vocab_size, ids_salt)
     return reqs, {**spec.describe(), **summary(reqs)}
 
 

@@ -49,7 +49,7 @@ class LongtailSpec:
         return {"workload": "rl-longtail", **asdict(self)}
 
 
-def rl_longtail(spec: LongtailSpec = LongtailSpec(), vocab_size: Optional[int] = None) -> list:
+def rl_longtail(spec: LongtailSpec = LongtailSpec(), vocab_size: Optional[int] = None, ids_salt: str = "") -> list:
     """P x n SequenceRequests, grouped by prompt, in prompt order.
 
     Per prompt, from random.Random(seed) in this order: difficulty ~ lognormal(ln M, σp), the
@@ -57,10 +57,12 @@ def rl_longtail(spec: LongtailSpec = LongtailSpec(), vocab_size: Optional[int] =
     ~ lognormal(ln difficulty, σs), truncated to an integer and clipped to [16, max_tokens].
     With `vocab_size`, prompts get random token ids from a second stream (seeded by the seed),
     for vLLM runs; without it, `prompt_token_ids` is None and only `prompt_len` is set (sim).
+    `ids_salt` draws other ids for the same lengths: runs that follow each other on one engine
+    then find nothing of the previous run in the prefix cache.
     """
     spec.validate()
     rng = random.Random(spec.seed)
-    ids_rng = random.Random(f"rl-longtail-ids-{spec.seed}")
+    ids_rng = random.Random(f"rl-longtail-ids-{spec.seed}{ids_salt}")
     sampling = SamplingSpec(max_tokens=spec.max_tokens, ignore_eos=True)
     out = []
     for p in range(spec.prompts):
@@ -80,18 +82,20 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list:
     return [rng.randrange(low, vocab_size) for _ in range(length)]
 
 
-def load_trace(path, max_tokens: Optional[int] = None, vocab_size: Optional[int] = None, seed: int = 0) -> list:
+def load_trace(path, max_tokens: Optional[int] = None, vocab_size: Optional[int] = None, seed: int = 0,
+               ids_salt: str = "") -> list:
     """SequenceRequests from a CSV with the header `group,prompt_tokens,response_tokens`, one
     row per sequence. Rows of one group share a prompt (and its random ids, with `vocab_size`).
-    `max_tokens` defaults to the longest response. Raises ValueError naming the line and the
-    problem for a missing/wrong header, a short or long row, a non-integer or out-of-range value,
-    or a group whose rows disagree on the prompt length."""
+    `max_tokens` defaults to the longest response; `seed` and `ids_salt` pick the random ids.
+    Raises ValueError naming the line and the problem for a missing or wrong header, a row with
+    the wrong number of fields, a non-integer or out-of-range value, a response longer than
+    `max_tokens`, or a group whose rows disagree on the prompt length."""
     rows = parse_trace(Path(path).read_text().splitlines(), str(path), max_tokens)
     if not rows:
         raise ValueError(f"{path}: no sequences after the header")
     cap = max_tokens or max(r[2] for r in rows)
     sampling = SamplingSpec(max_tokens=cap, ignore_eos=True)
-    ids_rng = random.Random(f"trace-ids-{seed}")
+    ids_rng = random.Random(f"trace-ids-{seed}{ids_salt}")
     index: dict = {}  # group name -> (prompt index, prompt ids, samples so far)
     out = []
     for group, plen, resp in rows:

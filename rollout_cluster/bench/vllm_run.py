@@ -1,0 +1,214 @@
+"""`bench --engine vllm`: every policy on one live cluster (Ray Serve + vLLM replicas).
+
+The cluster starts once (RolloutClient.start); one small warm-up batch runs first so that
+compilation is not measured; then, per seed and per policy: set_policy, set_trace, run the batch
+and time it in the driver. Each policy gets the same lengths but fresh random prompt ids, so no
+run finds the previous one's prompts in the prefix cache. Bounds come from --profile (a
+calibrated YAML from `rollout-cluster calibrate`); the output says which.
+
+`--bare-engine` then (after the cluster is down, so nothing competes for the cores) runs the
+same batches on ONE bare vLLM AsyncLLM in a spawned process, all requests in flight at once,
+with the config's scheduler limits, and reports router_overhead_pct against the 1-replica pull run.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+from ..types import SamplingSpec, SequenceRequest, Work
+from .bounds import bounds
+from .report import trace_by_replica
+from .run import cluster_config, cost_model, header, policy_metrics, workload
+
+DEFAULT_CONFIG = "configs/local-cpu.yaml"
+WARMUP_TOKENS = 16
+
+
+def utilization(by_replica: dict, makespan: float, replicas: int) -> float:
+    """Mean fraction of [0, makespan] in which a replica held work, from the pull trace: a
+    replica holds what it reported at a pull until its next pull."""
+    if makespan <= 0:
+        return 0.0
+    busy = 0.0
+    for points in by_replica.values():
+        for (t, held), (t_next, _) in zip(points, points[1:] + [(makespan, 0)]):
+            lo, hi = max(0.0, t), min(makespan, t_next)
+            if held > 0 and hi > lo:
+                busy += hi - lo
+    return min(1.0, busy / (replicas * makespan))
+
+
+def warmup_batch(replicas: int, vocab_size: int) -> list:
+    """A few short sequences per replica: triggers compilation and the first allocations."""
+    spec = SamplingSpec(max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    low = 3 if vocab_size > 4 else 0
+    return [SequenceRequest([low + (i * 7 + j) % (vocab_size - low) for j in range(24 + i % 8)], spec, i, 0,
+                            hidden_length=WARMUP_TOKENS) for i in range(4 * replicas)]
+
+
+def check_fits(requests: list, model: dict) -> None:
+    """Refuse a workload the model's context cannot hold, before anything runs."""
+    worst = max(r.prompt_len + r.sampling.max_tokens for r in requests)
+    if worst > model["max_model_len"]:
+        raise ValueError(f"workload needs prompt + max_tokens = {worst} tokens, above the model's "
+                         f"max_model_len={model['max_model_len']}: lower --max-tokens/--prompt-max or raise "
+                         "engine.max_model_len in the config")
+
+
+def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: float) -> tuple:
+    """(metrics row, trace {replica: [(t, held)]}) of one policy's batch on the live cluster."""
+    params = {k: v for k, v in dataclasses.asdict(cfg.policy).items() if k != "name"}
+    client.set_policy(name, **params)
+    client.set_trace(True)
+    t0 = time.monotonic()
+    completions = client.run_requests(requests, timeout_s=timeout_s)
+    makespan = time.monotonic() - t0
+    status = client.status()
+    trace = trace_by_replica(client.take_trace(client.last_batch_id))
+    bad = [c for c in completions if c is None or c.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"policy {name}: {len(bad)} sequences failed, first: {getattr(bad[0], 'error', None)}")
+    counters = status["counters"]
+    generated = sum(len(c.token_ids) for c in completions)
+    row = policy_metrics(makespan, [c.finish_time_s for c in completions], generated,
+                         utilization(trace, makespan, cfg.replicas),
+                         sum(len(c.migrations) for c in completions), counters["reprefill_tokens"],
+                         (status["decision_ms_mean"], status["decision_ms_p99"]), lower)
+    if counters["generated_tokens"] != generated:
+        row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing
+    return row, trace
+
+
+def bound_note(args, cost) -> str:
+    if args.profile and Path(args.profile).exists():
+        return f"bounds from the calibrated profile {args.profile} (cost model {cost.name})"
+    return (f"bounds from profile {cost.name}, NOT calibrated on this engine: ratios are indicative only "
+            "(run `rollout-cluster calibrate` and pass --profile FILE.yaml)")
+
+
+def bench_vllm(args, policies: list, seeds: list) -> tuple:
+    """(bench dict, traces of the first seed). Starts and stops one cluster."""
+    from tqdm import tqdm
+
+    from ..driver import RolloutClient
+    from .run import combine
+
+    args.config = args.config or DEFAULT_CONFIG
+    cfg = cluster_config(args)
+    args.replicas = cfg.replicas
+    cost = cost_model(args, cfg)
+    note = bound_note(args, cost)
+    print(note)
+    client = RolloutClient.start(cfg)
+    runs, traces, batches = [], None, []
+    try:
+        model = client.status()["model"]
+        vocab = int(model["vocab_size"])
+        client.run_requests(warmup_batch(cfg.replicas, vocab), timeout_s=args.timeout_s)
+        with tqdm(total=len(seeds) * len(policies), desc="bench (vllm)", unit="run") as bar:
+            for seed in seeds:
+                requests, desc = workload(args, seed)
+                check_fits(requests, model)
+                b = bounds(requests, cost, cfg.replicas)
+                run = header("vllm", cfg.replicas, desc, b, cost, note)
+                seed_traces = {}
+                for i, name in enumerate(policies):
+                    bar.set_postfix_str(f"seed {seed} {name}")
+                    reqs, _ = workload(args, seed, vocab, ids_salt=f"-{name}")
+                    run["results"][name], seed_traces[name] = run_policy(
+                        client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
+                    bar.update(1)
+                runs.append(run)
+                batches.append(workload(args, seed, vocab, ids_salt="-bare")[0])
+                traces = traces or seed_traces
+    finally:
+        client.shutdown()
+    if getattr(args, "bare_engine", False):
+        for run, bare in zip(runs, run_bare_engine(cfg, batches, warmup_batch(1, vocab))):
+            run["bare_engine"] = bare_summary(bare, run, cfg)
+    result = combine(runs, seeds)
+    if len(runs) > 1 and runs[0].get("bare_engine"):
+        result["bare_engine"] = [r["bare_engine"] for r in runs]
+    return result, traces
+
+
+def bare_summary(bare: dict, run: dict, cfg) -> dict:
+    """The bare engine's figures beside the 1-replica pull run of the same seed."""
+    out = {"makespan_s": round(bare["makespan_s"], 4),
+           "tokens_per_s": round(bare["tokens"] / bare["makespan_s"], 2) if bare["makespan_s"] else 0.0,
+           "max_num_seqs": cfg.engine.max_num_seqs, "max_num_batched_tokens": cfg.engine.max_num_batched_tokens,
+           "router_overhead_pct": None}
+    pull = run["results"].get("pull")
+    if cfg.replicas == 1 and pull:
+        out["router_overhead_pct"] = round(100.0 * (pull["makespan_s"] - bare["makespan_s"]) / bare["makespan_s"], 2)
+    else:
+        out["note"] = "router_overhead_pct needs --replicas 1 and pull among --policies"
+    return out
+
+
+# ---- one bare AsyncLLM in a spawned process -------------------------------------------------
+def run_bare_engine(cfg, batches: list, warmup: list) -> list:
+    """[{makespan_s, tokens, finish_times}] per batch, from one bare AsyncLLM (spawned process)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_bare_main, args=(cfg.engine, cfg.model_path(), batches, warmup, queue))
+    proc.start()
+    try:
+        result = queue.get(timeout=3600)
+    finally:
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.terminate()
+    if isinstance(result, str):
+        raise RuntimeError(f"bare engine failed: {result}")
+    return result
+
+
+def _bare_main(engine_cfg, model: str, batches: list, warmup: list, queue) -> None:
+    """Entry point of the spawned process: report the results, or the error as a string."""
+    try:
+        queue.put(asyncio.run(_bare_batches(engine_cfg, model, batches, warmup)))
+    except BaseException as e:  # noqa: BLE001  (the parent must hear of any failure)
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+async def _bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> list:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ..engines.vllm_engine import cpu_env, engine_args, is_cpu_build
+
+    if is_cpu_build():
+        os.environ.update(cpu_env(engine_cfg, 0))
+    engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
+    try:
+        await _all_in_flight(engine, warmup, "warmup")
+        out = []
+        for b, requests in enumerate(batches):
+            t0 = time.monotonic()
+            done = await _all_in_flight(engine, requests, f"b{b}")
+            out.append({"makespan_s": time.monotonic() - t0, "tokens": sum(n for n, _ in done),
+                        "finish_times": [t - t0 for _, t in done]})
+        return out
+    finally:
+        engine.shutdown()
+
+
+async def _all_in_flight(engine, requests: list, tag: str) -> list:
+    """Submit every request at once; [(tokens, finish time)] in request order."""
+    from vllm.inputs import TokensPrompt
+
+    from ..engines.vllm_engine import sampling_params
+
+    async def one(i: int, r: SequenceRequest):
+        work = Work(f"{tag}-{i}", 1, r.prompt_token_ids, r.sampling, stop_after=r.hidden_length)
+        n = 0
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=r.prompt_token_ids), sampling_params(work),
+                                         request_id=f"{tag}-{i}"):
+            n += len(out.outputs[0].token_ids)  # DELTA outputs
+        return n, time.monotonic()
+
+    return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
