@@ -1,0 +1,174 @@
+"""`rollout-cluster calibrate`: measure one live vLLM engine and write a cost-model profile.
+
+For each (batch B, prompt context C), with fresh random prompts each time (no prefix-cache hits):
+- prefill_s: time to generate 1 token for B prompts of C tokens;
+- step_s: (time for T+1 tokens - time for 1 token) / T, with ignore_eos.
+Then a least-squares fit of step = a + c*(context tokens in the batch) + e*B, where the context is
+the batch's mean during the measured steps, B*(C + (T+1)/2), as the cost model counts it; and
+prefill_tokens_per_s from the prefill times less one fitted step (through the origin).
+The profile YAML holds CostModel's fields only (load_profile reads it); the raw points and the
+fit's errors go in comments and in a sidecar FILE.points.json.
+
+The engine is one VllmEngine driven directly with asyncio: no Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..engines.cost_model import CostModel
+from ..types import SamplingSpec, Work
+
+
+def parse_ints(text: str, flag: str) -> list:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r}: must be comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}={text!r}: must be integers >= 1")
+    return values
+
+
+async def timed_batch(engine, batch: int, context: int, tokens: int, rng: random.Random, vocab: int, tag: str) -> float:
+    """Seconds for `batch` fresh prompts of `context` tokens to generate `tokens` tokens each."""
+    spec = SamplingSpec(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    low = 3 if vocab > 4 else 0
+    works = [Work(f"{tag}-{i}", 1, [rng.randrange(low, vocab) for _ in range(context)], spec)
+             for i in range(batch)]
+    t0 = time.monotonic()
+    for w in works:
+        engine.submit(w)
+    await asyncio.gather(*[engine.tasks[(w.seq_id, 1)] for w in works if (w.seq_id, 1) in engine.tasks])
+    elapsed = time.monotonic() - t0
+    engine.drain()
+    return elapsed
+
+
+async def measure(engine, batches: list, contexts: list, decode_tokens: int, vocab: int) -> list:
+    """One point per (B, C): prefill_s, step_s, the batch's mean context during the steps."""
+    rng = random.Random(0)
+    await timed_batch(engine, 2, min(contexts), 4, rng, vocab, "warmup")
+    points = []
+    for c in contexts:
+        for b in batches:
+            one = await timed_batch(engine, b, c, 1, rng, vocab, f"p{b}x{c}")
+            full = await timed_batch(engine, b, c, decode_tokens + 1, rng, vocab, f"d{b}x{c}")
+            step = max(1e-9, (full - one) / decode_tokens)
+            points.append({"batch": b, "context": c, "prefill_s": one, "step_s": step,
+                           "batch_context_tokens": b * (c + (decode_tokens + 1) / 2),
+                           "prefill_tok_s": b * c / one})
+            print(f"B={b:4d} C={c:6d}  prefill {one * 1e3:9.2f} ms  step {step * 1e3:8.3f} ms", flush=True)
+    return points
+
+
+def fit(points: list) -> dict:
+    """Least squares: step = a + c*context + e*B (a term whose coefficient comes out negative is
+    dropped and the rest refitted: noise must not make a cost negative); the prefill rate through
+    the origin on the prefill time less one fitted step. Returns a, c, e,
+    prefill_tokens_per_s and the fit's relative errors."""
+    import numpy as np
+
+    X = np.array([[1.0, p["batch_context_tokens"], p["batch"]] for p in points])
+    y = np.array([p["step_s"] for p in points])
+    keep = [0, 1, 2]
+    while True:
+        sol, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = sol
+        negative = [k for k in keep if k > 0 and coef[k] < 0]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    a, c, e = (float(v) for v in coef)
+    rel = np.abs(X @ coef - y) / y
+    tokens = np.array([p["batch"] * p["context"] for p in points], dtype=float)
+    step1 = np.array([a + c * p["batch"] * p["context"] + e * p["batch"] for p in points])
+    net = np.maximum(np.array([p["prefill_s"] for p in points]) - step1, 1e-9)
+    rate = float((tokens * tokens).sum() / (tokens * net).sum())
+    return {"a": a, "c": c, "e": e, "prefill_tokens_per_s": rate,
+            "max_rel_error": float(rel.max()), "mean_rel_error": float(rel.mean()),
+            "rel_errors": [round(float(r), 4) for r in rel]}
+
+
+def kv_tokens_of(engine, cfg) -> tuple:
+    """(KV capacity in tokens, where the number came from)."""
+    vc = engine.engine.vllm_config
+    blocks = getattr(vc.cache_config, "num_gpu_blocks", None)
+    if blocks:
+        return int(blocks) * int(vc.cache_config.block_size), "engine (num_gpu_blocks x block_size)"
+    mc, pc = vc.model_config, vc.parallel_config
+    per_token = 2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * mc.dtype.itemsize
+    space = cfg.engine.cpu_kv_cache_gib * (1 << 30)
+    return int(space // per_token), f"VLLM_CPU_KVCACHE_SPACE {cfg.engine.cpu_kv_cache_gib} GiB / {per_token} B per token"
+
+
+def step_curve(points: list) -> str:
+    """Step time against batch at the smallest context, and the largest batch's slowdown."""
+    c0 = min(p["context"] for p in points)
+    row = sorted((p["batch"], p["step_s"]) for p in points if p["context"] == c0)
+    lines = [f"step curve at context {c0}:"] + [f"  B={b:4d}  {s * 1e3:8.3f} ms" for b, s in row]
+    if len(row) > 1:
+        lines.append(f"  step(B={row[-1][0]}) / step(B={row[0][0]}) = {row[-1][1] / row[0][1]:.2f}")
+    return "\n".join(lines)
+
+
+def write_profile(path: Path, model: CostModel, points: list, result: dict, kv_source: str) -> None:
+    comments = [f"# calibrated by `rollout-cluster calibrate`; kv_tokens from {kv_source}",
+                f"# fit step = a + c*context + e*B: max rel error {result['max_rel_error']:.3f}, "
+                f"mean {result['mean_rel_error']:.3f} over {len(points)} points",
+                "# points (batch, context, prefill_s, step_s):"]
+    comments += [f"#   {p['batch']}, {p['context']}, {p['prefill_s']:.6f}, {p['step_s']:.6f}" for p in points]
+    path.write_text("\n".join(comments) + "\n" + model.to_yaml())
+    sidecar = path.with_name(path.name + ".points.json")
+    sidecar.write_text(json.dumps({"profile": model.name, "fit": result, "points": points}, indent=1) + "\n")
+
+
+def calibrate(args) -> CostModel:
+    """Start one engine, measure, fit, write the profile; print the fit and the step curve."""
+    from ..config import load_config
+    from ..engines.vllm_engine import VllmEngine
+
+    cfg = load_config(args.config)
+    batches = parse_ints(args.batches, "--batches")
+    contexts = parse_ints(args.contexts, "--contexts")
+    need = max(contexts) + args.decode_tokens + 2
+    if need > cfg.engine.max_model_len:
+        raise ValueError(f"--contexts up to {max(contexts)} + {args.decode_tokens} tokens exceed "
+                         f"engine.max_model_len={cfg.engine.max_model_len}")
+    if max(batches) > cfg.engine.max_num_seqs:
+        raise ValueError(f"--batches up to {max(batches)} exceed engine.max_num_seqs={cfg.engine.max_num_seqs}")
+    return asyncio.run(_calibrate(args, cfg, batches, contexts, VllmEngine))
+
+
+async def _calibrate(args, cfg, batches: list, contexts: list, engine_cls) -> CostModel:
+    engine = engine_cls(cfg.engine, cfg.model_path(), rank=0)
+    t0 = time.monotonic()
+    info = await engine.start()
+    init_s = time.monotonic() - t0
+    try:
+        points = await measure(engine, batches, contexts, args.decode_tokens, info.vocab_size)
+        kv, kv_source = kv_tokens_of(engine, cfg)
+    finally:
+        await engine.shutdown()
+    result = fit(points)
+    name = args.name or f"calibrated-{Path(cfg.engine.model).name}"
+    model = CostModel(name=name, a=result["a"], c=result["c"], e=result["e"],
+                      prefill_tokens_per_s=result["prefill_tokens_per_s"], kv_tokens=kv,
+                      max_num_seqs=cfg.engine.max_num_seqs,
+                      source=f"rollout-cluster calibrate: {cfg.engine.model}, engine start {init_s:.0f} s, "
+                             f"max rel error {result['max_rel_error']:.2f}")
+    if model.a <= 0:
+        print("warning: the fitted a is not positive; the step curve is too flat or too noisy to fit")
+        model = replace(model, a=max(model.a, 1e-6))
+    write_profile(Path(args.out), model, points, result, kv_source)
+    print(f"a={model.a:.3e} s  c={model.c:.3e} s/token  e={model.e:.3e} s/seq  "
+          f"prefill {model.prefill_tokens_per_s:.0f} tok/s  kv_tokens {kv} ({kv_source})")
+    print(f"max relative error of the step fit: {result['max_rel_error']:.1%}")
+    print(step_curve(points))
+    print(f"wrote {args.out} and {args.out}.points.json")
+    return model
