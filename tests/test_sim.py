@@ -45,6 +45,8 @@ def test_one_sequence_alone_matches_closed_form(policy):
     expected = closed_form(COST, 1, 500, 3000)
     assert res.makespan_s == pytest.approx(expected, rel=1e-6)
     assert alone_s(COST, 500, 3000) == pytest.approx(expected, rel=1e-9)
+    # a sequence is indivisible: perfect balance cannot make it faster than alone
+    assert balance_bound(req, COST, 4) == pytest.approx(expected, rel=1e-9)
     assert res.completions[0].finish_time_s == pytest.approx(expected, rel=1e-6)
 
 

@@ -1,0 +1,192 @@
+"""Benchmark tooling: workloads, trace files, bench.json/md/png, the simulate CLI, the calibration
+fit. No Ray, no vLLM."""
+import json
+import math
+import statistics
+
+import pytest
+
+from rollout_cluster.bench.calibrate import fit, parse_ints, step_curve
+from rollout_cluster.bench.report import trace_by_replica
+from rollout_cluster.bench.run import METRICS, percentile, tail_s
+from rollout_cluster.bench.vllm_run import utilization
+from rollout_cluster.bench.workloads import LongtailSpec, load_trace, parse_trace, rl_longtail, write_trace
+from rollout_cluster.cli import main
+
+TINY = ["--replicas", "3", "--prompts", "6", "--samples", "4", "--median", "200", "--max-tokens", "1024"]
+
+
+# ---- workloads ------------------------------------------------------------------------------
+def test_rl_longtail_shape_and_determinism():
+    spec = LongtailSpec(prompts=40, samples=8, median=300, max_tokens=2048, seed=3, prompt_min=100, prompt_max=200)
+    reqs = rl_longtail(spec)
+    assert len(reqs) == 320
+    assert [(r.prompt_index, r.sample_index) for r in reqs[:9]] == [(0, j) for j in range(8)] + [(1, 0)]
+    lengths = [r.hidden_length for r in reqs]
+    assert min(lengths) >= 16 and max(lengths) <= 2048
+    assert all(100 <= r.prompt_len <= 200 and r.prompt_token_ids is None for r in reqs)
+    assert all(r.sampling.max_tokens == 2048 and r.sampling.ignore_eos for r in reqs)
+    assert lengths == [r.hidden_length for r in rl_longtail(spec)]  # seeded
+    assert lengths != [r.hidden_length for r in rl_longtail(LongtailSpec(**{**spec.__dict__, "seed": 4}))]
+    # the median of the lengths sits near M (lognormal around the difficulty, itself around M)
+    assert 150 < statistics.median(lengths) < 600
+
+
+def test_rl_longtail_ids_do_not_change_lengths():
+    spec = LongtailSpec(prompts=10, samples=3, median=100, max_tokens=512)
+    sim = rl_longtail(spec)
+    real = rl_longtail(spec, vocab_size=500)
+    other = rl_longtail(spec, vocab_size=500, ids_salt="-steal")
+    assert [r.hidden_length for r in sim] == [r.hidden_length for r in real] == [r.hidden_length for r in other]
+    for r in real:
+        assert len(r.prompt_token_ids) == r.prompt_len and all(3 <= t < 500 for t in r.prompt_token_ids)
+    assert real[0].prompt_token_ids is real[1].prompt_token_ids  # siblings share the prompt
+    assert real[0].prompt_token_ids != other[0].prompt_token_ids
+
+
+def test_rl_longtail_clips_to_the_cap():
+    reqs = rl_longtail(LongtailSpec(prompts=20, samples=4, median=5000, sigma_prompt=0.1, max_tokens=1000))
+    assert {r.hidden_length for r in reqs} == {1000}
+
+
+def test_trace_round_trip(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("group,prompt_tokens,response_tokens\nqA,10,5\nqA,10,7\n\nqB,20,30\n")
+    reqs = load_trace(path)
+    assert [(r.prompt_index, r.sample_index, r.prompt_len, r.hidden_length) for r in reqs] == \
+        [(0, 0, 10, 5), (0, 1, 10, 7), (1, 0, 20, 30)]
+    assert reqs[0].sampling.max_tokens == 30  # the longest response
+    assert load_trace(path, max_tokens=64)[0].sampling.max_tokens == 64
+    ids = load_trace(path, vocab_size=100)
+    assert ids[0].prompt_token_ids is ids[1].prompt_token_ids and len(ids[2].prompt_token_ids) == 20
+    write_trace(reqs, tmp_path / "u.csv")
+    assert [r.hidden_length for r in load_trace(tmp_path / "u.csv")] == [5, 7, 30]
+
+
+@pytest.mark.parametrize("body, line, words", [
+    ("group,prompt,response\n1,2,3\n", 1, "header"),
+    ("", 1, "empty"),
+    ("group,prompt_tokens,response_tokens\na,1,2\nb,3\n", 3, "expected 3 fields"),
+    ("group,prompt_tokens,response_tokens\na,1,2\n\nb,x,2\n", 4, "prompt_tokens='x' is not an integer"),
+    ("group,prompt_tokens,response_tokens\na,1,0\n", 2, "response_tokens=0 must be >= 1"),
+    ("group,prompt_tokens,response_tokens\na,5,2\na,6,2\n", 3, "earlier row"),
+    ("group,prompt_tokens,response_tokens\n,5,2\n", 2, "group is empty"),
+    ("group,prompt_tokens,response_tokens\na,5,2,9\n", 2, "got 4"),
+])
+def test_trace_refuses_malformed_lines(tmp_path, body, line, words):
+    path = tmp_path / "bad.csv"
+    path.write_text(body)
+    with pytest.raises(ValueError) as err:
+        load_trace(path)
+    assert f"line {line}:" in str(err.value) and words in str(err.value)
+
+
+def test_trace_refuses_responses_over_max_tokens():
+    with pytest.raises(ValueError, match=r"line 3: response_tokens=90 exceeds max_tokens=64"):
+        parse_trace(["group,prompt_tokens,response_tokens", "a,5,2", "a,5,90"], "t", max_tokens=64)
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def test_tail_and_percentile():
+    assert tail_s([float(i) for i in range(1, 11)]) == 1.0  # 9 of 10 done at t=9, all at t=10
+    assert tail_s([1.0] * 19 + [50.0]) == 49.0
+    assert percentile([5.0, 1.0, 3.0], 0.99) == 5.0 and percentile(list(range(100)), 0.5) == 49
+
+
+def test_utilization_from_pull_trace():
+    tr = trace_by_replica([(0.0, "a", 3), (2.0, "a", 0), (0.0, "b", 1), (3.0, "b", 1), (1.0, "a", 2)])
+    assert tr["a"] == [(0.0, 3), (1.0, 2), (2.0, 0)]
+    assert utilization(tr, 4.0, 2) == pytest.approx((2.0 + 4.0) / 8.0)
+
+
+# ---- bench output ---------------------------------------------------------------------------
+def test_bench_writes_json_md_png(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["bench", "--engine", "sim", "--policies", "static,pull,steal", "--out", str(out)] + TINY) == 0
+    data = json.loads((out / "bench.json").read_text())
+    for key in ("engine", "replicas", "sequences", "generated_tokens", "lower_bound_s", "balance_bound_s", "results"):
+        assert key in data
+    assert (data["engine"], data["replicas"], data["sequences"]) == ("sim", 3, 24)
+    reqs = rl_longtail(LongtailSpec(prompts=6, samples=4, median=200, max_tokens=1024))
+    assert data["generated_tokens"] == sum(r.hidden_length for r in reqs)
+    assert list(data["results"]) == ["static", "pull", "steal"]
+    lb = data["lower_bound_s"]
+    assert 0 < lb <= data["balance_bound_s"]
+    for name, row in data["results"].items():
+        assert list(row) == list(METRICS)
+        assert row["makespan_s"] >= lb
+        assert row["ratio_to_lower_bound"] == pytest.approx(row["makespan_s"] / lb, rel=1e-3)
+        assert row["tokens_per_s"] == pytest.approx(data["generated_tokens"] / row["makespan_s"], rel=1e-3)
+        assert 0 < row["utilization"] <= 1 and 0 <= row["tail_s"] < row["makespan_s"]
+    assert data["results"]["static"]["migrations"] == 0 and data["results"]["static"]["reprefill_pct"] == 0
+    md = (out / "bench.md").read_text()
+    assert "| static |" in md and "| steal |" in md and f"{lb:.2f}" in md
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "| pull |" in capsys.readouterr().out
+
+
+def test_bench_with_several_seeds_reports_each_and_the_mean(tmp_path):
+    out = tmp_path / "s"
+    main(["bench", "--policies", "pull", "--seeds", "0,1", "--out", str(out)] + TINY)
+    data = json.loads((out / "bench.json").read_text())
+    assert data["seeds"] == [0, 1] and [r["seed"] for r in data["per_seed"]] == [0, 1]
+    spans = [r["results"]["pull"]["makespan_s"] for r in data["per_seed"]]
+    assert spans[0] != spans[1]
+    assert data["results"]["pull"]["makespan_s"] == pytest.approx(sum(spans) / 2, abs=1e-3)
+    assert data["lower_bound_s"] == pytest.approx(sum(r["lower_bound_s"] for r in data["per_seed"]) / 2, abs=1e-3)
+
+
+def test_simulate_prints_bench_json(capsys):
+    assert main(["simulate", "--policy", "pull"] + TINY) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["engine"], data["sequences"], list(data["results"])) == ("sim", 24, ["pull"])
+    row = data["results"]["pull"]
+    assert row["makespan_s"] >= data["lower_bound_s"] > 0 and row["migrations"] == 0
+
+
+def test_simulate_on_a_trace(tmp_path, capsys):
+    path = tmp_path / "t.csv"
+    path.write_text("group,prompt_tokens,response_tokens\n" + "".join(f"g{i // 2},100,{50 + 10 * i}\n" for i in range(8)))
+    main(["simulate", "--policy", "static", "--trace", str(path), "--replicas", "2"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["sequences"] == 8 and data["generated_tokens"] == sum(50 + 10 * i for i in range(8))
+    assert data["workload"]["workload"] == "trace"
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown"):
+        main(["bench", "--policies", "pull,fastest", "--out", "/tmp/never"] + TINY)
+
+
+# ---- calibration fit ------------------------------------------------------------------------
+def test_calibration_fit_recovers_a_known_model():
+    a, c, e, rate = 4e-3, 1.5e-8, 2e-5, 40000.0
+    points = []
+    for b in (1, 4, 16, 32):
+        for ctx in (64, 512, 1024):
+            context = b * (ctx + 16.5)
+            step = a + c * context + e * b
+            points.append({"batch": b, "context": ctx, "batch_context_tokens": context, "step_s": step,
+                           "prefill_s": b * ctx / rate + a + c * b * ctx + e * b})
+    got = fit(points)
+    assert got["a"] == pytest.approx(a, rel=1e-6) and got["c"] == pytest.approx(c, rel=1e-6)
+    assert got["e"] == pytest.approx(e, rel=1e-6) and got["prefill_tokens_per_s"] == pytest.approx(rate, rel=1e-6)
+    assert got["max_rel_error"] < 1e-9
+    curve = step_curve(points)
+    assert "step(B=32) / step(B=1) = " in curve
+    ratio = float(curve.rsplit("= ", 1)[1])
+    assert math.isclose(ratio, (a + c * 32 * 80.5 + e * 32) / (a + c * 80.5 + e), rel_tol=0.01)
+
+
+def test_calibration_fit_never_returns_a_negative_cost():
+    points = [{"batch": b, "context": 64, "batch_context_tokens": b * 80, "step_s": 0.01 - 1e-5 * b,
+               "prefill_s": 0.02} for b in (1, 2, 4, 8)]
+    got = fit(points)
+    assert got["c"] >= 0 and got["e"] >= 0
+
+
+def test_parse_ints():
+    assert parse_ints("1,2, 8", "--batches") == [1, 2, 8]
+    with pytest.raises(ValueError, match="--batches"):
+        parse_ints("1,x", "--batches")
