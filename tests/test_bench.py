@@ -190,3 +190,13 @@ def test_parse_ints():
     assert parse_ints("1,2, 8", "--batches") == [1, 2, 8]
     with pytest.raises(ValueError, match="--batches"):
         parse_ints("1,x", "--batches")
+
+
+def test_calibrate_loads_a_config_whose_profile_it_is_about_to_write(tmp_path):
+    from rollout_cluster.bench.calibrate import engine_config
+
+    (tmp_path / "configs").mkdir()
+    path = tmp_path / "configs" / "c.yaml"
+    path.write_text("replicas: 1\nengine:\n  model: models/m\n  max_num_seqs: 8\n  sim_profile: configs/profiles/new.yaml\n")
+    cfg = engine_config(str(path))
+    assert cfg.engine.max_num_seqs == 8 and cfg.base_dir == str(tmp_path.resolve())

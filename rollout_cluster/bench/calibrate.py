@@ -128,12 +128,31 @@ def write_profile(path: Path, model: CostModel, points: list, result: dict, kv_s
     sidecar.write_text(json.dumps({"profile": model.name, "fit": result, "points": points}, indent=1) + "\n")
 
 
+def engine_config(path: str):
+    """The cluster config, even when its engine.sim_profile is the very file being calibrated
+    (load_config refuses a profile that does not exist yet; calibration does not use it)."""
+    import yaml
+
+    from ..config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        if "engine.sim_profile" not in str(e):
+            raise
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    data.setdefault("engine", {})["sim_profile"] = "a100-80g-7b"
+    cfg = load_config(data)
+    here = Path(path).resolve().parent
+    cfg.base_dir = str(here.parent if here.name == "configs" else here)  # as load_config resolves it
+    return cfg
+
+
 def calibrate(args) -> CostModel:
     """Start one engine, measure, fit, write the profile; print the fit and the step curve."""
-    from ..config import load_config
     from ..engines.vllm_engine import VllmEngine
 
-    cfg = load_config(args.config)
+    cfg = engine_config(args.config)
     batches = parse_ints(args.batches, "--batches")
     contexts = parse_ints(args.contexts, "--contexts")
     need = max(contexts) + args.decode_tokens + 2

@@ -68,7 +68,7 @@ def cluster_config(args):
 
 def cost_model(args, cfg) -> CostModel:
     """--profile (default: the config's sim_profile, else a100-80g-7b) with the engine's max_num_seqs."""
-    name = args.profile or (cfg.engine.sim_profile if cfg else "a100-80g-7b")
+    name = args.profile or (cfg.profile_path() if cfg else "a100-80g-7b")
     return load_profile(name, cfg.engine.max_num_seqs if cfg else None)
 
 

@@ -83,9 +83,11 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     return row, trace
 
 
-def bound_note(args, cost) -> str:
-    if args.profile and Path(args.profile).exists():
-        return f"bounds from the calibrated profile {args.profile} (cost model {cost.name})"
+def bound_note(args, cfg, cost) -> str:
+    """Which profile the bounds come from; a built-in profile is not this engine's."""
+    source = args.profile or cfg.profile_path()
+    if Path(source).exists():
+        return f"bounds from the calibrated profile {source} (cost model {cost.name})"
     return (f"bounds from profile {cost.name}, NOT calibrated on this engine: ratios are indicative only "
             "(run `rollout-cluster calibrate` and pass --profile FILE.yaml)")
 
@@ -101,7 +103,7 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
     cfg = cluster_config(args)
     args.replicas = cfg.replicas
     cost = cost_model(args, cfg)
-    note = bound_note(args, cost)
+    note = bound_note(args, cfg, cost)
     print(note)
     client = RolloutClient.start(cfg)
     runs, traces, batches = [], None, []
