@@ -8,8 +8,11 @@ import time
 
 
 def cmd_make_model(a) -> int:
-    from .model_maker import make_model
+    from .model_maker import make_model, write_arch_config
 
+    if a.arch:
+        print(f"config of {a.arch} written to {write_arch_config(a.dir, a.arch)} (use load_format: dummy)")
+        return 0
     path = make_model(a.dir, hidden=a.hidden, layers=a.layers, heads=a.heads, vocab=a.vocab,
                       intermediate=a.intermediate, seed=a.seed, dtype=a.dtype)
     print(f"model written to {path}")
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--arch", default=None, help="write only the config.json of a public architecture "
+                   "(qwen2.5-7b, qwen2.5-1.5b) for dummy weights")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("serve", help="start a long-lived app (local Ray unless --address)")
