@@ -60,9 +60,9 @@ class PolicyConfig:
     min_move_interval_s: float = 2.0  # steal: no sequence moves twice within this
     max_moves_per_seq: int = 3  # steal: cap on moves of one sequence
     min_gain_s: float = 0.5  # steal: a move must shorten the victim's predicted finish by this...
-    min_gain_frac: float = 0.03  # steal: ...and by this fraction of it (scale-free: CPU seconds, GPU minutes)
+    min_gain_frac: float = 0.06  # steal: ...and by this fraction of it (scale-free: CPU seconds, GPU minutes)
     max_moves_per_decision: int = 32
-    tail_isolation: bool = True  # steal: use group siblings to find likely-long sequences
+    tail_isolation: bool = False  # steal: estimate remaining work from group siblings (measured: docs/benchmarks.md)
     scripted_at_tokens: list = field(default_factory=list)  # scripted: migrate at these token counts
 
 

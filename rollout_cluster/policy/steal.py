@@ -25,7 +25,7 @@ from .pull import fair_take, take_for
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
 VICTIMS_PER_DECISION = 2
 STEAL_INTERVAL_S = 0.5  # per-replica rate limit on estimates and steal attempts: bounds router CPU
-REPAY_FACTOR = 4.0  # a move needs expected decode time left >= this x its re-prefill time
+REPAY_FACTOR = 20.0  # a move needs expected decode time left >= this x its re-prefill time
 
 
 class Load:
