@@ -171,11 +171,16 @@ def run_bare_engine(cfg, batches: list, warmup: list) -> list:
 
 
 def _bare_main(engine_cfg, model: str, batches: list, warmup: list, queue) -> None:
-    """Entry point of the spawned process: report the results, or the error as a string."""
+    """Entry point of the spawned process: report the results, or the error as a string. The
+    process then exits at once: the engine is already shut down, and letting the interpreter
+    tear down would run AsyncLLM.__del__ against half-unloaded modules."""
     try:
         queue.put(asyncio.run(_bare_batches(engine_cfg, model, batches, warmup)))
     except BaseException as e:  # noqa: BLE001  (the parent must hear of any failure)
         queue.put(f"{type(e).__name__}: {e}")
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 async def _bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> list:
