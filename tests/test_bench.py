@@ -200,3 +200,18 @@ def test_calibrate_loads_a_config_whose_profile_it_is_about_to_write(tmp_path):
     path.write_text("replicas: 1\nengine:\n  model: models/m\n  max_num_seqs: 8\n  sim_profile: configs/profiles/new.yaml\n")
     cfg = engine_config(str(path))
     assert cfg.engine.max_num_seqs == 8 and cfg.base_dir == str(tmp_path.resolve())
+
+
+def test_chunk_reprefill_matches_the_simulated_rounds():
+    from rollout_cluster.bench.vllm_run import chunk_reprefill
+    from rollout_cluster.config import PolicyConfig
+    from rollout_cluster.engines.cost_model import load_profile
+    from rollout_cluster.policy import make_policy
+    from rollout_cluster.sim.simulator import Simulation
+
+    reqs = rl_longtail(LongtailSpec(prompts=8, samples=4, median=300, max_tokens=2048))
+    cost = load_profile("a100-80g-7b")
+    res = Simulation(make_policy(PolicyConfig(name="chunked", chunk_tokens=128), cost), cost, 3).run(reqs)
+    lengths = [r.hidden_length for r in reqs]
+    assert chunk_reprefill(reqs, lengths, 128) == res.reprefill_tokens > 0
+    assert chunk_reprefill(reqs[:1], [256], 128) == reqs[0].prompt_len + 128  # one restart, not two

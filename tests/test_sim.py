@@ -9,7 +9,7 @@ from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.sim_core import SimEngineCore
-from rollout_cluster.policy import make_policy
+from rollout_cluster.policy import Decision, Policy, make_policy
 from rollout_cluster.sim.engine import FastEngineCore
 from rollout_cluster.sim.simulator import Simulation
 from rollout_cluster.types import SamplingSpec, SequenceRequest, Work
@@ -135,3 +135,26 @@ def test_single_replica_pull_matches_a_plain_engine():
     while engine.busy:
         t += engine.advance()
     assert res.makespan_s == pytest.approx(t, rel=1e-9)
+
+
+def test_reprefill_counts_migrations_and_chunked_rounds():
+    reqs = small_longtail()
+    moved = run("scripted", reqs, 4, scripted_at_tokens=[100, 300])  # forced migrations
+    assert moved.counters["migrations"] > len(reqs)
+    assert moved.reprefill_tokens == moved.counters["reprefill_tokens"]  # the router sees migrations
+    chunk = 256
+    chunked = run("chunked", reqs, 4, chunk_tokens=chunk)
+    # a sequence of length L is re-dispatched after every full chunk, with prompt + k*chunk tokens
+    expected = sum(r.prompt_len + k * chunk for r in reqs for k in range(1, -(-r.hidden_length // chunk)))
+    assert expected > 0 and chunked.reprefill_tokens == expected
+    assert chunked.counters["reprefill_tokens"] == 0  # what the router alone would report
+
+
+def test_a_stalled_simulation_fails_instead_of_spinning():
+    class Idle(Policy):
+        def decide(self, view, replica_id):
+            return Decision()
+
+    sim = Simulation(Idle(), COST, 2, max_virtual_s=100.0)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        sim.run(small_longtail())

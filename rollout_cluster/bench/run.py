@@ -125,7 +125,7 @@ def simulate_policy(name: str, requests: list, cost: CostModel, replicas: int, l
     util = sum(res.busy_s.values()) / (replicas * span) if span > 0 else 0.0
     c = res.counters
     row = policy_metrics(span, res.finish_times, c["generated_tokens"], min(1.0, util), c["migrations"],
-                         c["reprefill_tokens"], decision_stats_ms(res.decision_times_s), lower)
+                         res.reprefill_tokens, decision_stats_ms(res.decision_times_s), lower)
     return row, res.trace
 
 

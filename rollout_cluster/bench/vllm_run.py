@@ -59,6 +59,12 @@ def check_fits(requests: list, model: dict) -> None:
                          "engine.max_model_len in the config")
 
 
+def chunk_reprefill(requests: list, lengths: list, chunk: int) -> int:
+    """Tokens `chunked` re-prefills: a sequence of length L restarts after every full chunk with
+    prompt + k*chunk tokens. The router counts only migrations, not these rounds."""
+    return sum(r.prompt_len + k * chunk for r, n in zip(requests, lengths) for k in range(1, -(-n // chunk)))
+
+
 def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: float) -> tuple:
     """(metrics row, trace {replica: [(t, held)]}) of one policy's batch on the live cluster."""
     params = {k: v for k, v in dataclasses.asdict(cfg.policy).items() if k != "name"}
@@ -74,9 +80,12 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
         raise RuntimeError(f"policy {name}: {len(bad)} sequences failed, first: {getattr(bad[0], 'error', None)}")
     counters = status["counters"]
     generated = sum(len(c.token_ids) for c in completions)
+    reprefill = counters["reprefill_tokens"]
+    if name == "chunked":
+        reprefill += chunk_reprefill(requests, [len(c.token_ids) for c in completions], cfg.policy.chunk_tokens)
     row = policy_metrics(makespan, [c.finish_time_s for c in completions], generated,
                          utilization(trace, makespan, cfg.replicas),
-                         sum(len(c.migrations) for c in completions), counters["reprefill_tokens"],
+                         sum(len(c.migrations) for c in completions), reprefill,
                          (status["decision_ms_mean"], status["decision_ms_p99"]), lower)
     if counters["generated_tokens"] != generated:
         row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing

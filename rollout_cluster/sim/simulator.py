@@ -31,12 +31,15 @@ class SimResult:
     finish_times: list = field(default_factory=list)  # finish time of each sequence, in order
     busy_s: dict = field(default_factory=dict)  # replica_id -> seconds with work
     preemptions: int = 0
+    # prompt + partial tokens of every continuation dispatched: migrations, but also chunked
+    # rounds and requeues, which the router's `reprefill_tokens` counter does not see
+    reprefill_tokens: int = 0
 
 
 class Simulation:
     def __init__(self, policy: Policy, cost: CostModel, replicas: int, pull_interval_s: float = 0.5,
                  record_tokens: bool = False, max_model_len: int = 1 << 22, trace: bool = True,
-                 engine=FastEngineCore):
+                 engine=FastEngineCore, max_virtual_s: float = 1e7):
         self.cost = cost
         self.n = replicas
         self.pull_interval_s = pull_interval_s
@@ -47,6 +50,8 @@ class Simulation:
         self.busy = {rid: 0.0 for rid in self.engines}
         self.model = ModelInfo(vocab_size=32000, max_model_len=max_model_len, model=f"sim:{cost.name}")
         self.want_trace = trace
+        self.max_virtual_s = max_virtual_s  # a policy that never finishes the batch fails here
+        self.reprefill_tokens = 0
 
     def _report(self, rid: str, first: bool) -> Report:
         e = self.engines[rid]
@@ -79,6 +84,9 @@ class Simulation:
         now = 0.0
         while len(batch.order) < batch.size:
             now, rid = heapq.heappop(heap)
+            if now > self.max_virtual_s:
+                raise RuntimeError(f"simulation passed {self.max_virtual_s:.0f} s of virtual time with "
+                                   f"{batch.size - len(batch.order)} of {batch.size} sequences unfinished")
             if now > self.clock[rid]:
                 self._advance(rid, now)
                 now = self.clock[rid]
@@ -87,6 +95,7 @@ class Simulation:
             finish_times += [now] * (len(batch.order) - done_before)
             e = self.engines[rid]
             for w in orders.start:
+                self._count_reprefill(w)
                 e.submit(w)
             if orders.give_up:
                 e.abort(orders.give_up)
@@ -102,4 +111,10 @@ class Simulation:
         return SimResult(makespan_s=max(finish_times, default=0.0), completions=completions,
                          counters=dict(core.counters), decision_times_s=core.decision_times,
                          trace=trace, finish_times=finish_times, busy_s=dict(self.busy),
-                         preemptions=sum(e.preemptions for e in self.engines.values()))
+                         preemptions=sum(e.preemptions for e in self.engines.values()),
+                         reprefill_tokens=self.reprefill_tokens)
+
+    def _count_reprefill(self, work) -> None:
+        seq = self.core.seqs.get(work.seq_id)
+        if seq is not None and work.prompt_len > seq.request.prompt_len:
+            self.reprefill_tokens += work.prompt_len
