@@ -215,3 +215,15 @@ def test_chunk_reprefill_matches_the_simulated_rounds():
     lengths = [r.hidden_length for r in reqs]
     assert chunk_reprefill(reqs, lengths, 128) == res.reprefill_tokens > 0
     assert chunk_reprefill(reqs[:1], [256], 128) == reqs[0].prompt_len + 128  # one restart, not two
+
+
+def test_sim_engine_never_imports_ray_or_vllm(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from rollout_cluster.cli import main; "
+            f"main(['bench', '--policies', 'pull,steal', '--out', {str(tmp_path)!r}] + {TINY!r}); "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'vllm', 'torch')); "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -49,15 +49,19 @@ async def timed_batch(engine, batch: int, context: int, tokens: int, rng: random
     return elapsed
 
 
-async def measure(engine, batches: list, contexts: list, decode_tokens: int, vocab: int) -> list:
-    """One point per (B, C): prefill_s, step_s, the batch's mean context during the steps."""
+async def measure(engine, batches: list, contexts: list, decode_tokens: int, vocab: int, repeats: int = 3) -> list:
+    """One point per (B, C): prefill_s, step_s, the batch's mean context during the steps.
+    Every batch size runs once first (first shapes are slow), and each timing is the minimum
+    of `repeats` runs: interference from other work on the machine only ever adds time."""
     rng = random.Random(0)
-    await timed_batch(engine, 2, min(contexts), 4, rng, vocab, "warmup")
+    for b in batches:
+        await timed_batch(engine, b, min(contexts), 2, rng, vocab, f"warmup{b}")
     points = []
     for c in contexts:
         for b in batches:
-            one = await timed_batch(engine, b, c, 1, rng, vocab, f"p{b}x{c}")
-            full = await timed_batch(engine, b, c, decode_tokens + 1, rng, vocab, f"d{b}x{c}")
+            one = min([await timed_batch(engine, b, c, 1, rng, vocab, f"p{b}x{c}r{r}") for r in range(repeats)])
+            full = min([await timed_batch(engine, b, c, decode_tokens + 1, rng, vocab, f"d{b}x{c}r{r}")
+                        for r in range(repeats)])
             step = max(1e-9, (full - one) / decode_tokens)
             points.append({"batch": b, "context": c, "prefill_s": one, "step_s": step,
                            "batch_context_tokens": b * (c + (decode_tokens + 1) / 2),
@@ -123,6 +127,7 @@ def write_profile(path: Path, model: CostModel, points: list, result: dict, kv_s
                 f"mean {result['mean_rel_error']:.3f} over {len(points)} points",
                 "# points (batch, context, prefill_s, step_s):"]
     comments += [f"#   {p['batch']}, {p['context']}, {p['prefill_s']:.6f}, {p['step_s']:.6f}" for p in points]
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(comments) + "\n" + model.to_yaml())
     sidecar = path.with_name(path.name + ".points.json")
     sidecar.write_text(json.dumps({"profile": model.name, "fit": result, "points": points}, indent=1) + "\n")
@@ -170,7 +175,8 @@ async def _calibrate(args, cfg, batches: list, contexts: list, engine_cls) -> Co
     info = await engine.start()
     init_s = time.monotonic() - t0
     try:
-        points = await measure(engine, batches, contexts, args.decode_tokens, info.vocab_size)
+        points = await measure(engine, batches, contexts, args.decode_tokens, info.vocab_size,
+                               getattr(args, "repeats", 3))
         kv, kv_source = kv_tokens_of(engine, cfg)
     finally:
         await engine.shutdown()

@@ -75,5 +75,6 @@ def add_commands(sub) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--contexts", default="64,512,1024")
     p.add_argument("--decode-tokens", type=int, default=32, help="T: tokens decoded per step measurement")
+    p.add_argument("--repeats", type=int, default=3, help="runs per timing; the minimum is kept")
     p.add_argument("--name", default=None, help="profile name (default: derived from the model)")
     p.set_defaults(fn=cmd_calibrate)
