@@ -227,3 +227,13 @@ def test_sim_engine_never_imports_ray_or_vllm(tmp_path):
             "assert not heavy, heavy")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_calibration_fit_drops_points_spoiled_by_interference():
+    a, c, e = 1e-2, 4e-7, 5e-4
+    points = [{"batch": b, "context": ctx, "batch_context_tokens": b * ctx, "step_s": a + c * b * ctx + e * b,
+               "prefill_s": 0.1 * b} for b in (1, 4, 16) for ctx in (64, 512)]
+    points.append({"batch": 32, "context": 1024, "batch_context_tokens": 32 * 1024, "step_s": 1e-9, "prefill_s": 50.0})
+    got = fit(points)
+    assert got["dropped_points"] == [(32, 1024)]
+    assert got["a"] == pytest.approx(a, rel=1e-6) and got["max_rel_error"] < 1e-9

@@ -71,14 +71,20 @@ async def measure(engine, batches: list, contexts: list, decode_tokens: int, voc
 
 
 def fit(points: list) -> dict:
-    """Least squares: step = a + c*context + e*B (a term whose coefficient comes out negative is
-    dropped and the rest refitted: noise must not make a cost negative); the prefill rate through
-    the origin on the prefill time less one fitted step. Returns a, c, e,
-    prefill_tokens_per_s and the fit's relative errors."""
+    """Least squares: step = a + c*context + e*B, over the points whose step time is positive (a
+    decode run no slower than its 1-token run means interference, not a measurement: the point
+    is dropped and listed). A term whose coefficient comes out negative is dropped and the rest
+    refitted: noise must not make a cost negative. The prefill rate is fitted through the origin
+    on the prefill time less one fitted step. Returns a, c, e, prefill_tokens_per_s and the
+    fit's relative errors over the points kept."""
     import numpy as np
 
-    X = np.array([[1.0, p["batch_context_tokens"], p["batch"]] for p in points])
-    y = np.array([p["step_s"] for p in points])
+    good = [p for p in points if p["step_s"] > 1e-6]
+    dropped = [(p["batch"], p["context"]) for p in points if p["step_s"] <= 1e-6]
+    if len(good) < 3:
+        raise ValueError(f"only {len(good)} usable points (dropped {dropped}): measure more batches or contexts")
+    X = np.array([[1.0, p["batch_context_tokens"], p["batch"]] for p in good])
+    y = np.array([p["step_s"] for p in good])
     keep = [0, 1, 2]
     while True:
         sol, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
@@ -90,13 +96,13 @@ def fit(points: list) -> dict:
         keep.remove(negative[0])
     a, c, e = (float(v) for v in coef)
     rel = np.abs(X @ coef - y) / y
-    tokens = np.array([p["batch"] * p["context"] for p in points], dtype=float)
-    step1 = np.array([a + c * p["batch"] * p["context"] + e * p["batch"] for p in points])
-    net = np.maximum(np.array([p["prefill_s"] for p in points]) - step1, 1e-9)
+    tokens = np.array([p["batch"] * p["context"] for p in good], dtype=float)
+    step1 = np.array([a + c * p["batch"] * p["context"] + e * p["batch"] for p in good])
+    net = np.maximum(np.array([p["prefill_s"] for p in good]) - step1, 1e-9)
     rate = float((tokens * tokens).sum() / (tokens * net).sum())
     return {"a": a, "c": c, "e": e, "prefill_tokens_per_s": rate,
             "max_rel_error": float(rel.max()), "mean_rel_error": float(rel.mean()),
-            "rel_errors": [round(float(r), 4) for r in rel]}
+            "rel_errors": [round(float(r), 4) for r in rel], "dropped_points": dropped}
 
 
 def kv_tokens_of(engine, cfg) -> tuple:
@@ -124,7 +130,8 @@ def step_curve(points: list) -> str:
 def write_profile(path: Path, model: CostModel, points: list, result: dict, kv_source: str) -> None:
     comments = [f"# calibrated by `rollout-cluster calibrate`; kv_tokens from {kv_source}",
                 f"# fit step = a + c*context + e*B: max rel error {result['max_rel_error']:.3f}, "
-                f"mean {result['mean_rel_error']:.3f} over {len(points)} points",
+                f"mean {result['mean_rel_error']:.3f} over {len(points) - len(result['dropped_points'])} points"
+                + (f", dropped {result['dropped_points']}" if result["dropped_points"] else ""),
                 "# points (batch, context, prefill_s, step_s):"]
     comments += [f"#   {p['batch']}, {p['context']}, {p['prefill_s']:.6f}, {p['step_s']:.6f}" for p in points]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +201,9 @@ async def _calibrate(args, cfg, batches: list, contexts: list, engine_cls) -> Co
     print(f"a={model.a:.3e} s  c={model.c:.3e} s/token  e={model.e:.3e} s/seq  "
           f"prefill {model.prefill_tokens_per_s:.0f} tok/s  kv_tokens {kv} ({kv_source})")
     print(f"max relative error of the step fit: {result['max_rel_error']:.1%}")
+    if result["dropped_points"]:
+        print(f"dropped (B, C) points whose decode run was no slower than prefill: {result['dropped_points']}; "
+              "was something else running? consider measuring again")
     print(step_curve(points))
     print(f"wrote {args.out} and {args.out}.points.json")
     return model
