@@ -237,3 +237,17 @@ def test_calibration_fit_drops_points_spoiled_by_interference():
     got = fit(points)
     assert got["dropped_points"] == [(32, 1024)]
     assert got["a"] == pytest.approx(a, rel=1e-6) and got["max_rel_error"] < 1e-9
+
+
+def test_simulate_takes_replicas_and_policy_tunables_from_a_config(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("replicas: 5\nengine:\n  kind: sim\n  max_num_seqs: 4\npolicy:\n  chunk_tokens: 64\n")
+    main(["simulate", "--policy", "chunked", "--config", str(cfg), "--prompts", "5", "--samples", "4",
+          "--median", "200", "--max-tokens", "512"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["replicas"] == 5
+    reqs = rl_longtail(LongtailSpec(prompts=5, samples=4, median=200, max_tokens=512))
+    from rollout_cluster.bench.vllm_run import chunk_reprefill
+
+    expected = chunk_reprefill(reqs, [r.hidden_length for r in reqs], 64)  # the config's chunk, not 1024
+    assert data["results"]["chunked"]["reprefill_pct"] == pytest.approx(100 * expected / data["generated_tokens"], abs=1e-3)

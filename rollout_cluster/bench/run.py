@@ -21,7 +21,8 @@ POLICIES = ("static", "chunked", "least-loaded", "pull", "steal")
 METRICS = ("makespan_s", "ratio_to_lower_bound", "tokens_per_s", "tail_s", "utilization", "migrations",
            "reprefill_pct", "decision_ms_mean", "decision_ms_p99")
 SIM_SCALE = dict(prompts=512, samples=16, median=1500.0, sigma_prompt=0.9, sigma_sample=0.5, max_tokens=16384,
-                 prompt_min=256, prompt_max=1024, replicas=32)
+                 prompt_min=256, prompt_max=1024, replicas=None)  # replicas: the config's, else 32
+SIM_REPLICAS = 32
 CPU_SCALE = dict(prompts=16, samples=4, median=200.0, sigma_prompt=1.0, sigma_sample=0.4, max_tokens=2048,
                  prompt_min=16, prompt_max=64, replicas=None)  # replicas: the config's
 
@@ -64,6 +65,14 @@ def cluster_config(args):
         cfg = dataclasses.replace(cfg, replicas=args.replicas)
         cfg.router.max_ongoing_requests = max(cfg.router.max_ongoing_requests, cfg.replicas + 8)
     return cfg.validate()
+
+
+def sim_setup(args) -> tuple:
+    """(config or None, cost model) for a simulator run; --replicas defaults to the config's, else 32."""
+    cfg = cluster_config(args)
+    if args.replicas is None:
+        args.replicas = cfg.replicas if cfg else SIM_REPLICAS
+    return cfg, cost_model(args, cfg)
 
 
 def cost_model(args, cfg) -> CostModel:
@@ -190,8 +199,7 @@ def bench(args) -> dict:
 
         result, traces = bench_vllm(args, policies, seeds)
     else:
-        cfg = cluster_config(args)
-        cost = cost_model(args, cfg)
+        cfg, cost = sim_setup(args)
         runs, traces = [], None
         with tqdm(total=len(seeds) * len(policies), desc="bench", unit="run") as bar:
             for seed in seeds:
@@ -211,8 +219,7 @@ def simulate(args) -> dict:
     """One policy on the simulator; the bench.json form on stdout."""
     args.engine = "sim"
     fill_defaults(args)
-    cfg = cluster_config(args)
-    cost = cost_model(args, cfg)
+    cfg, cost = sim_setup(args)
     run, _ = run_seed_sim(args, args.seed, cost, cfg, [args.policy])
     run["seed"] = args.seed
     print(json.dumps(run, indent=1))
