@@ -127,7 +127,7 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
                 b = bounds(requests, cost, cfg.replicas)
                 run = header("vllm", cfg.replicas, desc, b, cost, note)
                 seed_traces = {}
-                for i, name in enumerate(policies):
+                for name in policies:
                     bar.set_postfix_str(f"seed {seed} {name}")
                     reqs, _ = workload(args, seed, vocab, ids_salt=f"-{name}")
                     run["results"][name], seed_traces[name] = run_policy(

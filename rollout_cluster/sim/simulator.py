@@ -5,7 +5,8 @@ and the clock differ. Each replica pulls every `pull_interval_s` of virtual time
 when a sequence finishes); between pulls its engine advances by the cost model.
 
 Engines are FastEngineCore (sim/engine.py) by default: SimEngineCore's behaviour at a fraction
-of the cost. `engine=SimEngineCore` runs the reference engine (the equivalence test does).
+of the cost. `engine=SimEngineCore` (engines/sim_core.py) runs the reference engine, as the
+equivalence test does.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 from ..engines.cost_model import CostModel
-from ..engines.sim_core import SimEngineCore  # noqa: F401  (the reference engine; see engine=)
 from ..policy.base import Policy
 from ..router_core import RouterCore
 from ..types import EngineStats, ModelInfo, Report
