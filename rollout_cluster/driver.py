@@ -113,13 +113,14 @@ class RolloutClient:
         return self.router.take_trace.remote(batch_id).result(timeout_s=self.call_timeout_s)
 
     def shutdown(self) -> None:
+        """Delete this client's app. Disconnects from Ray if `start` connected; a local cluster
+        that `start` created ends with it, a cluster it joined (`ray start`) keeps running."""
         from ray import serve
 
         serve.delete(self.app_name)
         if self.owns_cluster:
             import ray
 
-            serve.shutdown()
             ray.shutdown()
 
     # ---- generation -----------------------------------------------------------------------
