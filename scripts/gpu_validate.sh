@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU validation steps, run on the lent H200 machine after ../shared/gpu's wheels are installed
+# (docs/benchmarks.md, "GPU"). Usage: bash scripts/gpu_validate.sh policies|overhead|calibrate
+# Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
+RC="python3 -m rollout_cluster.cli"
+# The GPU-scale rl-longtail batch of the issue (and of shared/profiles' anchor runs).
+W="--prompts 64 --samples 8 --median 1500 --sigma-prompt 0.9 --sigma-sample 0.5 --max-tokens 8192 \
+   --prompt-min 256 --prompt-max 1024 --seeds 0"
+step=$1
+mkdir -p "$OUT/$step"
+case "$step" in
+  policies)
+    $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
+    timeout 560 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies static,pull,steal $W \
+      --profile h200-7b --out "$OUT/policies" ;;
+  overhead)
+    $RC make-model models/qwen2.5-1.5b --arch qwen2.5-1.5b
+    timeout 560 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
+      --profile h200-1.5b --out "$OUT/overhead" ;;
+  calibrate)
+    $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
+    timeout 560 $RC calibrate --config configs/h200x2-7b.yaml --out "$OUT/calibrate/h200-7b-calibrated.yaml" \
+      --batches 1,16,64,256 --contexts 512,2048 --decode-tokens 64 --name h200-7b-calibrated ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac 2>&1 | grep -v " INFO \|^INFO" | tail -c 60000 > "$OUT/$step.log"
+tail -c 6000 "$OUT/$step.log"
