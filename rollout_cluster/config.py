@@ -32,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    stream_interval: int = 8  # tokens between progress deltas: per-token streaming of hundreds of requests costs the engine's process
     cpu_kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)
     cpu_bind_cores: bool = True  # pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)
     sim_profile: str = "a100-80g-7b"  # kind=sim: built-in profile name or YAML file
@@ -62,6 +63,7 @@ class PolicyConfig:
     min_gain_s: float = 0.5  # steal: a move must shorten the victim's predicted finish by this...
     min_gain_frac: float = 0.06  # steal: ...and by this fraction of it (scale-free: CPU seconds, GPU minutes)
     max_moves_per_decision: int = 32
+    max_reprefill_frac: float = 0.05  # steal: re-prefilled tokens stay below this fraction of generated tokens
     tail_isolation: bool = False  # steal: estimate remaining work from group siblings (measured: docs/benchmarks.md)
     scripted_at_tokens: list = field(default_factory=list)  # scripted: migrate at these token counts
 
@@ -99,6 +101,8 @@ class ClusterConfig:
             ("engine.max_model_len", self.engine.max_model_len >= 2, "must be >= 2"),
             ("engine.max_num_seqs", self.engine.max_num_seqs >= 1, "must be >= 1"),
             ("engine.max_num_batched_tokens", self.engine.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("engine.stream_interval", self.engine.stream_interval >= 1, "must be >= 1"),
+            ("policy.max_reprefill_frac", 0 <= self.policy.max_reprefill_frac <= 1, "must be in [0, 1]"),
             ("engine.tensor_parallel_size", self.engine.tensor_parallel_size >= 1, "must be >= 1"),
             ("engine.gpu_memory_utilization", 0 < self.engine.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("engine.cpu_kv_cache_gib", self.engine.cpu_kv_cache_gib > 0, "must be > 0"),

@@ -169,8 +169,8 @@ class RouterCore:
         return self.outbox.pop(replica_id, None) or Orders()
 
     def view(self, now: float) -> ClusterView:
-        return ClusterView(now, self.queue, self.replicas, self.groups, self.seqs,
-                           self.expected_replicas, self.finished_lengths)
+        return ClusterView(now, self.queue, self.replicas, self.groups, self.seqs, self.expected_replicas,
+                           self.finished_lengths, self.counters["generated_tokens"], self.counters["reprefill_tokens"])
 
     def expire(self, now: float) -> list:
         dead = [rid for rid, r in self.replicas.items() if now - r.last_pull_t > self.replica_timeout_s]

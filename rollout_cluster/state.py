@@ -155,6 +155,8 @@ class ClusterView:
     seqs: dict  # seq_id -> SeqState (every live batch)
     expected_replicas: int
     finished_lengths: list  # lengths of sequences finished so far (all batches), in order
+    generated_tokens: int = 0  # tokens generated so far (all batches)
+    reprefill_tokens: int = 0  # tokens re-prefilled by migrations so far
 
     @property
     def running(self) -> int:

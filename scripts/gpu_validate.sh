@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation steps, run on the lent H200 machine after ../shared/gpu's wheels are installed
-# (docs/benchmarks.md, "GPU"). Usage: bash scripts/gpu_validate.sh policies|overhead|calibrate
+# (docs/benchmarks.md, "GPU"). Usage: bash scripts/gpu_validate.sh policies|steal|overhead|calibrate
 # Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
@@ -17,8 +17,12 @@ case "$step" in
       --profile h200-7b --out "$OUT/policies" ;;
   overhead)
     $RC make-model models/qwen2.5-1.5b --arch qwen2.5-1.5b
-    timeout 560 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
+    timeout 290 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
       --profile h200-1.5b --out "$OUT/overhead" ;;
+  steal)  # the steal policy alone, on the same cluster shape as `policies`
+    $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
+    timeout 300 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies steal $W \
+      --profile h200-7b-calibrated --out "$OUT/steal" ;;
   calibrate)
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
     timeout 560 $RC calibrate --config configs/h200x2-7b.yaml --out "$OUT/calibrate/h200-7b-calibrated.yaml" \

@@ -48,6 +48,12 @@ PROFILES = {
         kv_tokens=1_912_944, max_num_seqs=256,
         source="fit of vLLM 0.26.0 on one H200, dummy Qwen2.5-7B, bf16 (shared/profiles)",
     ),
+    "h200-7b-calibrated": CostModel(
+        name="h200-7b-calibrated", a=4.462e-3, c=1.507e-8, e=1.352e-5, prefill_tokens_per_s=46_956,
+        kv_tokens=1_914_048, max_num_seqs=256,
+        source="`rollout-cluster calibrate` on one H200 of this project's GPU run: vLLM 0.26.0, dummy "
+               "Qwen2.5-7B, bf16 (configs/profiles/h200-7b-calibrated.yaml; max rel. error 9.5 %)",
+    ),
     "h200-1.5b": CostModel(
         name="h200-1.5b", a=1.99e-3, c=5.49e-9, e=2.06e-5, prefill_tokens_per_s=196_000,
         kv_tokens=4_274_528, max_num_seqs=256,

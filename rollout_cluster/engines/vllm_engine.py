@@ -29,9 +29,14 @@ def cpu_env(cfg: EngineConfig, rank: int) -> dict:
 
 
 def engine_args(cfg: EngineConfig, model: str):
+    import dataclasses
+
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(
+    extra = {}
+    if "stream_interval" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:  # not in every vLLM
+        extra["stream_interval"] = cfg.stream_interval
+    return AsyncEngineArgs(**extra,
         model=model,
         load_format=cfg.load_format,
         dtype=cfg.dtype,

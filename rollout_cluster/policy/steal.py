@@ -57,6 +57,8 @@ class StealPolicy(Policy):
         self.finish_estimate: dict = {}  # replica_id -> (time of estimate, seconds left then)
         self.last_attempt: dict = {}
         self.moves = 0
+        self.pending_reprefill = 0.0  # ordered but not yet counted by the router (decays as it counts)
+        self._counted = 0
 
     # --- estimates -------------------------------------------------------------------
     def _typical(self, view: ClusterView) -> float:
@@ -94,6 +96,9 @@ class StealPolicy(Policy):
         starts = take_for(view, replica_id, fair_take(view, replica_id))
         decision = Decision(assign=[Assign(s, replica_id) for s in starts])
         now = view.now
+        # Orders become the router's count once partials arrive; stop counting them twice.
+        self.pending_reprefill = max(0.0, self.pending_reprefill - (view.reprefill_tokens - self._counted))
+        self._counted = view.reprefill_tokens
         if now - self.last_attempt.get(replica_id, float("-inf")) < STEAL_INTERVAL_S:
             return decision
         self.last_attempt[replica_id] = now
@@ -106,6 +111,10 @@ class StealPolicy(Policy):
         if len(view.queue) > len(starts) or free <= 0 or self.cfg.max_moves_per_seq == 0:
             return decision
         budget = min(free, self.cfg.max_moves_per_decision)
+        # Migrations are an investment paid in re-prefill: keep it within a fraction of the work done.
+        allowance = self.cfg.max_reprefill_frac * view.generated_tokens - view.reprefill_tokens - self.pending_reprefill
+        if allowance <= 0:
+            return decision
         victims = sorted((rid for rid in view.replicas if rid != replica_id), key=lambda r: -self._left(r, now))
         for vid in victims[:VICTIMS_PER_DECISION]:
             if budget <= 0 or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
@@ -115,7 +124,7 @@ class StealPolicy(Policy):
             theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
             t_v = self._finish(theirs, scale_v)
             self.finish_estimate[vid] = (now, t_v)
-            movable = self._movable(theirs, now, scale_v)
+            movable = self._within(self._movable(theirs, now, scale_v), theirs, allowance)
             if not movable:
                 continue
             # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
@@ -130,6 +139,9 @@ class StealPolicy(Policy):
             if k == 0 or t_after + self._min_gain(t_v) >= t_v:
                 continue
             decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
+            cost = float(theirs.ctx[moved].sum())
+            allowance -= cost
+            self.pending_reprefill += cost
             mine = mine.plus(theirs, moved)
             self.finish_estimate[vid] = (now, self._finish(theirs.without(moved), scale_v))
             t_r = t_after
@@ -137,6 +149,16 @@ class StealPolicy(Policy):
             self.moves += k
         self.finish_estimate[replica_id] = (now, t_r)
         return decision
+
+    def _within(self, movable: list, load: Load, allowance: float) -> list:
+        """The prefix of `movable` whose re-prefill fits the allowance."""
+        out, spent = [], 0.0
+        for i in movable:
+            spent += load.ctx[i]
+            if spent > allowance:
+                break
+            out.append(i)
+        return out
 
     def _min_gain(self, t_v: float) -> float:
         return max(self.cfg.min_gain_s, self.cfg.min_gain_frac * t_v)
