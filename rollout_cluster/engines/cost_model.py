@@ -6,6 +6,7 @@ Pure: no clock, no I/O besides loading a YAML profile.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -27,6 +28,22 @@ class CostModel:
         if batch <= 0:
             return 0.0
         return self.a + self.c * context_tokens + self.e * batch
+
+    def decode_run(self, batch: int, context_tokens: int, max_steps: int, budget_s: float = math.inf) -> tuple:
+        """(k, seconds) for k decode steps of an unchanged batch whose context grows by `batch`
+        tokens a step: the most steps (at least one, at most `max_steps`) that fit in `budget_s`.
+        Step j costs a + e*B + c*(C + B*j), so k steps cost k*base + c*B*k(k-1)/2."""
+        base = self.a + self.e * batch + self.c * context_tokens
+        grow = self.c * batch
+        k = max_steps
+        if budget_s < math.inf and k > 1:
+            if grow > 0:  # largest k with k*base + grow*k(k-1)/2 <= budget
+                disc = (base - grow / 2) ** 2 + 2 * grow * budget_s
+                k_fit = int((-(base - grow / 2) + math.sqrt(max(0.0, disc))) / grow)
+            else:
+                k_fit = int(budget_s / base)
+            k = max(1, min(k, k_fit))
+        return k, k * base + grow * k * (k - 1) / 2
 
     def prefill_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

@@ -90,18 +90,8 @@ class SimEngineCore:
         k = min(min(s.stop - s.produced for s in self.running), max_steps)
         if self.cost.kv_tokens < math.inf:
             k = max(1, min(k, (self.cost.kv_tokens - self.context) // b))
-        base = self.cost.a + self.cost.e * b + self.cost.c * self.context
-        grow = self.cost.c * b
-        budget = limit_s - prefill
-        if budget < math.inf and k > 1:
-            # largest k with k*base + grow*k(k-1)/2 <= budget
-            if grow > 0:
-                disc = (base - grow / 2) ** 2 + 2 * grow * budget
-                k_fit = int((-(base - grow / 2) + math.sqrt(max(0.0, disc))) / grow)
-            else:
-                k_fit = int(budget / base)
-            k = max(1, min(k, k_fit))
-        dt = prefill + k * base + grow * k * (k - 1) / 2
+        k, run_s = self.cost.decode_run(b, self.context, k, limit_s - prefill)
+        dt = prefill + run_s
         self.last_step_s = (dt - prefill) / k
         self.steps += k
         for s in self.running:

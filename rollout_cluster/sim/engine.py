@@ -139,17 +139,8 @@ class FastEngineCore:
         k = min(self._next_end() - self.steps, max_steps)
         if cost.kv_tokens < math.inf:
             k = max(1, min(k, (cost.kv_tokens - self.context) // b))
-        base = cost.a + cost.e * b + cost.c * self.context
-        grow = cost.c * b
-        budget = limit_s - prefill
-        if budget < math.inf and k > 1:
-            if grow > 0:  # largest k with k*base + grow*k(k-1)/2 <= budget
-                disc = (base - grow / 2) ** 2 + 2 * grow * budget
-                k_fit = int((-(base - grow / 2) + math.sqrt(max(0.0, disc))) / grow)
-            else:
-                k_fit = int(budget / base)
-            k = max(1, min(k, k_fit))
-        dt = prefill + k * base + grow * k * (k - 1) / 2
+        k, run_s = cost.decode_run(b, self.context, k, limit_s - prefill)
+        dt = prefill + run_s
         self.last_step_s = (dt - prefill) / k
         self.steps += k
         self.context += b * k
