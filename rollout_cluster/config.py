@@ -64,6 +64,7 @@ class PolicyConfig:
     min_gain_frac: float = 0.06  # steal: ...and by this fraction of it (scale-free: CPU seconds, GPU minutes)
     max_moves_per_decision: int = 32
     max_reprefill_frac: float = 0.05  # steal: re-prefilled tokens stay below this fraction of generated tokens
+    spread_groups: bool = True  # steal: place a group's samples on different replicas (their lengths correlate)
     tail_isolation: bool = False  # steal: estimate remaining work from group siblings (measured: docs/benchmarks.md)
     scripted_at_tokens: list = field(default_factory=list)  # scripted: migrate at these token counts
 

@@ -214,3 +214,30 @@ def test_cancel_finishes_queued_at_once_and_running_on_confirmation():
     done, _, finished = core.fetch(bid, 0)
     assert finished and done[-1].token_ids == [3] and done[-1].finish_reason == "abort"
     assert not core.decide("a", 0.4).start
+
+
+def test_steal_spreads_a_group_over_replicas_and_pull_keeps_it_together():
+    reqs = longtail_requests(prompts=4, samples=4)
+    for policy, expect_spread in (("steal", True), ("pull", False)):
+        _, res = simulate(policy, reqs, replicas=4)
+        by_group = {}
+        for c in res.completions:
+            by_group.setdefault(c.prompt_index, set()).add(c.replicas[0])
+        spread = sum(len(r) for r in by_group.values()) / len(by_group)
+        assert (spread >= 3) if expect_spread else (spread <= 1.5), (policy, by_group)
+
+
+def test_steal_keeps_reprefill_within_budget_at_scale():
+    from rollout_cluster.engines.cost_model import load_profile as lp
+
+    cost = lp("a100-80g-7b", max_num_seqs=64)
+    reqs = longtail_requests(prompts=64, samples=8, median=1500, sigma_p=0.9, sigma_s=0.5, max_tokens=8192,
+                             prompt_range=(256, 1024))
+    results = {}
+    for name in ("static", "steal"):
+        sim = Simulation(make_policy(PolicyConfig(name=name), cost), cost, 8, pull_interval_s=0.5)
+        results[name] = sim.run(reqs)
+    steal = results["steal"]
+    assert steal.counters["migrations"] > 0
+    assert steal.counters["reprefill_tokens"] <= 0.05 * steal.counters["generated_tokens"] + 20000
+    assert steal.makespan_s < 0.97 * results["static"].makespan_s

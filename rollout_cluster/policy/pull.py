@@ -37,6 +37,32 @@ def take_for(view: ClusterView, replica_id: str, limit: int) -> list:
     return out
 
 
+def take_spread(view: ClusterView, replica_id: str, limit: int) -> list:
+    """Like `take_for`, but fresh work is taken one sample per group in turn, so the samples of
+    a group land on different replicas. Lengths correlate within a group: spreading a group
+    spreads its (unknown) long tail instead of stacking it on one replica, at the price of
+    the shared prompt's prefix-cache hits."""
+    q = view.queue
+    out = take_for(view, replica_id, 0) if q.reserved.get(replica_id) else []
+    for seq in q.continuations.values():
+        if len(out) >= limit:
+            return out
+        out.append(seq)
+    lanes = [iter(g.values()) for g in q.fresh_by_group.values()]
+    while lanes and len(out) < limit:
+        alive = []
+        for lane in lanes:
+            seq = next(lane, None)
+            if seq is None:
+                continue
+            out.append(seq)
+            alive.append(lane)
+            if len(out) >= limit:
+                break
+        lanes = alive
+    return out
+
+
 def fair_take(view: ClusterView, replica_id: str) -> int:
     """How much the puller may take: its free slots, but no more than its even share of all
     work (queued + running), so a small batch is not swallowed by the first replica to pull."""

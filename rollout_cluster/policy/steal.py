@@ -20,7 +20,7 @@ from ..engines.cost_model import CostModel
 from ..state import ClusterView, ReplicaState, SeqStatus
 from .base import Assign, Decision, GiveUp, Policy
 from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, finish_time_of
-from .pull import fair_take, take_for
+from .pull import fair_take, take_for, take_spread
 
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
 VICTIMS_PER_DECISION = 2
@@ -93,7 +93,8 @@ class StealPolicy(Policy):
     # --- decision --------------------------------------------------------------------
     def decide(self, view: ClusterView, replica_id: str) -> Decision:
         rep = view.replicas[replica_id]
-        starts = take_for(view, replica_id, fair_take(view, replica_id))
+        take = take_spread if self.cfg.spread_groups else take_for
+        starts = take(view, replica_id, fair_take(view, replica_id))
         decision = Decision(assign=[Assign(s, replica_id) for s in starts])
         now = view.now
         # Orders become the router's count once partials arrive; stop counting them twice.
