@@ -1,0 +1,38 @@
+"""`serve run rollout_cluster.serve.app:build config=...` builds the whole graph from YAML args."""
+from pathlib import Path
+
+import pytest
+
+from rollout_cluster.config import ConfigError, load_config
+from rollout_cluster.serve.app import build, replica_options
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def deployments(app):
+    from ray.serve._private.build_app import build_app
+
+    built = build_app(app, name="rollout")
+    return {d.name: d for d in built.deployments}
+
+
+def test_build_from_yaml_path_binds_router_replicas_and_gateway():
+    d = deployments(build({"config": str(ROOT / "configs" / "a100x32.yaml")}))
+    assert set(d) == {"Router", "EngineReplica", "Gateway"}
+    assert d["Router"].num_replicas == 1 and d["Router"].max_ongoing_requests == 4096
+    assert d["EngineReplica"].num_replicas == 32
+    assert d["EngineReplica"].ray_actor_options["num_gpus"] == 1
+
+
+def test_build_from_inline_mapping_and_bad_args_fail_clearly():
+    d = deployments(build({"replicas": 3, "engine": {"kind": "sim"}}))
+    assert d["EngineReplica"].num_replicas == 3
+    with pytest.raises(ConfigError, match="replicas=0"):
+        build({"replicas": 0})
+
+
+def test_tensor_parallel_replicas_get_a_placement_group():
+    cfg = load_config({"engine": {"tensor_parallel_size": 4}, "resources": {"num_gpus": 1, "num_cpus": 2}})
+    opts = replica_options(cfg)
+    assert opts["placement_group_bundles"] == [{"CPU": 2.0}] + [{"GPU": 1}] * 4
+    assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["ray_actor_options"]["num_gpus"] == 0
