@@ -241,3 +241,17 @@ def test_steal_keeps_reprefill_within_budget_at_scale():
     assert steal.counters["migrations"] > 0
     assert steal.counters["reprefill_tokens"] <= 0.05 * steal.counters["generated_tokens"] + 20000
     assert steal.makespan_s < 0.97 * results["static"].makespan_s
+
+
+def test_steal_vectorised_estimate_equals_the_scalar_one():
+    """Regression: the steal policy's numpy path must agree with estimate.expected_remaining."""
+    from types import SimpleNamespace
+
+    from rollout_cluster.policy.estimate import expected_remaining
+    from rollout_cluster.policy.steal import StealPolicy
+
+    seqs = [SimpleNamespace(generated=g, max_tokens=m, context_tokens=100 + g, group=None)
+            for g, m in [(0, 50), (10, 50), (49, 50), (300, 4000), (3000, 4000), (5, 16384)]]
+    view = SimpleNamespace(groups={})
+    load = StealPolicy(PolicyConfig(name="steal"), COST)._load(view, seqs, typical=200.0)
+    assert list(load.rem) == [expected_remaining(s, None, 200.0, use_group=False) for s in seqs]
