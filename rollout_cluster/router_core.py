@@ -16,6 +16,17 @@ from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, W
 from .types import Completion, InputError, Migration, ModelInfo, Orders, Report, SequenceRequest, Work
 
 
+# A long-lived router serves batch after batch: its statistics keep a bounded recent window.
+DECISION_TIMES_KEPT = 100_000
+FINISHED_LENGTHS_KEPT = 4096
+
+
+def _append_bounded(values: list, value, keep: int) -> None:
+    values.append(value)
+    if len(values) > 2 * keep:  # trim in bulk: amortised O(1) per append
+        del values[:-keep]
+
+
 class NoLiveReplicaError(RuntimeError):
     pass
 
@@ -163,7 +174,7 @@ class RouterCore:
             decision = self.policy.decide(self.view(now), replica_id)
             if timer:
                 dt = timer() - t0
-                self.decision_times.append(dt)
+                _append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
                 self.metrics.decision(dt)
             self._apply_decision(decision, now)
         return self.outbox.pop(replica_id, None) or Orders()
@@ -276,7 +287,7 @@ class RouterCore:
                           now - seq.submitted_t)
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
-            self.finished_lengths.append(seq.generated)
+            _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
             g = self.groups.get(seq.group)
             if g is not None:
                 g.finished += 1

@@ -154,7 +154,7 @@ class ClusterView:
     groups: dict  # group -> GroupState
     seqs: dict  # seq_id -> SeqState (every live batch)
     expected_replicas: int
-    finished_lengths: list  # lengths of sequences finished so far (all batches), in order
+    finished_lengths: list  # lengths of recently finished sequences (a bounded window), in order
     generated_tokens: int = 0  # tokens generated so far (all batches)
     reprefill_tokens: int = 0  # tokens re-prefilled by migrations so far
 

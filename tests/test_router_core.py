@@ -255,3 +255,23 @@ def test_steal_vectorised_estimate_equals_the_scalar_one():
     view = SimpleNamespace(groups={})
     load = StealPolicy(PolicyConfig(name="steal"), COST)._load(view, seqs, typical=200.0)
     assert list(load.rem) == [expected_remaining(s, None, 200.0, use_group=False) for s in seqs]
+
+
+def test_long_lived_router_keeps_bounded_statistics():
+    """Regression: decision times and finished lengths grew by one entry per pull / sequence forever."""
+    from rollout_cluster import router_core
+
+    core = _core()
+    _register(core, "a", capacity=64)
+    for b in range(3):
+        bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=3), 0, j) for j in range(40)], float(b))
+        works = core.decide("a", float(b), timer=lambda: 0.0).start
+        core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, w.attempt, [5, 6, 7], None, "length") for w in works],
+                              EngineStats(), None, 64), b + 0.5)
+        assert core.fetch(bid, 0)[2]
+        core.release(bid)
+    assert len(core.finished_lengths) == 120
+    small = 10
+    for i in range(100):
+        router_core._append_bounded(core.finished_lengths, i, small)
+    assert small <= len(core.finished_lengths) <= 2 * small and core.finished_lengths[-1] == 99

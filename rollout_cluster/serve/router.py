@@ -30,7 +30,7 @@ class Router:
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics)
         self.work_ready: dict = {}  # replica_id -> Event: set when its outbox or the queue gains work
         self.batch_progress: dict = {}  # batch_id -> Event
-        self.submit_t: dict = {}  # batch_id -> router clock at submission (trace alignment)
+        self.submit_t: dict = {}  # batch_id -> router clock at submission, while tracing (trace alignment)
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
@@ -81,7 +81,8 @@ class Router:
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
         bid = self.core.submit(requests, time.monotonic())
-        self.submit_t[bid] = self.core.batches[bid].submitted_t
+        if self.core.trace is not None:
+            self.submit_t[bid] = self.core.batches[bid].submitted_t
         self.batch_progress[bid] = asyncio.Event()
         self._wake_all()
         if self.core.batches[bid].order:
@@ -131,7 +132,7 @@ class Router:
 
     async def take_trace(self, batch_id: str) -> list:
         """The recorded trace with times relative to `batch_id`'s submission; clears it."""
-        t0 = self.submit_t.get(batch_id, 0.0)
+        t0 = self.submit_t.pop(batch_id, 0.0)
         out = [(t - t0, rid, n) for t, rid, n in (self.core.trace or [])]
         if self.core.trace is not None:
             self.core.trace = []
