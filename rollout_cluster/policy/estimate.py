@@ -82,21 +82,20 @@ def finish_time(remaining_and_context: list, cost: CostModel, scale: float = 1.0
     return finish_time_of(arr[:, 0], arr[:, 1], cost, scale)
 
 
+def own_costs(rem: np.ndarray, ctx: np.ndarray, cost: CostModel) -> np.ndarray:
+    """Each sequence's own share of the step costs while it runs rem more tokens from context
+    ctx: e per step, and c per context token per step (its context grows by one a step)."""
+    return cost.e * rem + cost.c * (ctx * rem + rem * rem / 2.0)
+
+
 def finish_time_of(rem: np.ndarray, ctx: np.ndarray, cost: CostModel, scale: float = 1.0) -> float:
     """Seconds until the last of these sequences finishes on one replica, if they decode
     together and sequence i stops after rem[i] more tokens (ctx[i]: its context now).
 
-    Sorted by remaining r_1 <= ... <= r_m, interval i (from r_{i-1} to r_i) runs b_i = m-i+1
-    sequences whose context is sum_{j>=i} ctx_j + b_i * r_{i-1}, growing b_i tokens a step."""
+    The step cost a + c*context + e*batch is additive over the batch: the replica pays `a` once
+    a step for as long as anything runs (the longest remaining), and every sequence pays its
+    own e and c terms for its own steps (`own_costs`). So the estimate is O(n) with no sort, and
+    the estimate after adding or removing sequences is a sum and a max away."""
     if len(rem) == 0:
         return 0.0
-    order = np.argsort(rem, kind="stable")
-    r, c = rem[order], ctx[order]
-    prev = np.empty_like(r)
-    prev[0] = 0.0
-    prev[1:] = r[:-1]
-    dt = r - prev
-    batch = np.arange(len(r), 0, -1, dtype=np.float64)
-    context = np.cumsum(c[::-1])[::-1] + batch * prev
-    t = dt * (cost.a + cost.e * batch + cost.c * (context + batch * dt / 2.0))
-    return float(t.sum()) * scale
+    return float(cost.a * rem.max() + own_costs(rem, ctx, cost).sum()) * scale

@@ -1,17 +1,21 @@
 """`steal`: pull dispatch, then work-stealing once the global queue is empty.
 
 Algorithm, at a pull by replica R with free slots and nothing queued (rate-limited per replica):
-1. Estimate R's finish time T_R; every other replica's estimate is the one made at its own
-   latest pull, aged by the time since. A decision therefore costs O(batch of R + batch of V).
-2. For victims V in decreasing T_V (at most three): the movable sequences of V (not pinned,
+1. Estimate R's finish time T_R; every other replica's estimate (and its load) is the one made
+   at its own latest attempt, aged by the time since. An attempt costs O(batch of R) numpy work
+   (estimate.finish_time_of is O(n), without a sort) and O(moves) Python work.
+2. For the victim V with the latest T_V: the movable sequences of V (not pinned,
    moved fewer than `max_moves_per_seq` times, last moved over `min_move_interval_s` ago, with
    enough expected work left to repay a re-prefill) in decreasing expected remaining work.
    Moving the k longest shortens V (T_V(k) falls with k) and lengthens R (T_R(k) rises with k):
-   binary-search the k that minimises max(T_V(k), T_R(k) + re-prefill), and move them if that
-   beats T_V by max(`min_gain_s`, `min_gain_frac` x T_V). The longest-expected work lands on the lightly loaded replica, so
+   evaluate every k (a running sum and max, `_best_k`) and take the one minimising
+   max(T_V(k), T_R(k) + re-prefill); move them if that beats T_V by max(`min_gain_s`,
+   `min_gain_frac` x T_V). The longest-expected work lands on the lightly loaded replica, so
    the tail decodes at small-batch speed.
 """
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 
@@ -19,7 +23,7 @@ from ..config import PolicyConfig
 from ..engines.cost_model import CostModel
 from ..state import ClusterView, ReplicaState, SeqStatus
 from .base import Assign, Decision, GiveUp, Policy
-from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, finish_time_of
+from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, own_costs
 from .pull import fair_take, take_for, take_spread
 
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
@@ -29,23 +33,30 @@ REPAY_FACTOR = 20.0  # a move needs expected decode time left >= this x its re-p
 
 
 class Load:
-    """The sequences of one replica as arrays: expected remaining tokens, context, the seqs."""
+    """The sequences of one replica as arrays (expected remaining tokens, context, the seqs),
+    with what the finish-time estimate needs: each sequence's own cost, their sum, the longest."""
 
-    __slots__ = ("rem", "ctx", "seqs")
+    __slots__ = ("rem", "ctx", "seqs", "own", "total", "longest")
 
-    def __init__(self, rem, ctx, seqs):
+    def __init__(self, rem, ctx, seqs, cost: CostModel):
         self.rem, self.ctx, self.seqs = rem, ctx, seqs
+        self.own = own_costs(rem, ctx, cost)
+        self.total = float(self.own.sum())
+        self.longest = float(rem.max()) if len(rem) else 0.0
 
-    def without(self, idx, arrays_only: bool = False) -> "Load":
+    def finish(self, cost: CostModel, scale: float) -> float:
+        """estimate.finish_time_of, from the cached sums."""
+        return (cost.a * self.longest + self.total) * scale if len(self.rem) else 0.0
+
+    def without(self, idx, cost: CostModel) -> "Load":
         keep = np.ones(len(self.rem), dtype=bool)
         keep[list(idx)] = False
-        seqs = None if arrays_only else [s for s, k in zip(self.seqs, keep) if k]
-        return Load(self.rem[keep], self.ctx[keep], seqs)
+        return Load(self.rem[keep], self.ctx[keep], [s for s, k in zip(self.seqs, keep) if k], cost)
 
-    def plus(self, other: "Load", idx, arrays_only: bool = False) -> "Load":
+    def plus(self, other: "Load", idx, cost: CostModel) -> "Load":
         idx = list(idx)
-        seqs = None if arrays_only else self.seqs + [other.seqs[i] for i in idx]
-        return Load(np.concatenate((self.rem, other.rem[idx])), np.concatenate((self.ctx, other.ctx[idx])), seqs)
+        return Load(np.concatenate((self.rem, other.rem[idx])), np.concatenate((self.ctx, other.ctx[idx])),
+                    self.seqs + [other.seqs[i] for i in idx], cost)
 
 
 class StealPolicy(Policy):
@@ -55,30 +66,37 @@ class StealPolicy(Policy):
         self.cfg = cfg
         self.cost = cost
         self.finish_estimate: dict = {}  # replica_id -> (time of estimate, seconds left then)
+        self.loads: dict = {}  # replica_id -> (time, Load) built at that replica's own latest attempt
         self.last_attempt: dict = {}
         self.moves = 0
         self.pending_reprefill = 0.0  # ordered but not yet counted by the router (decays as it counts)
         self._counted = 0
+        self._typical_t, self._typical_value = float("-inf"), float(TYPICAL_LENGTH_FLOOR)
 
     # --- estimates -------------------------------------------------------------------
     def _typical(self, view: ClusterView) -> float:
-        recent = view.finished_lengths[-512:]
-        if len(recent) < 8:
-            return float(TYPICAL_LENGTH_FLOOR)
-        return float(max(TYPICAL_LENGTH_FLOOR, sorted(recent)[len(recent) // 2]))
+        """Median length of recently finished sequences, refreshed once a steal interval."""
+        if view.now - self._typical_t >= STEAL_INTERVAL_S or view.now < self._typical_t:
+            window = view.finished_lengths[-512:]
+            median = float(np.median(window)) if len(window) >= 8 else 0.0
+            self._typical_t, self._typical_value = view.now, max(float(TYPICAL_LENGTH_FLOOR), median)
+        return self._typical_value
 
     def _load(self, view: ClusterView, seqs: list, typical: float) -> Load:
-        n = len(seqs)
-        ctx = np.fromiter((s.context_tokens for s in seqs), dtype=np.float64, count=n)
+        if not seqs:
+            return Load(np.zeros(0), np.zeros(0), seqs, self.cost)
+        # The hot path: one flat list per column (numpy converts those far faster than tuples).
+        g = np.array([s.generated for s in seqs], dtype=np.float64)
+        reqs = [s.request for s in seqs]
+        ctx = g + np.array([r.prompt_len for r in reqs], dtype=np.float64)
+        cap = np.array([r.sampling.max_tokens for r in reqs], dtype=np.float64)
         if self.cfg.tail_isolation:
             groups = view.groups
             rem = np.fromiter((expected_remaining(s, groups.get(s.group), typical) for s in seqs),
-                              dtype=np.float64, count=n)
-        else:  # expected_remaining without group information, vectorised (the hot path)
-            g = np.fromiter((s.generated for s in seqs), dtype=np.float64, count=n)
-            cap = np.fromiter((s.max_tokens for s in seqs), dtype=np.float64, count=n)
+                              dtype=np.float64, count=len(seqs))
+        else:  # expected_remaining without group information, vectorised
             rem = np.maximum(1.0, np.minimum(cap - g, np.maximum(2.0 * g, typical) - g))
-        return Load(rem, ctx, seqs)
+        return Load(rem, ctx, seqs, self.cost)
 
     def _scale(self, rep: ReplicaState) -> float:
         """Measured / modelled step time: corrects the profile for this replica's hardware."""
@@ -89,7 +107,7 @@ class StealPolicy(Policy):
         return min(4.0, max(0.25, st.step_time_s / predicted))
 
     def _finish(self, load: Load, scale: float) -> float:
-        return finish_time_of(load.rem, load.ctx, self.cost, scale)
+        return load.finish(self.cost, scale)
 
     def _left(self, rid: str, now: float) -> float:
         t0, est = self.finish_estimate.get(rid, (now, 0.0))
@@ -113,6 +131,7 @@ class StealPolicy(Policy):
         scale_r = self._scale(rep)
         t_r = self._finish(mine, scale_r)
         self.finish_estimate[replica_id] = (now, t_r)
+        self.loads[replica_id] = (now, mine)
         free = rep.capacity - rep.load - len(starts)
         if len(view.queue) > len(starts) or free <= 0 or self.cfg.max_moves_per_seq == 0:
             return decision
@@ -121,24 +140,26 @@ class StealPolicy(Policy):
         allowance = self.cfg.max_reprefill_frac * view.generated_tokens - view.reprefill_tokens - self.pending_reprefill
         if allowance <= 0:
             return decision
-        victims = sorted((rid for rid in view.replicas if rid != replica_id), key=lambda r: -self._left(r, now))
-        for vid in victims[:VICTIMS_PER_DECISION]:
+        others = [rid for rid in view.replicas if rid != replica_id]
+        victims = heapq.nlargest(VICTIMS_PER_DECISION, others, key=lambda r: self._left(r, now))
+        for vid in victims:
             if budget <= 0 or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
                 break
             victim = view.replicas[vid]
             scale_v = self._scale(victim)
-            theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
-            t_v = self._finish(theirs, scale_v)
-            self.finish_estimate[vid] = (now, t_v)
-            movable = self._within(self._movable(theirs, now, scale_v), theirs, allowance)
+            theirs, age = self._victim_load(view, vid, now, typical)
+            t_v = self._finish(theirs, scale_v) - age
+            movable = self._within(self._movable(theirs, vid, now, scale_v, budget + 1), theirs, allowance)
             if not movable:
                 continue
             # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
             # shed the rest of V's batch to R so V's critical sequence decodes at a smaller batch.
             critical = int(np.argmax(theirs.rem))
             best = (0, t_v, [])
-            for cand in (movable[:budget], [i for i in movable if i != critical][:budget]):
-                k, t_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
+            whole = movable[:budget]
+            shed = [i for i in movable if i != critical][:budget]
+            for cand in (whole, shed) if shed != whole else (whole,):
+                k, t_after = self._best_k(theirs, cand, mine, scale_v, scale_r, age)
                 if k and t_after < best[1]:
                     best = (k, t_after, cand[:k])
             k, t_after, moved = best
@@ -148,13 +169,30 @@ class StealPolicy(Policy):
             cost = float(theirs.ctx[moved].sum())
             allowance -= cost
             self.pending_reprefill += cost
-            mine = mine.plus(theirs, moved)
-            self.finish_estimate[vid] = (now, self._finish(theirs.without(moved), scale_v))
+            mine = mine.plus(theirs, moved, self.cost)
+            rest = theirs.without(moved, self.cost)
+            self.loads[vid] = (now - age, rest)
+            self.finish_estimate[vid] = (now, self._finish(rest, scale_v) - age)
             t_r = t_after
             budget -= k
             self.moves += k
         self.finish_estimate[replica_id] = (now, t_r)
+        self.loads[replica_id] = (now, mine)
         return decision
+
+    def _victim_load(self, view: ClusterView, vid: str, now: float, typical: float) -> tuple:
+        """The victim's load as its own latest attempt saw it (at most 2 steal intervals old):
+        progress since then only makes the estimate a little long, and `_movable` re-checks
+        that each candidate still runs there. Reusing it halves the cost of an attempt.
+        Returns (load, its age in seconds)."""
+        t, load = self.loads.get(vid, (float("-inf"), None))
+        if load is None or now - t > 2 * STEAL_INTERVAL_S:
+            seqs = [s for s in view.replicas[vid].seqs.values() if s.status is SeqStatus.RUNNING]
+            load = self._load(view, seqs, typical)
+            self.loads[vid] = (now, load)
+            self.finish_estimate[vid] = (now, self._finish(load, self._scale(view.replicas[vid])))
+            t = now
+        return load, now - t
 
     def _within(self, movable: list, load: Load, allowance: float) -> list:
         """The prefix of `movable` whose re-prefill fits the allowance."""
@@ -169,42 +207,52 @@ class StealPolicy(Policy):
     def _min_gain(self, t_v: float) -> float:
         return max(self.cfg.min_gain_s, self.cfg.min_gain_frac * t_v)
 
-    def _movable(self, load: Load, now: float, scale: float) -> list:
-        """Indices of sequences that may move and repay their re-prefill, longest work first."""
+    def _movable(self, load: Load, replica_id: str, now: float, scale: float, limit: int) -> list:
+        """Indices of up to `limit` sequences that may move and repay their re-prefill, longest
+        work first. The repay rule is vectorised; the per-sequence rules run only on the few
+        longest, so an attempt costs O(batch) numpy work and O(limit) Python work."""
         cfg = self.cfg
         step = self.cost.step_s(1, 0) * scale
-        out = [i for i, s in enumerate(load.seqs)
-               if s.migratable and s.moves < cfg.max_moves_per_seq and now - s.last_move_t >= cfg.min_move_interval_s
-               and load.rem[i] * step >= REPAY_FACTOR * (self.cost.prefill_s(load.ctx[i]) + MIGRATION_OVERHEAD_S)]
-        out.sort(key=lambda i: -load.rem[i])
+        repays = load.rem * step >= REPAY_FACTOR * (load.ctx / self.cost.prefill_tokens_per_s + MIGRATION_OVERHEAD_S)
+        out = []
+        for i in np.flatnonzero(repays)[np.argsort(-load.rem[repays], kind="stable")]:
+            s = load.seqs[i]
+            if (s.status is SeqStatus.RUNNING and s.replica == replica_id and s.migratable
+                    and s.moves < cfg.max_moves_per_seq and now - s.last_move_t >= cfg.min_move_interval_s):
+                out.append(int(i))
+                if len(out) >= limit:
+                    break
         return out
 
-    def _best_k(self, theirs: Load, cand: list, mine: Load, scale_v: float, scale_r: float) -> tuple:
+    def _best_k(self, theirs: Load, cand: list, mine: Load, scale_v: float, scale_r: float,
+                v_age: float = 0.0) -> tuple:
         """The k in [0, len(cand)] minimising the later of the two finishes if V's candidates
-        cand[:k] move to R, by binary search on the crossing of T_V(k) (falling) and T_R(k)
-        (rising). Returns (k, that finish)."""
-        def finishes(k):
-            moved = cand[:k]
-            reprefill = (float(theirs.ctx[moved].sum()) / self.cost.prefill_tokens_per_s * scale_r
-                         + MIGRATION_OVERHEAD_S) if k else 0.0
-            return (self._finish(theirs.without(moved, True), scale_v),
-                    self._finish(mine.plus(theirs, moved, True), scale_r) + reprefill)
-
-        lo, hi = 0, len(cand)
-        while lo < hi:  # smallest k with T_R(k) >= T_V(k)
-            mid = (lo + hi) // 2
-            t_v, t_r = finishes(mid)
-            if t_r >= t_v:
-                hi = mid
-            else:
-                lo = mid + 1
-        best = (0, max(finishes(0)))
-        for k in sorted({max(1, lo - 1), lo}):
-            if 0 < k <= len(cand):
-                t = max(finishes(k))
-                if t < best[1]:
-                    best = (k, t)
-        return best
+        cand[:k] move to R (R pays their re-prefill). With the additive cost (finish_time_of),
+        moving cand[:k] takes their own costs off V and onto R, and changes only the longest
+        work left on each side: a running sum and a running max over k, O(len(cand)) after one
+        O(batch) max. V's load is `v_age` seconds old. Returns (k, that finish)."""
+        a, prefill = self.cost.a, self.cost.prefill_tokens_per_s
+        staying = np.ones(len(theirs.rem), dtype=bool)
+        staying[cand] = False
+        rest_max = float(theirs.rem[staying].max()) if staying.any() else 0.0
+        rem_c, own_c, ctx_c = theirs.rem[cand].tolist(), theirs.own[cand].tolist(), theirs.ctx[cand].tolist()
+        left_max = [rest_max] * (len(cand) + 1)  # longest left on V once cand[:k] are gone
+        for k in range(len(cand) - 1, -1, -1):
+            left_max[k] = max(left_max[k + 1], rem_c[k])
+        best_k, best_t = 0, max(theirs.finish(self.cost, scale_v) - v_age, mine.finish(self.cost, scale_r))
+        moved_own = moved_ctx = 0.0
+        got_max = mine.longest
+        for k in range(1, len(cand) + 1):
+            moved_own += own_c[k - 1]
+            moved_ctx += ctx_c[k - 1]
+            got_max = max(got_max, rem_c[k - 1])
+            t_v = (a * left_max[k] + theirs.total - moved_own) * scale_v - v_age if left_max[k] > 0 else 0.0
+            t_r = ((a * got_max + mine.total + moved_own) * scale_r
+                   + moved_ctx / prefill * scale_r + MIGRATION_OVERHEAD_S)
+            if max(t_v, t_r) < best_t:
+                best_k, best_t = k, max(t_v, t_r)
+        return best_k, best_t
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.finish_estimate.pop(replica_id, None)
+        self.loads.pop(replica_id, None)

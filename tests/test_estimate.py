@@ -1,0 +1,67 @@
+"""The policy's finish-time estimate against a step-by-step reference, and steal's evaluation of
+every move count against brute force."""
+import numpy as np
+import pytest
+
+from rollout_cluster.config import PolicyConfig
+from rollout_cluster.engines.cost_model import PROFILES
+from rollout_cluster.policy.estimate import finish_time_of
+from rollout_cluster.policy.steal import MIGRATION_OVERHEAD_S, Load, StealPolicy
+
+COST = PROFILES["a100-80g-7b"]
+
+
+def stepwise(rem, ctx, cost):
+    """Decode step by step: every step costs a + c*context + e*batch; sequences stop after rem."""
+    rem, ctx = list(rem), list(ctx)
+    t, done = 0.0, 0
+    while any(r > done for r in rem):
+        live = [i for i, r in enumerate(rem) if r > done]
+        t += cost.a + cost.e * len(live) + cost.c * sum(ctx[i] + done for i in live)
+        done += 1
+    return t
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_finish_time_of_matches_stepwise_decoding(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    rem = rng.integers(1, 400, n).astype(float)
+    ctx = rng.integers(16, 3000, n).astype(float)
+    want = stepwise(rem, ctx, COST)
+    # The closed form integrates the context growth continuously (r^2/2 against r(r-1)/2).
+    assert finish_time_of(rem, ctx, COST) == pytest.approx(want, rel=2e-3)
+    assert finish_time_of(rem, ctx, COST, scale=2.0) == pytest.approx(2 * want, rel=2e-3)
+
+
+def test_one_sequence_alone_and_in_a_crowd():
+    alone = finish_time_of(np.array([100.0]), np.array([50.0]), COST)
+    crowded = finish_time_of(np.array([100.0] + [60.0] * 200), np.array([50.0] * 201), COST)
+    assert alone == pytest.approx(stepwise([100], [50], COST), rel=2e-3)
+    assert crowded == pytest.approx(stepwise([100] + [60] * 200, [50] * 201, COST), rel=2e-3)
+    assert crowded > alone
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_k_equals_brute_force_over_every_k(seed):
+    rng = np.random.default_rng(seed)
+    policy = StealPolicy(PolicyConfig(name="steal"), COST)
+    nv, nr = int(rng.integers(2, 200)), int(rng.integers(0, 20))
+    theirs = Load(rng.integers(1, 6000, nv).astype(float), rng.integers(16, 9000, nv).astype(float), [None] * nv, COST)
+    mine = Load(rng.integers(1, 3000, nr).astype(float), rng.integers(16, 9000, nr).astype(float), [None] * nr, COST)
+    movable = [int(i) for i in np.argsort(-theirs.rem, kind="stable") if rng.random() < 0.7][:32]
+    scale_v, scale_r = 1.0 + rng.random(), 0.5 + rng.random()
+    k, t = policy._best_k(theirs, movable, mine, scale_v, scale_r)
+    brute = []
+    for j in range(len(movable) + 1):
+        moved = movable[:j]
+        rest = np.ones(nv, dtype=bool)
+        rest[moved] = False
+        t_v = finish_time_of(theirs.rem[rest], theirs.ctx[rest], COST, scale_v)
+        t_r = finish_time_of(np.concatenate((mine.rem, theirs.rem[moved])),
+                             np.concatenate((mine.ctx, theirs.ctx[moved])), COST, scale_r)
+        if j:
+            t_r += theirs.ctx[moved].sum() / COST.prefill_tokens_per_s * scale_r + MIGRATION_OVERHEAD_S
+        brute.append(max(t_v, t_r))
+    assert t == pytest.approx(min(brute), rel=1e-9)
+    assert brute[k] == pytest.approx(min(brute), rel=1e-9)
