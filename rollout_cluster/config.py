@@ -33,6 +33,10 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     stream_interval: int = 8  # tokens between progress deltas: per-token streaming of hundreds of requests costs the engine's process
+    # Ray starts workers at nice 15 (RAY_worker_niceness) so that raylet and GCS stay responsive;
+    # an engine inheriting that loses its core to any nice-0 process. The replica resets its own
+    # niceness to this before the engine spawns its processes (null: leave Ray's).
+    niceness: Optional[int] = 0
     cpu_kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)
     cpu_bind_cores: bool = True  # pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)
     sim_profile: str = "a100-80g-7b"  # kind=sim: built-in profile name or YAML file
@@ -103,6 +107,8 @@ class ClusterConfig:
             ("engine.max_num_seqs", self.engine.max_num_seqs >= 1, "must be >= 1"),
             ("engine.max_num_batched_tokens", self.engine.max_num_batched_tokens >= 1, "must be >= 1"),
             ("engine.stream_interval", self.engine.stream_interval >= 1, "must be >= 1"),
+            ("engine.niceness", self.engine.niceness is None or -20 <= self.engine.niceness <= 19,
+             "must be null or in [-20, 19]"),
             ("policy.max_reprefill_frac", 0 <= self.policy.max_reprefill_frac <= 1, "must be in [0, 1]"),
             ("engine.tensor_parallel_size", self.engine.tensor_parallel_size >= 1, "must be >= 1"),
             ("engine.gpu_memory_utilization", 0 < self.engine.gpu_memory_utilization <= 1, "must be in (0, 1]"),

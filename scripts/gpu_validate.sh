@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # GPU validation steps, run on the lent H200 machine after ../shared/gpu's wheels are installed
-# (docs/benchmarks.md, "GPU"). Usage: bash scripts/gpu_validate.sh policies|steal|overhead|calibrate
-# Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log.
+# (docs/benchmarks.md, "GPU"). Usage: [SEEDS=0] bash scripts/gpu_validate.sh policies|steal|overhead|calibrate
+# Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log; `overhead`
+# also samples `top` every 5 s into $OUT/overhead/top.log and runs scripts/overhead_probe.py.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
 RC="python3 -m rollout_cluster.cli"
 # The GPU-scale rl-longtail batch of the issue (and of shared/profiles' anchor runs).
 W="--prompts 64 --samples 8 --median 1500 --sigma-prompt 0.9 --sigma-sample 0.5 --max-tokens 8192 \
-   --prompt-min 256 --prompt-max 1024 --seeds 0"
+   --prompt-min 256 --prompt-max 1024"
 step=$1
+SEEDS=${SEEDS:-0}
 mkdir -p "$OUT/$step"
 case "$step" in
   policies)
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
-    timeout 560 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies static,pull,steal $W \
-      --profile h200-7b --out "$OUT/policies" ;;
+    timeout 570 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies static,pull,steal $W --seeds $SEEDS \
+      --profile h200-7b-calibrated --out "$OUT/policies" ;;
   overhead)
     $RC make-model models/qwen2.5-1.5b --arch qwen2.5-1.5b
-    timeout 290 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
-      --profile h200-1.5b --out "$OUT/overhead" ;;
+    while true; do date +%T; top -b -n 2 -d 2 -o %CPU -w 200 | awk '/^top -/{n++} n==2' | sed -n 7,18p; sleep 3
+    done > "$OUT/overhead/top.log" 2>&1 &
+    sampler=$!
+    timeout 330 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
+      --seeds $SEEDS --profile h200-1.5b --out "$OUT/overhead"
+    timeout 200 python3 scripts/overhead_probe.py --config configs/h200-1.5b.yaml $W --seed ${SEEDS%%,*} \
+      --out "$OUT/overhead"
+    kill $sampler ;;
   steal)  # the steal policy alone, on the same cluster shape as `policies`
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
-    timeout 300 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies steal $W \
+    timeout 300 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies steal $W --seeds $SEEDS \
       --profile h200-7b-calibrated --out "$OUT/steal" ;;
   calibrate)
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..types import SamplingSpec, SequenceRequest, Work
 from .bounds import bounds
 from .report import trace_by_replica
-from .run import cluster_config, cost_model, header, policy_metrics, workload
+from .run import cluster_config, cost_model, header, percentile, policy_metrics, tail_s, workload
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 WARMUP_TOKENS = 16
@@ -87,6 +87,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
                          utilization(trace, makespan, cfg.replicas),
                          sum(len(c.migrations) for c in completions), reprefill,
                          (status["decision_ms_mean"], status["decision_ms_p99"]), lower)
+    row["median_finish_s"] = round(percentile([c.finish_time_s for c in completions], 0.5), 4)
     if counters["generated_tokens"] != generated:
         row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing
     return row, trace
@@ -151,6 +152,8 @@ def bare_summary(bare: dict, run: dict, cfg) -> dict:
     """The bare engine's figures beside the 1-replica pull run of the same seed."""
     out = {"makespan_s": round(bare["makespan_s"], 4),
            "tokens_per_s": round(bare["tokens"] / bare["makespan_s"], 2) if bare["makespan_s"] else 0.0,
+           "tail_s": round(tail_s(bare["finish_times"]), 4),
+           "median_finish_s": round(percentile(bare["finish_times"], 0.5), 4),
            "max_num_seqs": cfg.engine.max_num_seqs, "max_num_batched_tokens": cfg.engine.max_num_batched_tokens,
            "router_overhead_pct": None}
     pull = run["results"].get("pull")

@@ -28,6 +28,25 @@ def cpu_env(cfg: EngineConfig, rank: int) -> dict:
     return env
 
 
+def set_niceness(target) -> str | None:
+    """Give this process (and the engine processes it spawns, which inherit it) niceness
+    `target`. Ray runs workers at nice 15; an engine left there yields its core to every nice-0
+    process (the driver, raylet, GCS, the dashboard). Raising priority needs CAP_SYS_NICE (root
+    has it): without it, return a warning naming the other way (RAY_worker_niceness=0 at
+    `ray start`). None: nothing to do or done."""
+    if target is None or not hasattr(os, "getpriority"):
+        return None
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current == target:
+        return None
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, target)
+    except OSError as e:
+        return (f"could not change the engine's niceness from {current} to {target} (engine.niceness): {e}; "
+                "start Ray with RAY_worker_niceness=0 in the environment of `ray start`, or give the pod CAP_SYS_NICE")
+    return None
+
+
 def engine_args(cfg: EngineConfig, model: str):
     import dataclasses
 
@@ -97,6 +116,9 @@ class VllmEngine(EngineAdapter):
             self.on_cpu = is_cpu_build()
         if self.on_cpu:
             os.environ.update(cpu_env(self.cfg, self.rank))
+        warning = set_niceness(self.cfg.niceness)
+        if warning:
+            log.warning(warning)
         self.engine = AsyncLLM.from_engine_args(engine_args(self.cfg, self.model))
         mc = self.engine.model_config
         return ModelInfo(vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, model=self.model)
