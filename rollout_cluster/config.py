@@ -34,9 +34,8 @@ class EngineConfig:
     seed: int = 0
     stream_interval: int = 8  # tokens between progress deltas: per-token streaming of hundreds of requests costs the engine's process
     # Ray starts workers at nice 15 (RAY_worker_niceness) so that raylet and GCS stay responsive;
-    # an engine inheriting that loses its core to any nice-0 process. The replica resets its own
-    # niceness to this before the engine spawns its processes (null: leave Ray's).
-    niceness: Optional[int] = 0
+    # an engine inheriting that loses its core to any nice-0 process.
+    niceness: Optional[int] = 0  # the replica's engine thread and processes run at this niceness (null: keep Ray's 15)
     cpu_kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)
     cpu_bind_cores: bool = True  # pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)
     sim_profile: str = "a100-80g-7b"  # kind=sim: built-in profile name or YAML file
