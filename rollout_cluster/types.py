@@ -154,6 +154,11 @@ class Work:
     sampling: SamplingSpec  # already reduced for the tokens generated so far
     stop_after: Optional[int] = None  # hidden length left, or a policy's segment cap
     prompt_len: int = -1
+    # The shared prompt, for the simulator's prefix cache (the vLLM engine has its own cache and
+    # ignores both): the group (batch_id, prompt index) whose first `prefix_len` tokens (the
+    # original prompt) this segment's prompt starts with. None: shares nothing.
+    prefix_key: Optional[tuple] = None
+    prefix_len: int = 0
 
     def __post_init__(self):
         if self.prompt_len < 0:

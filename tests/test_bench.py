@@ -251,3 +251,40 @@ def test_simulate_takes_replicas_and_policy_tunables_from_a_config(tmp_path, cap
 
     expected = chunk_reprefill(reqs, [r.hidden_length for r in reqs], 64)  # the config's chunk, not 1024
     assert data["results"]["chunked"]["reprefill_pct"] == pytest.approx(100 * expected / data["generated_tokens"], abs=1e-3)
+
+
+class _TimedFakeEngine:
+    """Just enough of VllmEngine for calibrate.measure: a request takes prefill + tokens x step,
+    and a step costs more the more engines are decoding at once (shared cores)."""
+
+    busy = 0
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.tasks = {}
+
+    def submit(self, work):
+        import asyncio
+
+        async def run():
+            _TimedFakeEngine.busy += 1
+            try:
+                await asyncio.sleep(work.sampling.max_tokens * self.step_s * _TimedFakeEngine.busy)
+            finally:
+                _TimedFakeEngine.busy -= 1
+        self.tasks[(work.seq_id, work.attempt)] = asyncio.get_running_loop().create_task(run())
+
+    def drain(self):
+        return []
+
+
+def test_calibrate_measures_engines_together_and_sees_their_contention():
+    import asyncio
+
+    from rollout_cluster.bench.calibrate import measure
+
+    # Timers on a loaded machine only add time; 10 ms steps keep that noise small against the 1.5x.
+    alone = asyncio.run(measure(_TimedFakeEngine(0.01), [1], [8], 10, 100, repeats=2))
+    together = asyncio.run(measure([_TimedFakeEngine(0.01), _TimedFakeEngine(0.01)], [1], [8], 10, 100, repeats=2))
+    assert alone[0]["step_s"] == pytest.approx(0.01, rel=0.4)
+    assert together[0]["step_s"] > 1.25 * alone[0]["step_s"]

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from rollout_cluster.bench.bounds import alone_s, balance_bound, bounds, lower_bound
+from rollout_cluster.bench.bounds import alone_s, balance_bound, bounds, decode_alone_s, lower_bound
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
@@ -53,7 +53,8 @@ def test_one_sequence_alone_matches_closed_form(policy):
 @pytest.mark.parametrize("policy", ["static", "pull", "least-loaded"])
 def test_even_split_without_tail_finishes_together(policy):
     replicas, per_replica = 4, 32
-    reqs = [SequenceRequest(None, SPEC, i // 4, i % 4, hidden_length=1000, prompt_len=300)
+    # one sample per prompt: no prefix-cache hits, every sequence pays its prefill
+    reqs = [SequenceRequest(None, SPEC, i, 0, hidden_length=1000, prompt_len=300)
             for i in range(replicas * per_replica)]
     res = run(policy, reqs, replicas)
     expected = closed_form(COST, per_replica, 300, 1000)
@@ -97,9 +98,13 @@ def test_lower_bound_terms_have_closed_forms():
     lb = lower_bound(reqs, COST, 4)
     assert lb["longest_alone_s"] == pytest.approx(max(closed_form(COST, 1, r.prompt_len, r.hidden_length)
                                                       for r in reqs), rel=1e-9)
-    work = sum(r.prompt_len / COST.prefill_tokens_per_s
+    first = {}
+    for i, r in enumerate(reqs):
+        first.setdefault(r.prompt_index, i)  # the first of a group pays the shared prompt's prefill
+    assert len(first) == 24 < len(reqs)
+    work = sum((r.prompt_len / COST.prefill_tokens_per_s if first[r.prompt_index] == i else 0.0)
                + sum(COST.a / COST.max_num_seqs + COST.e + COST.c * (r.prompt_len + j) for j in range(r.hidden_length))
-               for r in reqs)
+               for i, r in enumerate(reqs))
     assert lb["work_s"] == pytest.approx(work, rel=1e-9)
     assert lb["lower_bound_s"] == max(lb["longest_alone_s"], lb["work_s"] / 4)
 
@@ -130,7 +135,8 @@ def test_single_replica_pull_matches_a_plain_engine():
     res = run("pull", reqs, 1)
     engine = FastEngineCore(COST, emit_tokens=False)
     for i, r in enumerate(reqs):
-        engine.submit(Work(f"s{i}", 1, None, r.sampling, stop_after=r.hidden_length, prompt_len=r.prompt_len))
+        engine.submit(Work(f"s{i}", 1, None, r.sampling, stop_after=r.hidden_length, prompt_len=r.prompt_len,
+                           prefix_key=("sim", r.prompt_index), prefix_len=r.prompt_len))
     t = 0.0
     while engine.busy:
         t += engine.advance()
@@ -158,3 +164,151 @@ def test_a_stalled_simulation_fails_instead_of_spinning():
     sim = Simulation(Idle(), COST, 2, max_virtual_s=100.0)
     with pytest.raises(RuntimeError, match="unfinished"):
         sim.run(small_longtail())
+
+
+# ---- prefix cache (engines/prefix_cache.py) --------------------------------------------
+
+ENGINES = [FastEngineCore, SimEngineCore]
+
+
+def prefix_work(seq_id, group, prompt, length, prefix_len=None):
+    """A segment of group `group` whose prompt is `prompt` tokens, the first `prefix_len` of
+    them (default: all) the group's shared prompt."""
+    return Work(seq_id, 1, None, SPEC, stop_after=length, prompt_len=prompt, prefix_key=("b", group),
+                prefix_len=prompt if prefix_len is None else prefix_len)
+
+
+def run_engine(engine) -> float:
+    t = 0.0
+    while engine.busy:
+        t += engine.advance()
+    return t
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefix_cache_group_siblings_pay_the_prompt_once_per_replica(engine):
+    prompt, length = 1000, 500
+    reqs = [SequenceRequest(None, SPEC, 0, j, hidden_length=length, prompt_len=prompt) for j in range(2)]
+    one_prefill = prompt / COST.prefill_tokens_per_s
+    # one replica: the first sample prefills the prompt, the second finds it cached
+    together = closed_form(COST, 2, prompt, length) - one_prefill
+    res = run("pull", reqs, 1, engine=engine)
+    assert res.busy_s["r00"] == pytest.approx(together, rel=1e-9)
+    assert res.makespan_s == pytest.approx(together, rel=1e-9)
+    # by hand: one prefill, then `length` steps of 2 sequences at context 2*(prompt + j)
+    by_hand = one_prefill + sum(COST.a + 2 * COST.e + COST.c * 2 * (prompt + j) for j in range(length))
+    assert together == pytest.approx(by_hand, rel=1e-12)
+    # two replicas, one sample each: each pays the prompt's prefill
+    res = run("pull", reqs, 2, engine=engine)
+    assert sorted(c.replicas[0] for c in res.completions) == ["r00", "r01"]
+    assert list(res.busy_s.values()) == pytest.approx([alone_s(COST, prompt, length)] * 2, rel=1e-9)
+    assert alone_s(COST, prompt, length) == pytest.approx(closed_form(COST, 1, prompt, length), rel=1e-12)
+    # the same two on one engine without prefix keys: both pay (the behaviour before the cache)
+    e = engine(COST, emit_tokens=False)
+    for j in range(2):
+        e.submit(Work(f"s{j}", 1, None, SPEC, stop_after=length, prompt_len=prompt))
+    assert run_engine(e) == pytest.approx(closed_form(COST, 2, prompt, length), rel=1e-9)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefix_cache_continuation_pays_only_its_partial_output(engine):
+    prompt, partial, length = 1000, 300, 50
+    rate = COST.prefill_tokens_per_s
+    decode = decode_alone_s(COST, prompt + partial, length)
+    # group cached by a finished sibling: the continuation (prompt + partial) prefills the partial only
+    e = engine(COST, emit_tokens=False)
+    e.submit(prefix_work("sibling", 0, prompt, 20))
+    run_engine(e)
+    e.submit(prefix_work("cont", 0, prompt + partial, length, prefix_len=prompt))
+    assert run_engine(e) == pytest.approx(partial / rate + decode, rel=1e-9)
+    # only another group cached: the whole prompt + partial is prefilled
+    e = engine(COST, emit_tokens=False)
+    e.submit(prefix_work("other", 1, prompt, 20))
+    run_engine(e)
+    e.submit(prefix_work("cont", 0, prompt + partial, length, prefix_len=prompt))
+    assert run_engine(e) == pytest.approx((prompt + partial) / rate + decode, rel=1e-9)
+    assert (prompt + partial) / rate + decode == pytest.approx(alone_s(COST, prompt + partial, length), rel=1e-12)
+
+
+def test_router_gives_every_segment_its_group_and_prompt_length():
+    works = []
+
+    class Recording(FastEngineCore):
+        def submit(self, work):
+            works.append(work)
+            super().submit(work)
+
+    reqs = small_longtail()
+    res = run("scripted", reqs, 4, engine=Recording, scripted_at_tokens=[100, 300])
+    assert res.counters["migrations"] > 0
+    by_id = {f"sim:{i}": r for i, r in enumerate(reqs)}
+    continuations = [w for w in works if w.prompt_len > w.prefix_len]
+    assert len(continuations) == len(works) - len(reqs) > 0
+    for w in works:
+        r = by_id[w.seq_id]
+        assert w.prefix_key == ("sim", r.prompt_index) and w.prefix_len == r.prompt_len
+    # re-prefill accounting is the router's (prompt + partial of each continuation), cache or not
+    assert res.reprefill_tokens == sum(w.prompt_len for w in continuations) == res.counters["reprefill_tokens"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefix_cache_evicts_free_prompts_oldest_first_when_kv_fills(engine):
+    prompt = 1000
+    cost = dataclasses.replace(COST, kv_tokens=5000)
+    rate = cost.prefill_tokens_per_s
+    e = engine(cost, emit_tokens=False)
+    e.submit(prefix_work("g0", 0, prompt, 10))
+    e.submit(prefix_work("g1", 1, prompt, 10))
+    run_engine(e)  # both finished: groups 0 and 1 cached, unreferenced, 0 the older
+    assert list(e.prefix_cache.free) == [("b", 0), ("b", 1)] and not e.prefix_cache.held
+    # a sequence whose context reaches 3000 + 1000: free prompts + context > 5000, so the oldest goes
+    e.submit(prefix_work("big", 2, 3000, 1000))
+    run_engine(e)
+    assert list(e.prefix_cache.free) == [("b", 1), ("b", 2)] and e.prefix_cache.evictions == 1
+    # group 1 is still cached: no prefill
+    e.submit(prefix_work("again1", 1, prompt, 10))
+    assert run_engine(e) == pytest.approx(closed_form(cost, 1, prompt, 10) - prompt / rate, rel=1e-9)
+    # group 0 was evicted: it pays its prompt again
+    e.submit(prefix_work("again0", 0, prompt, 10))
+    assert run_engine(e) == pytest.approx(closed_form(cost, 1, prompt, 10), rel=1e-9)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefix_cache_never_evicts_a_prompt_that_running_sequences_hold(engine):
+    cost = dataclasses.replace(COST, kv_tokens=4000)
+    e = engine(cost, emit_tokens=False)
+    e.submit(prefix_work("other", 1, 1500, 10))
+    run_engine(e)  # group 1 cached, free
+    e.submit(prefix_work("a", 0, 1000, 1900))
+    while e.steps < 10 + 1700:  # a's context reaches 2700: free 1500 + 2700 > 4000
+        e.advance(max_steps=10 + 1700 - e.steps)
+    pc = e.prefix_cache
+    assert not pc.free and pc.evictions == 1 and pc.held == {("b", 0): 1}
+    e.submit(prefix_work("b", 0, 1000, 10))  # a sibling arrives: a holds the prompt, so it is cached
+    assert e.advance(max_steps=1) == pytest.approx(cost.step_s(2, 2700 + 1000), rel=1e-12)  # no prefill
+    assert pc.hits == 1 and pc.held == {("b", 0): 2} and pc.evictions == 1
+    run_engine(e)
+    assert list(pc.free) == [("b", 0)] and not pc.held and e.preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["scripted", "least-loaded", "steal", "chunked"])
+def test_fast_engine_equals_reference_engine_with_prefix_cache_evictions(policy):
+    """Prefix keys on every segment (the router sets them), continuations (forced migrations,
+    chunked rounds), and a KV small enough that free prompts are evicted and sequences preempted."""
+    cost = dataclasses.replace(COST, kv_tokens=8000, max_num_seqs=32)
+    reqs = rl_longtail(LongtailSpec(prompts=16, samples=6, median=400, max_tokens=4096))
+    results, caches = [], []
+    for engine in ENGINES:
+        sim = Simulation(make_policy(PolicyConfig(name=policy, chunk_tokens=256, scripted_at_tokens=[100, 300]),
+                                     cost), cost, 4, engine=engine, record_tokens=True)
+        results.append(sim.run(reqs))
+        caches.append([(p.hits, p.hit_tokens, p.evictions, list(p.free), dict(p.held))
+                       for p in (e.prefix_cache for e in sim.engines.values())])
+    fast, ref = results
+    assert fast.makespan_s == ref.makespan_s and fast.finish_times == ref.finish_times
+    assert fast.counters == ref.counters and fast.preemptions == ref.preemptions
+    assert fast.busy_s == ref.busy_s and fast.trace == ref.trace
+    assert [c.token_ids for c in fast.completions] == [c.token_ids for c in ref.completions]
+    assert caches[0] == caches[1]
+    assert sum(c[0] for c in caches[0]) > 0 and sum(c[2] for c in caches[0]) > 0 and ref.preemptions > 0
+    assert all(not c[4] for c in caches[0])  # nothing runs at the end: every prompt released

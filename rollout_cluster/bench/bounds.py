@@ -4,13 +4,19 @@ Notation: a sequence has prompt P and true length L; the cost model prices a dec
 batch of B sequences holding C context tokens at a + c*C + e*B, and prefill at P / rate. A
 sequence's j-th token (j = 0..L-1) is decoded with its own context P + j, as in the simulator.
 
+Prefix cache: the samples of one prompt (one `prompt_index`) share it, and the engines (vLLM's
+prefix cache, and the simulator's: engines/prefix_cache.py) prefill it once per replica. At best
+it is prefilled once in all, by the first of its group, so the bounds charge P/rate to the first
+sequence of each group (in submission order) and none to its siblings.
+
 - longest alone: P/rate + sum_j (a + e + c*(P + j)) = P/rate + L*(a + e) + c*(L*P + L*(L-1)/2),
   the maximum over sequences. No schedule finishes a sequence faster: its steps are serial and
-  none is cheaper than batch 1 with its own context.
+  none is cheaper than batch 1 with its own context, and its prompt is prefilled on its replica
+  before it decodes (by it or by a sibling), cache or not.
 - work: total replica-seconds at full batch, divided by the R replicas. Each token pays its own
   e and c*context exactly; the step's a is shared by at most max_num_seqs tokens, so a token pays
-  at least a / max_num_seqs: W = sum over sequences of
-  P/rate + L*(a/B_max + e) + c*(L*P + L*(L-1)/2), and makespan >= W / R.
+  at least a / max_num_seqs: W = sum over groups of P/rate + sum over sequences of
+  L*(a/B_max + e) + c*(L*P + L*(L-1)/2), and makespan >= W / R.
 - lower bound = max(longest alone, W / R). Pre-emptions and re-prefills only add to it.
 - balance bound: the makespan if at every step the active sequences and their context were spread
   perfectly evenly over the replicas (see `balance_bound`). A policy that isolates the tail on
@@ -39,10 +45,22 @@ def alone_s(cost: CostModel, prompt: int, length: int) -> float:
     return cost.prefill_s(prompt) + decode_alone_s(cost, prompt, length)
 
 
-def work_s(cost: CostModel, prompt: int, length: int) -> float:
-    """Replica-seconds one sequence costs at best: its prefill, its own e and context reads, and
-    a 1/max_num_seqs share of each step's fixed cost a."""
-    return (cost.prefill_s(prompt) + length * (cost.a / cost.max_num_seqs + cost.e)
+def first_of_group(requests) -> list:
+    """Per sequence, in submission order: whether it is the first of its group (prompt_index),
+    the one that pays the shared prompt's prefill at best."""
+    seen: set = set()
+    out = []
+    for r in requests:
+        out.append(r.prompt_index not in seen)
+        seen.add(r.prompt_index)
+    return out
+
+
+def work_s(cost: CostModel, prompt: int, length: int, cached: bool = False) -> float:
+    """Replica-seconds one sequence costs at best: its prefill (none if `cached`: a sibling
+    prefilled the prompt), its own e and context reads, and a 1/max_num_seqs share of each
+    step's fixed cost a."""
+    return ((0.0 if cached else cost.prefill_s(prompt)) + length * (cost.a / cost.max_num_seqs + cost.e)
             + cost.c * (length * prompt + length * (length - 1) / 2))
 
 
@@ -50,7 +68,7 @@ def lower_bound(requests, cost: CostModel, replicas: int) -> dict:
     """{longest_alone_s, work_s (total replica-seconds), lower_bound_s}."""
     shape = _shape(requests)
     longest = max((alone_s(cost, p, n) for p, n in shape), default=0.0)
-    work = sum(work_s(cost, p, n) for p, n in shape)
+    work = sum(work_s(cost, p, n, not first) for (p, n), first in zip(shape, first_of_group(requests)))
     return {"longest_alone_s": longest, "work_s": work, "lower_bound_s": max(longest, work / replicas)}
 
 
@@ -66,9 +84,12 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
     (the max of the two sums, which never exceeds the sum of the per-step maxima).
     At most R*max_num_seqs sequences are active; the rest queue in submission order and start as
     others end. Admitting a set of sequences costs max(sum of their prompts / R, largest prompt)
-    / rate. KV capacity is not modelled. The result is at least the lower bound.
+    / rate, counting only the first sequence of each group (a perfect prefix cache: siblings
+    admitted later find the prompt cached). KV capacity is not modelled. The result is at least
+    the lower bound.
     """
     shape = _shape(requests)
+    first = first_of_group(requests)
     r = float(replicas)
     slots = replicas * cost.max_num_seqs
     queue = deque(range(len(shape)))
@@ -87,8 +108,9 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
             heapq.heappush(ctx_keys, (-(p - steps), i))
             active += 1
             context += p
-            tokens += p
-            biggest = max(biggest, p)
+            if first[i]:
+                tokens += p
+                biggest = max(biggest, p)
         return max(tokens / r, biggest) / cost.prefill_tokens_per_s
 
     t += admit()

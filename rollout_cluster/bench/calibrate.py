@@ -9,7 +9,10 @@ prefill_tokens_per_s from the prefill times less one fitted step (through the or
 The profile YAML holds CostModel's fields only (load_profile reads it); the raw points and the
 fit's errors go in comments and in a sidecar FILE.points.json.
 
-The engine is one VllmEngine driven directly with asyncio: no Ray.
+The engines are VllmEngines driven directly with asyncio: no Ray. With `--engines N`, N engines
+(ranks 0..N-1, placed as the cluster's replicas are) run every measurement at the same time and
+each point is their mean: the step curve under the load of a full node, where engines share the
+host's cores (on a small CPU host their EngineCore processes compete for the same cores).
 """
 from __future__ import annotations
 
@@ -49,18 +52,28 @@ async def timed_batch(engine, batch: int, context: int, tokens: int, rng: random
     return elapsed
 
 
-async def measure(engine, batches: list, contexts: list, decode_tokens: int, vocab: int, repeats: int = 3) -> list:
+async def timed_together(engines: list, batch: int, context: int, tokens: int, rng: random.Random, vocab: int,
+                         tag: str) -> float:
+    """`timed_batch` on every engine at once; their mean."""
+    times = await asyncio.gather(*[timed_batch(e, batch, context, tokens, rng, vocab, f"{tag}e{i}")
+                                   for i, e in enumerate(engines)])
+    return sum(times) / len(times)
+
+
+async def measure(engines, batches: list, contexts: list, decode_tokens: int, vocab: int, repeats: int = 3) -> list:
     """One point per (B, C): prefill_s, step_s, the batch's mean context during the steps.
     Every batch size runs once first (first shapes are slow), and each timing is the minimum
-    of `repeats` runs: interference from other work on the machine only ever adds time."""
+    of `repeats` runs: interference from other work on the machine only ever adds time.
+    `engines`: one engine, or a list measured together (their mean)."""
+    engines = engines if isinstance(engines, list) else [engines]
     rng = random.Random(0)
     for b in batches:
-        await timed_batch(engine, b, min(contexts), 2, rng, vocab, f"warmup{b}")
+        await timed_together(engines, b, min(contexts), 2, rng, vocab, f"warmup{b}")
     points = []
     for c in contexts:
         for b in batches:
-            one = min([await timed_batch(engine, b, c, 1, rng, vocab, f"p{b}x{c}r{r}") for r in range(repeats)])
-            full = min([await timed_batch(engine, b, c, decode_tokens + 1, rng, vocab, f"d{b}x{c}r{r}")
+            one = min([await timed_together(engines, b, c, 1, rng, vocab, f"p{b}x{c}r{r}") for r in range(repeats)])
+            full = min([await timed_together(engines, b, c, decode_tokens + 1, rng, vocab, f"d{b}x{c}r{r}")
                         for r in range(repeats)])
             step = max(1e-9, (full - one) / decode_tokens)
             points.append({"batch": b, "context": c, "prefill_s": one, "step_s": step,
@@ -171,28 +184,33 @@ def calibrate(args) -> CostModel:
     if need > cfg.engine.max_model_len:
         raise ValueError(f"--contexts up to {max(contexts)} + {args.decode_tokens} tokens exceed "
                          f"engine.max_model_len={cfg.engine.max_model_len}")
+    if getattr(args, "engines", 1) < 1:
+        raise ValueError(f"--engines={args.engines}: must be >= 1")
     if max(batches) > cfg.engine.max_num_seqs:
         raise ValueError(f"--batches up to {max(batches)} exceed engine.max_num_seqs={cfg.engine.max_num_seqs}")
     return asyncio.run(_calibrate(args, cfg, batches, contexts, VllmEngine))
 
 
 async def _calibrate(args, cfg, batches: list, contexts: list, engine_cls) -> CostModel:
-    engine = engine_cls(cfg.engine, cfg.model_path(), rank=0)
+    n = getattr(args, "engines", 1) or 1
+    engines = [engine_cls(cfg.engine, cfg.model_path(), rank=i) for i in range(n)]
     t0 = time.monotonic()
-    info = await engine.start()
-    init_s = time.monotonic() - t0
     try:
-        points = await measure(engine, batches, contexts, args.decode_tokens, info.vocab_size,
+        infos = [await e.start() for e in engines]
+        init_s = (time.monotonic() - t0) / n
+        points = await measure(engines, batches, contexts, args.decode_tokens, infos[0].vocab_size,
                                getattr(args, "repeats", 3))
-        kv, kv_source = kv_tokens_of(engine, cfg)
+        kv, kv_source = kv_tokens_of(engines[0], cfg)
     finally:
-        await engine.shutdown()
+        for e in engines:
+            await e.shutdown()
     result = fit(points)
     name = args.name or f"calibrated-{Path(cfg.engine.model).name}"
     model = CostModel(name=name, a=result["a"], c=result["c"], e=result["e"],
                       prefill_tokens_per_s=result["prefill_tokens_per_s"], kv_tokens=kv,
                       max_num_seqs=cfg.engine.max_num_seqs,
-                      source=f"rollout-cluster calibrate: {cfg.engine.model}, engine start {init_s:.0f} s, "
+                      source=f"rollout-cluster calibrate: {cfg.engine.model}, {n} engine(s) measured together, "
+                             f"engine start {init_s:.0f} s, "
                              f"max rel error {result['max_rel_error']:.2f}")
     if model.a <= 0:
         print("warning: the fitted a is not positive; the step curve is too flat or too noisy to fit")

@@ -76,5 +76,8 @@ def add_commands(sub) -> None:
     p.add_argument("--contexts", default="64,512,1024")
     p.add_argument("--decode-tokens", type=int, default=32, help="T: tokens decoded per step measurement")
     p.add_argument("--repeats", type=int, default=3, help="runs per timing; the minimum is kept")
+    p.add_argument("--engines", type=int, default=1,
+                   help="engines measured at the same time (ranks 0..N-1, placed as replicas are): the step "
+                        "curve under a full node's load; use the cluster's replicas per host")
     p.add_argument("--name", default=None, help="profile name (default: derived from the model)")
     p.set_defaults(fn=cmd_calibrate)

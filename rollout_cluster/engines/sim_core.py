@@ -1,7 +1,8 @@
 """SimEngineCore: a vLLM-like engine in virtual time, driven by the cost model.
 
 Each step admits waiting sequences while the batch has room (max_num_seqs) and KV fits
-(prefill charged at the prefill rate), decodes one token for every running sequence, and
+(prefill charged at the prefill rate, less the prompt tokens found in the prefix cache:
+prefix_cache.py), decodes one token for every running sequence, and
 finishes those that reached their stop. Past KV capacity it preempts the newest running
 sequence and recomputes it later, as vLLM does. `advance(limit)` jumps over many steps at once
 while the batch is unchanged (closed form), which makes 32 replicas x 8192 sequences cheap.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from ..types import SeqProgress, Work
 from .cost_model import CostModel
+from .prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
@@ -39,6 +41,12 @@ class SimEngineCore:
         self.context = 0  # KV tokens of running sequences
         self.last_step_s = 0.0
         self.steps = 0
+        self.prefix_cache = PrefixCache(cost.kv_tokens)
+
+    def _leave(self, s: _Seq) -> None:
+        """`s` leaves the running batch: its group's prompt is no longer held by it."""
+        if s.work.prefix_key is not None:
+            self.prefix_cache.release(s.work.prefix_key, s.work.prefix_len)
 
     def submit(self, work: Work) -> None:
         stop = work.sampling.max_tokens if work.stop_after is None else min(work.sampling.max_tokens, work.stop_after)
@@ -50,6 +58,8 @@ class SimEngineCore:
             for s in list(group):
                 if (s.work.seq_id, s.work.attempt) in keys:
                     group.remove(s)
+                    if group is self.running:
+                        self._leave(s)
                     self._final(s, "abort")
         self.context = sum(s.context for s in self.running)
 
@@ -68,13 +78,17 @@ class SimEngineCore:
             s.admitted = True
             self.running.append(s)
             self.context += s.context
-            t += self.cost.prefill_s(s.context)
+            w = s.work
+            hit = 0 if w.prefix_key is None else self.prefix_cache.admit(w.prefix_key, w.prefix_len)
+            t += self.cost.prefill_s(s.context - hit if hit < s.context else 0)
+        self.prefix_cache.evict(self.context)
         return t
 
     def _preempt_if_needed(self) -> None:
         while self.running and self.context + len(self.running) > self.cost.kv_tokens and len(self.running) > 1:
             s = self.running.pop()  # newest
             self.context -= s.context
+            self._leave(s)
             s.admitted = False
             self.waiting.appendleft(s)  # recompute: re-prefilled with its output so far
             self.preemptions += 1
@@ -98,11 +112,13 @@ class SimEngineCore:
             s.produced += k
             s.context += k
         self.context += b * k
+        self.prefix_cache.evict(self.context)  # the context's peak since the last admission
         done = [s for s in self.running if s.produced >= s.stop]
         if done:
             self.running = [s for s in self.running if s.produced < s.stop]
             for s in done:
                 self.context -= s.context
+                self._leave(s)
                 reason = "length" if s.produced >= s.work.sampling.max_tokens or s.work.stop_after is not None else "stop"
                 self._final(s, reason)
         return dt

@@ -8,8 +8,9 @@ p0 + (steps - s0) now, and ends at step s0 + (stop - p0). A heap of end steps gi
 finish in O(log n); only `drain` (one progress delta per running sequence, which the protocol
 requires) still walks the batch.
 
-Equivalence with SimEngineCore (same admissions, preemptions, step times, finish order and
-reports) is a test (tests/test_sim.py). Pure: no clock, no asyncio.
+Both share the prefix cache (engines/prefix_cache.py), called at the same points. Equivalence
+with SimEngineCore (same admissions, preemptions, step times, cache hits and evictions, finish
+order and reports) is a test (tests/test_sim.py). Pure: no clock, no asyncio.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections import deque
 from itertools import count
 
 from ..engines.cost_model import CostModel
+from ..engines.prefix_cache import PrefixCache
 from ..types import SeqProgress, Work
 
 _new = object.__new__
@@ -35,7 +37,7 @@ def progress(seq_id: str, attempt: int, tokens: list, logprobs, reason, n: int) 
 class _Seq:
     """One segment. While running: produced = p0 + (engine.steps - s0), context likewise."""
 
-    __slots__ = ("work", "seq_id", "attempt", "ctx0", "stop", "p0", "s0", "reported", "order", "end")
+    __slots__ = ("work", "seq_id", "attempt", "ctx0", "stop", "p0", "s0", "reported", "order", "end", "key", "plen")
 
     def __init__(self, work: Work, stop: int):
         self.work, self.seq_id, self.attempt = work, work.seq_id, work.attempt
@@ -46,6 +48,7 @@ class _Seq:
         self.reported = 0
         self.order = 0  # admission number: running order, newest is preempted first
         self.end = 0  # engine step at which it reaches `stop`
+        self.key, self.plen = work.prefix_key, work.prefix_len  # prefix cache: group and prompt length
 
 
 class FastEngineCore:
@@ -62,6 +65,7 @@ class FastEngineCore:
         self.last_step_s = 0.0
         self.steps = 0
         self._order = count()
+        self.prefix_cache = PrefixCache(cost.kv_tokens)
 
     # ---- helpers ------------------------------------------------------------------------
     def _freeze(self, s: _Seq) -> None:
@@ -82,6 +86,8 @@ class FastEngineCore:
         for s in hit:
             del self.running[s.order]
             self._freeze(s)
+            if s.key is not None:
+                self.prefix_cache.release(s.key, s.plen)
             self._final(s, "abort")
         if any((s.seq_id, s.attempt) in keys for s in self.waiting):
             for s in [s for s in self.waiting if (s.seq_id, s.attempt) in keys]:
@@ -95,7 +101,7 @@ class FastEngineCore:
         return bool(self.running or self.waiting)
 
     def _admit(self) -> float:
-        cost, t = self.cost, 0.0
+        cost, t, cache = self.cost, 0.0, self.prefix_cache
         while self.waiting and len(self.running) < cost.max_num_seqs:
             s = self.waiting[0]
             if self.context + s.ctx0 + 1 > cost.kv_tokens and self.running:
@@ -106,7 +112,10 @@ class FastEngineCore:
             self.running[s.order] = s
             heapq.heappush(self.ends, (s.end, s.order))
             self.context += s.ctx0
-            t += cost.prefill_s(s.ctx0)
+            hit = 0 if s.key is None else cache.admit(s.key, s.plen)
+            t += cost.prefill_s(s.ctx0 - hit if hit < s.ctx0 else 0)
+        if cache.free and cache.free_tokens + self.context > cost.kv_tokens:
+            cache.evict(self.context)
         return t
 
     def _preempt_if_needed(self) -> None:
@@ -115,6 +124,8 @@ class FastEngineCore:
             _, s = self.running.popitem()  # newest
             self._freeze(s)
             self.context -= s.ctx0
+            if s.key is not None:
+                self.prefix_cache.release(s.key, s.plen)
             self.waiting.appendleft(s)  # recompute: re-prefilled with its output so far
             self.preemptions += 1
 
@@ -144,6 +155,9 @@ class FastEngineCore:
         self.last_step_s = (dt - prefill) / k
         self.steps += k
         self.context += b * k
+        pc = self.prefix_cache
+        if pc.free and pc.free_tokens + self.context > cost.kv_tokens:
+            pc.evict(self.context)  # the context's peak since the last admission
         self._finish_due()
         return dt
 
@@ -156,10 +170,13 @@ class FastEngineCore:
             if s is not None and s.end == end:
                 done.append(s)
         done.sort(key=lambda s: s.order)  # the reference reports in running order
+        release = self.prefix_cache.release
         for s in done:
             del running[s.order]
             self._freeze(s)
             self.context -= s.ctx0
+            if s.key is not None:
+                release(s.key, s.plen)
             w = s.work
             reason = "length" if s.p0 >= w.sampling.max_tokens or w.stop_after is not None else "stop"
             self._final(s, reason)

@@ -32,7 +32,9 @@ class SimResult:
     busy_s: dict = field(default_factory=dict)  # replica_id -> seconds with work
     preemptions: int = 0
     # prompt + partial tokens of every continuation dispatched: migrations, but also chunked
-    # rounds and requeues, which the router's `reprefill_tokens` counter does not see
+    # rounds and requeues, which the router's `reprefill_tokens` counter does not see. What the
+    # engines actually prefill may be less: a destination with the group's prompt in its prefix
+    # cache prefills only the partial output (engines/prefix_cache.py); this counts tokens sent.
     reprefill_tokens: int = 0
 
 
