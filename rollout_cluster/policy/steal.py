@@ -1,9 +1,9 @@
 """`steal`: pull dispatch, then work-stealing once the global queue is empty.
 
 Algorithm, at a pull by replica R with free slots and nothing queued (rate-limited per replica):
-1. Estimate R's finish time T_R; every other replica's estimate (and its load) is the one made
-   at its own latest attempt, aged by the time since. An attempt costs O(batch of R) numpy work
-   (estimate.finish_time_of is O(n), without a sort) and O(moves) Python work.
+1. Estimate R's finish time T_R; every other replica's estimate is the one made at its own
+   latest attempt, aged by the time since. An attempt costs O(batch of R + batch of V) numpy
+   work (estimate.finish_time_of is O(n), without a sort) and O(moves) Python work.
 2. For the victim V with the latest T_V: the movable sequences of V (not pinned,
    moved fewer than `max_moves_per_seq` times, last moved over `min_move_interval_s` ago, with
    enough expected work left to repay a re-prefill) in decreasing expected remaining work.
@@ -29,6 +29,7 @@ from .pull import fair_take, take_for, take_spread
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
 VICTIMS_PER_DECISION = 1
 STEAL_INTERVAL_S = 0.5  # per-replica rate limit on estimates and steal attempts: bounds router CPU
+FULL_REFRESH_S = 2.0  # the same for a replica with no free slot (it can only be a victim)
 REPAY_FACTOR = 20.0  # a move needs expected decode time left >= this x its re-prefill time
 
 
@@ -66,7 +67,6 @@ class StealPolicy(Policy):
         self.cfg = cfg
         self.cost = cost
         self.finish_estimate: dict = {}  # replica_id -> (time of estimate, seconds left then)
-        self.loads: dict = {}  # replica_id -> (time, Load) built at that replica's own latest attempt
         self.last_attempt: dict = {}
         self.moves = 0
         self.pending_reprefill = 0.0  # ordered but not yet counted by the router (decays as it counts)
@@ -123,7 +123,11 @@ class StealPolicy(Policy):
         # Orders become the router's count once partials arrive; stop counting them twice.
         self.pending_reprefill = max(0.0, self.pending_reprefill - (view.reprefill_tokens - self._counted))
         self._counted = view.reprefill_tokens
-        if now - self.last_attempt.get(replica_id, float("-inf")) < STEAL_INTERVAL_S:
+        last = self.last_attempt.get(replica_id, float("-inf"))
+        full = rep.capacity - rep.load - len(starts) <= 0
+        # A full replica cannot take work: it only refreshes its own estimate (for thieves to
+        # rank it as a victim), and less often; thieves re-estimate the victim they pick anyway.
+        if now - last < (FULL_REFRESH_S if full else STEAL_INTERVAL_S):
             return decision
         self.last_attempt[replica_id] = now
         typical = self._typical(view)
@@ -131,7 +135,6 @@ class StealPolicy(Policy):
         scale_r = self._scale(rep)
         t_r = self._finish(mine, scale_r)
         self.finish_estimate[replica_id] = (now, t_r)
-        self.loads[replica_id] = (now, mine)
         free = rep.capacity - rep.load - len(starts)
         if len(view.queue) > len(starts) or free <= 0 or self.cfg.max_moves_per_seq == 0:
             return decision
@@ -147,8 +150,9 @@ class StealPolicy(Policy):
                 break
             victim = view.replicas[vid]
             scale_v = self._scale(victim)
-            theirs, age = self._victim_load(view, vid, now, typical)
-            t_v = self._finish(theirs, scale_v) - age
+            theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
+            t_v = self._finish(theirs, scale_v)
+            self.finish_estimate[vid] = (now, t_v)
             movable = self._within(self._movable(theirs, vid, now, scale_v, budget + 1), theirs, allowance)
             if not movable:
                 continue
@@ -159,7 +163,7 @@ class StealPolicy(Policy):
             whole = movable[:budget]
             shed = [i for i in movable if i != critical][:budget]
             for cand in (whole, shed) if shed != whole else (whole,):
-                k, t_after = self._best_k(theirs, cand, mine, scale_v, scale_r, age)
+                k, t_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
                 if k and t_after < best[1]:
                     best = (k, t_after, cand[:k])
             k, t_after, moved = best
@@ -170,29 +174,12 @@ class StealPolicy(Policy):
             allowance -= cost
             self.pending_reprefill += cost
             mine = mine.plus(theirs, moved, self.cost)
-            rest = theirs.without(moved, self.cost)
-            self.loads[vid] = (now - age, rest)
-            self.finish_estimate[vid] = (now, self._finish(rest, scale_v) - age)
+            self.finish_estimate[vid] = (now, self._finish(theirs.without(moved, self.cost), scale_v))
             t_r = t_after
             budget -= k
             self.moves += k
         self.finish_estimate[replica_id] = (now, t_r)
-        self.loads[replica_id] = (now, mine)
         return decision
-
-    def _victim_load(self, view: ClusterView, vid: str, now: float, typical: float) -> tuple:
-        """The victim's load as its own latest attempt saw it (at most 2 steal intervals old):
-        progress since then only makes the estimate a little long, and `_movable` re-checks
-        that each candidate still runs there. Reusing it halves the cost of an attempt.
-        Returns (load, its age in seconds)."""
-        t, load = self.loads.get(vid, (float("-inf"), None))
-        if load is None or now - t > 2 * STEAL_INTERVAL_S:
-            seqs = [s for s in view.replicas[vid].seqs.values() if s.status is SeqStatus.RUNNING]
-            load = self._load(view, seqs, typical)
-            self.loads[vid] = (now, load)
-            self.finish_estimate[vid] = (now, self._finish(load, self._scale(view.replicas[vid])))
-            t = now
-        return load, now - t
 
     def _within(self, movable: list, load: Load, allowance: float) -> list:
         """The prefix of `movable` whose re-prefill fits the allowance."""
@@ -224,13 +211,12 @@ class StealPolicy(Policy):
                     break
         return out
 
-    def _best_k(self, theirs: Load, cand: list, mine: Load, scale_v: float, scale_r: float,
-                v_age: float = 0.0) -> tuple:
+    def _best_k(self, theirs: Load, cand: list, mine: Load, scale_v: float, scale_r: float) -> tuple:
         """The k in [0, len(cand)] minimising the later of the two finishes if V's candidates
         cand[:k] move to R (R pays their re-prefill). With the additive cost (finish_time_of),
         moving cand[:k] takes their own costs off V and onto R, and changes only the longest
         work left on each side: a running sum and a running max over k, O(len(cand)) after one
-        O(batch) max. V's load is `v_age` seconds old. Returns (k, that finish)."""
+        O(batch) max. Returns (k, that finish)."""
         a, prefill = self.cost.a, self.cost.prefill_tokens_per_s
         staying = np.ones(len(theirs.rem), dtype=bool)
         staying[cand] = False
@@ -239,14 +225,14 @@ class StealPolicy(Policy):
         left_max = [rest_max] * (len(cand) + 1)  # longest left on V once cand[:k] are gone
         for k in range(len(cand) - 1, -1, -1):
             left_max[k] = max(left_max[k + 1], rem_c[k])
-        best_k, best_t = 0, max(theirs.finish(self.cost, scale_v) - v_age, mine.finish(self.cost, scale_r))
+        best_k, best_t = 0, max(theirs.finish(self.cost, scale_v), mine.finish(self.cost, scale_r))
         moved_own = moved_ctx = 0.0
         got_max = mine.longest
         for k in range(1, len(cand) + 1):
             moved_own += own_c[k - 1]
             moved_ctx += ctx_c[k - 1]
             got_max = max(got_max, rem_c[k - 1])
-            t_v = (a * left_max[k] + theirs.total - moved_own) * scale_v - v_age if left_max[k] > 0 else 0.0
+            t_v = (a * left_max[k] + theirs.total - moved_own) * scale_v if left_max[k] > 0 else 0.0
             t_r = ((a * got_max + mine.total + moved_own) * scale_r
                    + moved_ctx / prefill * scale_r + MIGRATION_OVERHEAD_S)
             if max(t_v, t_r) < best_t:
@@ -255,4 +241,3 @@ class StealPolicy(Policy):
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.finish_estimate.pop(replica_id, None)
-        self.loads.pop(replica_id, None)
