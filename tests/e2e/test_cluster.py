@@ -107,3 +107,18 @@ def test_ray_job_submit(client, tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "succeeded" in run.stdout.lower()
     _check_jsonl_output(dst)
+
+
+def test_engine_processes_do_not_inherit_rays_worker_niceness(client):
+    """Ray starts workers at nice 15; the replica resets its engine to engine.niceness (0) before
+    vLLM spawns, which needs root (CI) or CAP_SYS_NICE. Without it, the engines stay at 15."""
+    import os
+
+    import psutil
+
+    assert client.status()["model"]  # the replicas are up, so their engines are
+    engines = [p for p in psutil.process_iter(["cmdline"])
+               if any("EngineCore" in part for part in (p.info["cmdline"] or []))]
+    assert len(engines) >= 2, [p.info["cmdline"] for p in engines]
+    expected = 0 if os.geteuid() == 0 else 15
+    assert sorted(p.nice() for p in engines) == [expected] * len(engines)
