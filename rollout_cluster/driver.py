@@ -112,6 +112,10 @@ class RolloutClient:
     def take_trace(self, batch_id: str) -> list:
         return self.router.take_trace.remote(batch_id).result(timeout_s=self.call_timeout_s)
 
+    def take_step_samples(self) -> list:
+        """[(running, context tokens, measured step s)] that replicas reported while tracing."""
+        return self.router.take_step_samples.remote().result(timeout_s=self.call_timeout_s)
+
     def shutdown(self) -> None:
         """Delete this client's app. Disconnects from Ray if `start` connected; a local cluster
         that `start` created ends with it, a cluster it joined (`ray start`) keeps running."""

@@ -17,6 +17,7 @@ from .types import Completion, InputError, Migration, ModelInfo, Orders, Report,
 
 
 # A long-lived router serves batch after batch: its statistics keep a bounded recent window.
+STEP_SAMPLES_KEPT = 100_000
 DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
 
@@ -72,6 +73,9 @@ class RouterCore:
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
+        # While tracing: (running, context tokens, measured step s) per report, for fitting a
+        # cost profile to the engines as they run here (calibrate --from-samples).
+        self.step_samples: list = []
         self._ids = itertools.count()
 
     # ---- driver side --------------------------------------------------------------------
@@ -158,6 +162,9 @@ class RouterCore:
     # ---- replica side -------------------------------------------------------------------
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         rep = self._register(report, now)
+        st = report.stats
+        if self.trace is not None and st.step_time_s > 0 and st.running > 0:
+            _append_bounded(self.step_samples, (st.running, st.context_tokens, st.step_time_s), STEP_SAMPLES_KEPT)
         for p in report.progress:
             self._apply(rep, p, now)
         orders = self.decide(rep.replica_id, now, timer)

@@ -288,3 +288,33 @@ def test_calibrate_measures_engines_together_and_sees_their_contention():
     together = asyncio.run(measure([_TimedFakeEngine(0.01), _TimedFakeEngine(0.01)], [1], [8], 10, 100, repeats=2))
     assert alone[0]["step_s"] == pytest.approx(0.01, rel=0.4)
     assert together[0]["step_s"] > 1.25 * alone[0]["step_s"]
+
+
+def test_profile_fitted_from_replica_step_reports_recovers_the_curve(tmp_path):
+    """`calibrate --from-samples`: a, c, e from (running, context, step) reports of a cluster run."""
+    import json
+    import random
+    from types import SimpleNamespace
+
+    from rollout_cluster.bench.calibrate import calibrate
+    from rollout_cluster.engines.cost_model import load_profile
+
+    rng = random.Random(0)
+    truth = dict(a=0.02, c=3e-6, e=1.5e-3)
+    samples = []
+    for _ in range(400):
+        b, ctx = rng.randint(1, 32), rng.randint(10, 40_000)
+        samples.append([b, ctx, (truth["a"] + truth["c"] * ctx + truth["e"] * b) * rng.uniform(0.95, 1.05)])
+    path = tmp_path / "step_samples.json"
+    path.write_text(json.dumps({"seed 3 static": samples, "seed 3 steal": [[0, 0, 0.1]]}))
+    out = tmp_path / "fitted.yaml"
+    args = SimpleNamespace(from_samples=str(path), base_profile="a100-80g-7b", samples_of="static", name=None,
+                           out=str(out), config=None)
+    model = calibrate(args)
+    assert model.a == pytest.approx(truth["a"], rel=0.1)
+    assert model.c == pytest.approx(truth["c"], rel=0.1)
+    assert model.e == pytest.approx(truth["e"], rel=0.2)
+    again = load_profile(str(out))
+    assert again.a == pytest.approx(model.a) and again.prefill_tokens_per_s == load_profile("a100-80g-7b").prefill_tokens_per_s
+    with pytest.raises(ValueError, match="samples-of"):
+        calibrate(SimpleNamespace(**{**vars(args), "samples_of": "seed 9"}))

@@ -83,6 +83,43 @@ async def measure(engines, batches: list, contexts: list, decode_tokens: int, vo
     return points
 
 
+def fit_step(batch_and_context: list, steps: list) -> tuple:
+    """((a, c, e), relative errors): least squares of step = a + c*context + e*B over the
+    (B, context tokens) rows. A negative c or e is dropped and the rest refitted: noise must not
+    make a cost negative."""
+    import numpy as np
+
+    X = np.array([[1.0, ctx, b] for b, ctx in batch_and_context], dtype=float)
+    y = np.array(steps, dtype=float)
+    keep = [0, 1, 2]
+    while True:
+        sol, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = sol
+        negative = [k for k in keep if k > 0 and coef[k] < 0]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    return tuple(float(v) for v in coef), np.abs(X @ coef - y) / y
+
+
+def profile_from_samples(samples: list, base: CostModel, name: str) -> tuple:
+    """(CostModel, fit info) with a, c, e fitted to step-time samples that replicas reported
+    while serving a batch, [(running, context tokens, step_time_s)] (`bench --engine vllm` writes
+    them to DIR/step_samples.json): the engine as it runs in the cluster, beside the router and
+    the other engines. Prefill rate, KV and max_num_seqs come from `base` (a replica's reports
+    carry no prefill timing)."""
+    rows = [(b, ctx) for b, ctx, st in samples if b > 0 and st > 0]
+    steps = [st for b, ctx, st in samples if b > 0 and st > 0]
+    if len(rows) < 10:
+        raise ValueError(f"only {len(rows)} usable step samples: run a longer batch")
+    (a, c, e), rel = fit_step(rows, steps)
+    model = replace(base, name=name, a=max(a, 1e-6), c=c, e=e,
+                    source=f"fit of {len(rows)} step-time reports of a live cluster; prefill and KV from {base.name}")
+    return model, {"samples": len(rows), "median_rel_error": float(sorted(rel)[len(rel) // 2]),
+                   "mean_rel_error": float(rel.mean())}
+
+
 def fit(points: list) -> dict:
     """Least squares: step = a + c*context + e*B, over the points whose step time is positive (a
     decode run no slower than its 1-token run means interference, not a measurement: the point
@@ -96,19 +133,7 @@ def fit(points: list) -> dict:
     dropped = [(p["batch"], p["context"]) for p in points if p["step_s"] <= 1e-6]
     if len(good) < 3:
         raise ValueError(f"only {len(good)} usable points (dropped {dropped}): measure more batches or contexts")
-    X = np.array([[1.0, p["batch_context_tokens"], p["batch"]] for p in good])
-    y = np.array([p["step_s"] for p in good])
-    keep = [0, 1, 2]
-    while True:
-        sol, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
-        coef = np.zeros(3)
-        coef[keep] = sol
-        negative = [k for k in keep if k > 0 and coef[k] < 0]
-        if not negative:
-            break
-        keep.remove(negative[0])
-    a, c, e = (float(v) for v in coef)
-    rel = np.abs(X @ coef - y) / y
+    (a, c, e), rel = fit_step([(p["batch"], p["batch_context_tokens"]) for p in good], [p["step_s"] for p in good])
     tokens = np.array([p["batch"] * p["context"] for p in good], dtype=float)
     step1 = np.array([a + c * p["batch"] * p["context"] + e * p["batch"] for p in good])
     net = np.maximum(np.array([p["prefill_s"] for p in good]) - step1, 1e-9)
@@ -173,10 +198,37 @@ def engine_config(path: str):
     return cfg
 
 
+def calibrate_from_samples(args) -> CostModel:
+    """`calibrate --from-samples DIR/step_samples.json --base-profile P --out FILE`."""
+    from ..engines.cost_model import load_profile
+
+    if not args.base_profile:
+        raise ValueError("--from-samples needs --base-profile (the prefill rate and KV capacity come from it)")
+    data = json.loads(Path(args.from_samples).read_text())
+    keys = [k for k in data if not args.samples_of or args.samples_of in k]
+    if not keys:
+        raise ValueError(f"--samples-of={args.samples_of!r}: no run in {args.from_samples} (runs: {', '.join(data)})")
+    samples = [tuple(x) for k in keys for x in data[k]]
+    base = load_profile(args.base_profile)
+    model, info = profile_from_samples(samples, base, args.name or f"{base.name}-cluster")
+    Path(args.out).write_text(
+        f"# fitted by `rollout-cluster calibrate --from-samples {args.from_samples}` over runs: {', '.join(keys)}\n"
+        f"# {info['samples']} step-time reports; median rel. error {info['median_rel_error']:.3f}, "
+        f"mean {info['mean_rel_error']:.3f}\n" + model.to_yaml())
+    print(f"a={model.a:.3e} s  c={model.c:.3e} s/token  e={model.e:.3e} s/seq  from {info['samples']} reports "
+          f"(median rel. error {info['median_rel_error']:.1%}); prefill and KV from {base.name}")
+    print(f"wrote {args.out}")
+    return model
+
+
 def calibrate(args) -> CostModel:
     """Start one engine, measure, fit, write the profile; print the fit and the step curve."""
     from ..engines.vllm_engine import VllmEngine
 
+    if getattr(args, "from_samples", None):
+        return calibrate_from_samples(args)
+    if not args.config:
+        raise ValueError("calibrate needs --config (the engine to measure) or --from-samples")
     cfg = engine_config(args.config)
     batches = parse_ints(args.batches, "--batches")
     contexts = parse_ints(args.contexts, "--contexts")

@@ -70,7 +70,13 @@ def add_commands(sub) -> None:
     p.set_defaults(fn=cmd_simulate)
 
     p = sub.add_parser("calibrate", help="measure one vLLM engine's step and prefill times; write a cost profile")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", default=None, help="cluster YAML whose engine is measured (not with --from-samples)")
+    p.add_argument("--from-samples", default=None,
+                   help="instead of measuring: fit a, c, e to DIR/step_samples.json of a `bench --engine vllm` run "
+                        "(the engines as they ran in the cluster); prefill and KV come from --base-profile")
+    p.add_argument("--base-profile", default=None, help="with --from-samples: built-in name or YAML")
+    p.add_argument("--samples-of", default=None,
+                   help="with --from-samples: only runs whose key contains this (keys: 'seed S POLICY')")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--contexts", default="64,512,1024")

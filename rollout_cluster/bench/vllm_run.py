@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing
 import os
 import time
@@ -75,6 +76,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     makespan = time.monotonic() - t0
     status = client.status()
     trace = trace_by_replica(client.take_trace(client.last_batch_id))
+    samples = client.take_step_samples()
     bad = [c for c in completions if c is None or c.finish_reason == "error"]
     if bad:
         raise RuntimeError(f"policy {name}: {len(bad)} sequences failed, first: {getattr(bad[0], 'error', None)}")
@@ -90,6 +92,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     row["median_finish_s"] = round(percentile([c.finish_time_s for c in completions], 0.5), 4)
     if counters["generated_tokens"] != generated:
         row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing
+    row["step_samples"] = samples  # bench_vllm moves these to DIR/step_samples.json
     return row, trace
 
 
@@ -116,7 +119,7 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
     note = bound_note(args, cfg, cost)
     print(note)
     client = RolloutClient.start(cfg)
-    runs, traces, batches = [], None, []
+    runs, traces, batches, step_samples = [], None, [], {}
     try:
         model = client.status()["model"]
         vocab = int(model["vocab_size"])
@@ -131,14 +134,18 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
                 for name in policies:
                     bar.set_postfix_str(f"seed {seed} {name}")
                     reqs, _ = workload(args, seed, vocab, ids_salt=f"-{name}")
-                    run["results"][name], seed_traces[name] = run_policy(
-                        client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
+                    row, seed_traces[name] = run_policy(client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
+                    step_samples[f"seed {seed} {name}"] = row.pop("step_samples")
+                    run["results"][name] = row
                     bar.update(1)
                 runs.append(run)
                 batches.append(workload(args, seed, vocab, ids_salt="-bare")[0])
                 traces = traces or seed_traces
     finally:
         client.shutdown()
+    if step_samples and getattr(args, "out", None):  # for `calibrate --from-samples`
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "step_samples.json").write_text(json.dumps(step_samples))
     if getattr(args, "bare_engine", False):
         for run, bare in zip(runs, run_bare_engine(cfg, batches, warmup_batch(1, vocab))):
             run["bare_engine"] = bare_summary(bare, run, cfg)

@@ -138,6 +138,11 @@ class Router:
             self.core.trace = []
         return out
 
+    async def take_step_samples(self) -> list:
+        """The (running, context tokens, step s) reports recorded while tracing; clears them."""
+        out, self.core.step_samples = self.core.step_samples, []
+        return out
+
     async def set_policy(self, policy: dict) -> str:
         """Swap the policy between batches (benchmarks run every policy on one cluster)."""
         from ..config import PolicyConfig, from_dict
