@@ -73,7 +73,7 @@ class RouterCore:
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
-        # While tracing: (running, context tokens, measured step s) per report, for fitting a
+        # While tracing: (running, context tokens, s per token per sequence) per report, for fitting a
         # cost profile to the engines as they run here (calibrate --from-samples).
         self.step_samples: list = []
         self._ids = itertools.count()
@@ -163,8 +163,9 @@ class RouterCore:
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         rep = self._register(report, now)
         st = report.stats
-        if self.trace is not None and st.step_time_s > 0 and st.running > 0:
-            _append_bounded(self.step_samples, (st.running, st.context_tokens, st.step_time_s), STEP_SAMPLES_KEPT)
+        if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
+            _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
+                            STEP_SAMPLES_KEPT)
         for p in report.progress:
             self._apply(rep, p, now)
         orders = self.decide(rep.replica_id, now, timer)

@@ -197,6 +197,9 @@ class EngineStats:
     context_tokens: int = 0  # prompt + generated tokens of every sequence held
     step_time_s: float = 0.0  # recent mean decode step time
     tokens_per_s: float = 0.0
+    # Decode tokens per second per running sequence, an EMA over report intervals that counts
+    # intervals with no tokens too: unbiased when tokens arrive in stream_interval chunks.
+    seq_tokens_per_s: float = 0.0
 
 
 @dataclass

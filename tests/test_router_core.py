@@ -282,10 +282,10 @@ def test_long_lived_router_keeps_bounded_statistics():
 def test_step_time_reports_are_kept_only_while_tracing():
     core = _core()
     _register(core, "a")
-    core.on_report(Report("a", "i1", [], EngineStats(running=4, context_tokens=900, step_time_s=0.02), None, 8), 1.0)
+    core.on_report(Report("a", "i1", [], EngineStats(running=4, context_tokens=900, seq_tokens_per_s=50.0), None, 8), 1.0)
     assert core.step_samples == []
     core.trace = []
-    core.on_report(Report("a", "i1", [], EngineStats(running=4, context_tokens=900, step_time_s=0.02), None, 8), 2.0)
-    core.on_report(Report("a", "i1", [], EngineStats(running=0, context_tokens=0, step_time_s=0.02), None, 8), 3.0)
-    core.on_report(Report("a", "i1", [], EngineStats(running=3, context_tokens=700, step_time_s=0.0), None, 8), 4.0)
+    core.on_report(Report("a", "i1", [], EngineStats(running=4, context_tokens=900, seq_tokens_per_s=50.0), None, 8), 2.0)
+    core.on_report(Report("a", "i1", [], EngineStats(running=0, context_tokens=0, seq_tokens_per_s=50.0), None, 8), 3.0)
+    core.on_report(Report("a", "i1", [], EngineStats(running=3, context_tokens=700, seq_tokens_per_s=0.0), None, 8), 4.0)
     assert core.step_samples == [(4, 900, 0.02)]  # idle and unmeasured reports carry no sample

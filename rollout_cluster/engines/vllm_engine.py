@@ -108,6 +108,7 @@ class VllmEngine(EngineAdapter):
         self.pending: list = []
         self._last_drain = time.monotonic()
         self._step_ema = 0.0
+        self._rate_ema = 0.0
 
     async def start(self) -> ModelInfo:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -178,13 +179,20 @@ class VllmEngine(EngineAdapter):
         if steps >= 2:
             sample = (now - self._last_drain) / steps
             self._step_ema = sample if self._step_ema == 0 else 0.8 * self._step_ema + 0.2 * sample
+        # Per-sequence decode rate over the interval, zero-token intervals included: with
+        # stream_interval > 1 tokens arrive in chunks, and only a rate averages them without bias.
+        dt, running = now - self._last_drain, len(self.tasks)
+        if dt > 0 and running:
+            rate = sum(per_seq.values()) / (running * dt)
+            self._rate_ema = rate if self._rate_ema == 0 else 0.9 * self._rate_ema + 0.1 * rate
         self._last_drain = now
         return out
 
     def stats(self) -> EngineStats:
         running = len(self.tasks)
         return EngineStats(running=min(running, self.capacity), waiting=max(0, running - self.capacity),
-                           context_tokens=sum(self.context.values()), step_time_s=self._step_ema)
+                           context_tokens=sum(self.context.values()), step_time_s=self._step_ema,
+                           seq_tokens_per_s=self._rate_ema)
 
     async def sleep(self, level: int = 1) -> None:
         await self.engine.sleep(level)

@@ -122,3 +122,18 @@ def test_engine_processes_do_not_inherit_rays_worker_niceness(client):
     assert len(engines) >= 2, [p.info["cmdline"] for p in engines]
     expected = 0 if os.geteuid() == 0 else 15
     assert sorted(p.nice() for p in engines) == [expected] * len(engines)
+
+
+def test_replicas_step_time_reports_are_recorded_while_tracing(client, fresh_policy):
+    """The samples `calibrate --from-samples` fits: (running, context tokens, measured step s)."""
+    ids, specs = demo_batch(prompts=8, samples=2, seed=2, max_len=200)
+    client.set_trace(True)
+    try:
+        client.generate(ids, [SamplingSpec(n=2, max_tokens=160, ignore_eos=True)] * len(ids), timeout_s=600)
+        samples = client.take_step_samples()
+    finally:
+        client.set_trace(False)
+    assert len(samples) >= 5
+    assert all(running >= 1 and context > 0 and 0 < step < 5.0 for running, context, step in samples)
+    assert max(running for running, _, _ in samples) >= 4
+    assert client.take_step_samples() == []  # taken, and not recorded with tracing off
