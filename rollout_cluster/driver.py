@@ -113,7 +113,7 @@ class RolloutClient:
         return self.router.take_trace.remote(batch_id).result(timeout_s=self.call_timeout_s)
 
     def take_step_samples(self) -> list:
-        """[(running, context tokens, measured step s)] that replicas reported while tracing."""
+        """[(running, context tokens, seconds per token per sequence)] that replicas reported while tracing."""
         return self.router.take_step_samples.remote().result(timeout_s=self.call_timeout_s)
 
     def shutdown(self) -> None:

@@ -318,3 +318,5 @@ def test_profile_fitted_from_replica_step_reports_recovers_the_curve(tmp_path):
     assert again.a == pytest.approx(model.a) and again.prefill_tokens_per_s == load_profile("a100-80g-7b").prefill_tokens_per_s
     with pytest.raises(ValueError, match="samples-of"):
         calibrate(SimpleNamespace(**{**vars(args), "samples_of": "seed 9"}))
+    with pytest.raises(ValueError, match=r"from-samples=.*seed 3 steal.*only 0 usable"):
+        calibrate(SimpleNamespace(**{**vars(args), "samples_of": "steal"}))

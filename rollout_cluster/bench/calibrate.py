@@ -105,7 +105,7 @@ def fit_step(batch_and_context: list, steps: list) -> tuple:
 
 def profile_from_samples(samples: list, base: CostModel, name: str) -> tuple:
     """(CostModel, fit info) with a, c, e fitted to step-time samples that replicas reported
-    while serving a batch, [(running, context tokens, step_time_s)] (`bench --engine vllm` writes
+    while serving a batch, [(running, context tokens, seconds per token per sequence)] (`bench --engine vllm` writes
     them to DIR/step_samples.json): the engine as it runs in the cluster, beside the router and
     the other engines. Prefill rate, KV and max_num_seqs come from `base` (a replica's reports
     carry no prefill timing)."""
@@ -210,7 +210,10 @@ def calibrate_from_samples(args) -> CostModel:
         raise ValueError(f"--samples-of={args.samples_of!r}: no run in {args.from_samples} (runs: {', '.join(data)})")
     samples = [tuple(x) for k in keys for x in data[k]]
     base = load_profile(args.base_profile)
-    model, info = profile_from_samples(samples, base, args.name or f"{base.name}-cluster")
+    try:
+        model, info = profile_from_samples(samples, base, args.name or f"{base.name}-cluster")
+    except ValueError as e:
+        raise ValueError(f"--from-samples={args.from_samples} (runs {', '.join(keys)}): {e}") from None
     Path(args.out).write_text(
         f"# fitted by `rollout-cluster calibrate --from-samples {args.from_samples}` over runs: {', '.join(keys)}\n"
         f"# {info['samples']} step-time reports; median rel. error {info['median_rel_error']:.3f}, "

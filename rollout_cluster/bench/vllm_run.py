@@ -67,7 +67,8 @@ def chunk_reprefill(requests: list, lengths: list, chunk: int) -> int:
 
 
 def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: float) -> tuple:
-    """(metrics row, trace {replica: [(t, held)]}) of one policy's batch on the live cluster."""
+    """(metrics row, trace {replica: [(t, held)]}, step samples [(running, context, s per token)])
+    of one policy's batch on the live cluster."""
     params = {k: v for k, v in dataclasses.asdict(cfg.policy).items() if k != "name"}
     client.set_policy(name, **params)
     client.set_trace(True)
@@ -92,8 +93,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     row["median_finish_s"] = round(percentile([c.finish_time_s for c in completions], 0.5), 4)
     if counters["generated_tokens"] != generated:
         row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing
-    row["step_samples"] = samples  # bench_vllm moves these to DIR/step_samples.json
-    return row, trace
+    return row, trace, samples
 
 
 def bound_note(args, cfg, cost) -> str:
@@ -134,9 +134,8 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
                 for name in policies:
                     bar.set_postfix_str(f"seed {seed} {name}")
                     reqs, _ = workload(args, seed, vocab, ids_salt=f"-{name}")
-                    row, seed_traces[name] = run_policy(client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
-                    step_samples[f"seed {seed} {name}"] = row.pop("step_samples")
-                    run["results"][name] = row
+                    run["results"][name], seed_traces[name], step_samples[f"seed {seed} {name}"] = run_policy(
+                        client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
                     bar.update(1)
                 runs.append(run)
                 batches.append(workload(args, seed, vocab, ids_salt="-bare")[0])

@@ -153,7 +153,7 @@ class StealPolicy(Policy):
             theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
             t_v = self._finish(theirs, scale_v)
             self.finish_estimate[vid] = (now, t_v)
-            movable = self._within(self._movable(theirs, vid, now, scale_v, budget + 1), theirs, allowance)
+            movable = self._within(self._movable(theirs, now, scale_v, budget + 1), theirs, allowance)
             if not movable:
                 continue
             # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
@@ -194,7 +194,7 @@ class StealPolicy(Policy):
     def _min_gain(self, t_v: float) -> float:
         return max(self.cfg.min_gain_s, self.cfg.min_gain_frac * t_v)
 
-    def _movable(self, load: Load, replica_id: str, now: float, scale: float, limit: int) -> list:
+    def _movable(self, load: Load, now: float, scale: float, limit: int) -> list:
         """Indices of up to `limit` sequences that may move and repay their re-prefill, longest
         work first. The repay rule is vectorised; the per-sequence rules run only on the few
         longest, so an attempt costs O(batch) numpy work and O(limit) Python work."""
@@ -204,8 +204,7 @@ class StealPolicy(Policy):
         out = []
         for i in np.flatnonzero(repays)[np.argsort(-load.rem[repays], kind="stable")]:
             s = load.seqs[i]
-            if (s.status is SeqStatus.RUNNING and s.replica == replica_id and s.migratable
-                    and s.moves < cfg.max_moves_per_seq and now - s.last_move_t >= cfg.min_move_interval_s):
+            if s.migratable and s.moves < cfg.max_moves_per_seq and now - s.last_move_t >= cfg.min_move_interval_s:
                 out.append(int(i))
                 if len(out) >= limit:
                     break

@@ -139,7 +139,7 @@ class Router:
         return out
 
     async def take_step_samples(self) -> list:
-        """The (running, context tokens, step s) reports recorded while tracing; clears them."""
+        """The (running, context tokens, seconds per token per sequence) reports recorded while tracing; clears them."""
         out, self.core.step_samples = self.core.step_samples, []
         return out
 
