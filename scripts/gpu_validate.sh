@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation steps, run on the lent H200 machine after ../shared/gpu's wheels are installed
-# (docs/benchmarks.md, "GPU"). Usage: [SEEDS=0] bash scripts/gpu_validate.sh policies|steal|overhead|calibrate
+# (docs/benchmarks.md, "GPU"). Usage: [SEEDS=0] [POLICIES=static,pull,steal] [LIMIT_S=570] \
+#   bash scripts/gpu_validate.sh policies|steal|overhead|calibrate
 # Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log; `overhead`
 # also samples `top` every 5 s into $OUT/overhead/top.log and runs scripts/overhead_probe.py.
 set -uo pipefail
@@ -11,11 +12,13 @@ W="--prompts 64 --samples 8 --median 1500 --sigma-prompt 0.9 --sigma-sample 0.5 
    --prompt-min 256 --prompt-max 1024"
 step=$1
 SEEDS=${SEEDS:-0}
+POLICIES=${POLICIES:-static,pull,steal}
+LIMIT_S=${LIMIT_S:-570}
 mkdir -p "$OUT/$step"
 case "$step" in
   policies)
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
-    timeout 570 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies static,pull,steal $W --seeds $SEEDS \
+    timeout $LIMIT_S $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies $POLICIES $W --seeds $SEEDS \
       --profile h200-7b-calibrated --out "$OUT/policies" ;;
   overhead)
     $RC make-model models/qwen2.5-1.5b --arch qwen2.5-1.5b

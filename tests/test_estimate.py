@@ -1,5 +1,7 @@
 """The policy's finish-time estimate against a step-by-step reference, and steal's evaluation of
 every move count against brute force."""
+import random
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,33 @@ def test_best_k_equals_brute_force_over_every_k(seed):
         brute.append(max(t_v, t_r))
     assert t == pytest.approx(min(brute), rel=1e-9)
     assert brute[k] == pytest.approx(min(brute), rel=1e-9)
+
+
+class _Seq:
+    def __init__(self, generated: int, max_tokens: int):
+        self.generated, self.max_tokens = generated, max_tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expected_remaining_array_matches_the_scalar_estimate(seed):
+    """The steal policy's vectorised group estimate equals estimate.expected_remaining (within
+    the erf approximation), for groups of every size and progress, with and without siblings."""
+    from rollout_cluster.policy.estimate import expected_remaining, expected_remaining_array
+    from rollout_cluster.state import GroupState
+    rng = random.Random(seed)
+    seqs, groups = [], []
+    for _ in range(3000):
+        size = rng.choice([1, 2, 4, 16, 100])
+        cap = rng.choice([64, 2048, 16384])
+        seqs.append(_Seq(rng.randint(0, cap), cap))
+        groups.append(GroupState(size, rng.randint(0, size - 1)))
+    ref = np.array([expected_remaining(s, g, 300.0) for s, g in zip(seqs, groups)])
+    got = expected_remaining_array(np.array([s.generated for s in seqs], dtype=float),
+                                   np.array([s.max_tokens for s in seqs], dtype=float),
+                                   np.array([g.size for g in groups], dtype=float),
+                                   np.array([g.finished for g in groups], dtype=float), 300.0)
+    assert np.all(np.abs(got - ref) <= 1e-4 * np.maximum(ref, 1.0))
+    # The evidence matters: a whole group still running is expected to run longer than one mostly done.
+    whole = expected_remaining_array(np.array([1000.0]), np.array([16384.0]), np.array([16.0]), np.array([0.0]), 300.0)
+    done = expected_remaining_array(np.array([1000.0]), np.array([16384.0]), np.array([16.0]), np.array([14.0]), 300.0)
+    assert whole[0] > 3 * done[0]

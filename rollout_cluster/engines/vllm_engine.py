@@ -13,6 +13,7 @@ import os
 import time
 
 from ..config import EngineConfig
+from ..niceness import set_niceness
 from ..types import EngineStats, ModelInfo, SeqProgress, Work
 from .base import EngineAdapter
 
@@ -26,25 +27,6 @@ def cpu_env(cfg: EngineConfig, rank: int) -> dict:
         ncores = os.cpu_count() or 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(rank % ncores)
     return env
-
-
-def set_niceness(target) -> str | None:
-    """Give this process (and the engine processes it spawns, which inherit it) niceness
-    `target`. Ray runs workers at nice 15; an engine left there yields its core to every nice-0
-    process (the driver, raylet, GCS, the dashboard). Raising priority needs CAP_SYS_NICE (root
-    has it): without it, return a warning naming the other way (RAY_worker_niceness=0 at
-    `ray start`). None: nothing to do or done."""
-    if target is None or not hasattr(os, "getpriority"):
-        return None
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if current == target:
-        return None
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, target)
-    except OSError as e:
-        return (f"could not change the engine's niceness from {current} to {target} (engine.niceness): {e}; "
-                "start Ray with RAY_worker_niceness=0 in the environment of `ray start`, or give the pod CAP_SYS_NICE")
-    return None
 
 
 def engine_args(cfg: EngineConfig, model: str):

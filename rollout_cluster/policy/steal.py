@@ -23,7 +23,7 @@ from ..config import PolicyConfig
 from ..engines.cost_model import CostModel
 from ..state import ClusterView, ReplicaState, SeqStatus
 from .base import Assign, Decision, GiveUp, Policy
-from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining, own_costs
+from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array, own_costs
 from .pull import fair_take, take_for, take_spread
 
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
@@ -92,8 +92,13 @@ class StealPolicy(Policy):
         cap = np.array([r.sampling.max_tokens for r in reqs], dtype=np.float64)
         if self.cfg.tail_isolation:
             groups = view.groups
-            rem = np.fromiter((expected_remaining(s, groups.get(s.group), typical) for s in seqs),
-                              dtype=np.float64, count=len(seqs))
+            sizes, finished = [], []
+            for s in seqs:
+                grp = groups.get(s.group)
+                sizes.append(grp.size if grp is not None else 1)
+                finished.append(grp.finished if grp is not None else 0)
+            rem = expected_remaining_array(g, cap, np.array(sizes, dtype=np.float64),
+                                           np.array(finished, dtype=np.float64), typical)
         else:  # expected_remaining without group information, vectorised
             rem = np.maximum(1.0, np.minimum(cap - g, np.maximum(2.0 * g, typical) - g))
         return Load(rem, ctx, seqs, self.cost)
@@ -143,7 +148,7 @@ class StealPolicy(Policy):
         allowance = self.cfg.max_reprefill_frac * view.generated_tokens - view.reprefill_tokens - self.pending_reprefill
         if allowance <= 0:
             return decision
-        others = [rid for rid in view.replicas if rid != replica_id]
+        others = self._victim_candidates(view, replica_id)
         victims = heapq.nlargest(VICTIMS_PER_DECISION, others, key=lambda r: self._left(r, now))
         for vid in victims:
             if budget <= 0 or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
@@ -180,6 +185,9 @@ class StealPolicy(Policy):
             self.moves += k
         self.finish_estimate[replica_id] = (now, t_r)
         return decision
+
+    def _victim_candidates(self, view: ClusterView, replica_id: str) -> list:
+        return [rid for rid in view.replicas if rid != replica_id]
 
     def _within(self, movable: list, load: Load, allowance: float) -> list:
         """The prefix of `movable` whose re-prefill fits the allowance."""

@@ -14,6 +14,7 @@ from ray import serve
 from ..config import load_config
 from ..engines.cost_model import load_profile
 from ..metrics import PrometheusRouterMetrics
+from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router_core import NoLiveReplicaError, RouterCore
 from ..types import Orders, Report
@@ -25,6 +26,9 @@ log = logging.getLogger("ray.serve")
 class Router:
     def __init__(self, config: dict):
         self.cfg = cfg = load_config(config)
+        warning = set_niceness(cfg.router.niceness, "router.niceness", all_threads=True)
+        if warning:
+            log.warning(warning)
         cost = load_profile(cfg.profile_path(), cfg.engine.max_num_seqs)
         self.metrics = PrometheusRouterMetrics(cfg.metrics.port)
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics)

@@ -42,7 +42,7 @@ def cluster_config():
     cfg = load_config(ROOT / "configs" / "local-cpu.yaml")
     if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
         make_model(str(ROOT / "models" / "tiny-llama"))
-    cfg.router = dataclasses.replace(cfg.router, replica_timeout_s=8.0)
+    cfg.router = dataclasses.replace(cfg.router, replica_timeout_s=8.0, niceness=0)
     cfg.metrics = dataclasses.replace(cfg.metrics, port=METRICS_PORT)
     cfg.policy = dataclasses.replace(cfg.policy, name="pull")
     return cfg.validate()

@@ -124,6 +124,29 @@ def test_engine_processes_do_not_inherit_rays_worker_niceness(client):
     assert sorted(p.nice() for p in engines) == [expected] * len(engines)
 
 
+def test_router_threads_run_at_router_niceness(client):
+    """With router.niceness 0 (set by the fixture; the default keeps Ray's 15), the router resets
+    every thread of its process (needs root, as in CI, or CAP_SYS_NICE)."""
+    import os
+
+    import psutil
+
+    assert client.status()["model"]
+    routers = [p for p in psutil.process_iter(["cmdline"])
+               if any("ServeReplica" in part and "Router" in part for part in (p.info["cmdline"] or []))]
+    assert len(routers) == 1, [p.info["cmdline"] for p in routers]
+    pid = routers[0].pid
+    nice = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nice.append(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19: nice
+        except FileNotFoundError:
+            continue
+    expected = 0 if os.geteuid() == 0 else 15
+    assert nice and all(n == expected for n in nice), nice
+
+
 def test_replicas_step_time_reports_are_recorded_while_tracing(client, fresh_policy):
     """The samples `calibrate --from-samples` fits: (running, context tokens, measured step s)."""
     ids, specs = demo_batch(prompts=8, samples=2, seed=2, max_len=200)
