@@ -254,17 +254,19 @@ def test_router_gives_every_segment_its_group_and_prompt_length():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_prefix_cache_evicts_free_prompts_oldest_first_when_kv_fills(engine):
     prompt = 1000
-    cost = dataclasses.replace(COST, kv_tokens=5000)
+    cost = dataclasses.replace(COST, kv_tokens=7000)
     rate = cost.prefill_tokens_per_s
     e = engine(cost, emit_tokens=False)
     e.submit(prefix_work("g0", 0, prompt, 10))
     e.submit(prefix_work("g1", 1, prompt, 10))
-    run_engine(e)  # both finished: groups 0 and 1 cached, unreferenced, 0 the older
-    assert list(e.prefix_cache.free) == [("b", 0), ("b", 1)] and not e.prefix_cache.held
-    # a sequence whose context reaches 3000 + 1000: free prompts + context > 5000, so the oldest goes
+    run_engine(e)  # both finished: groups 0 and 1 and each sequence's own context cached, 0 the older
+    pc = e.prefix_cache
+    assert list(pc.free) == [("b", 0), ("seq", "g0"), ("b", 1), ("seq", "g1")] and not pc.held
+    assert pc.free_tokens == 2 * prompt + 2 * (prompt + 10)
+    # a sequence whose context reaches 3000 + 1000: free 4020 + context > 7000, so the oldest two go
     e.submit(prefix_work("big", 2, 3000, 1000))
     run_engine(e)
-    assert list(e.prefix_cache.free) == [("b", 1), ("b", 2)] and e.prefix_cache.evictions == 1
+    assert list(pc.free) == [("b", 1), ("seq", "g1"), ("b", 2), ("seq", "big")] and pc.evictions == 2
     # group 1 is still cached: no prefill
     e.submit(prefix_work("again1", 1, prompt, 10))
     assert run_engine(e) == pytest.approx(closed_form(cost, 1, prompt, 10) - prompt / rate, rel=1e-9)
@@ -278,17 +280,17 @@ def test_prefix_cache_never_evicts_a_prompt_that_running_sequences_hold(engine):
     cost = dataclasses.replace(COST, kv_tokens=4000)
     e = engine(cost, emit_tokens=False)
     e.submit(prefix_work("other", 1, 1500, 10))
-    run_engine(e)  # group 1 cached, free
-    e.submit(prefix_work("a", 0, 1000, 1900))
-    while e.steps < 10 + 1700:  # a's context reaches 2700: free 1500 + 2700 > 4000
+    run_engine(e)  # group 1 (1500) and sequence "other" (1510) cached, free
+    e.submit(prefix_work("a", 0, 1000, 1900))  # admitted: 3010 free + 1000 > 4000, group 1 goes
+    while e.steps < 10 + 1700:  # a's context reaches 2700: free 1510 + 2700 > 4000, "other" goes
         e.advance(max_steps=10 + 1700 - e.steps)
     pc = e.prefix_cache
-    assert not pc.free and pc.evictions == 1 and pc.held == {("b", 0): 1}
+    assert not pc.free and pc.evictions == 2 and pc.held == {("b", 0): 1}
     e.submit(prefix_work("b", 0, 1000, 10))  # a sibling arrives: a holds the prompt, so it is cached
     assert e.advance(max_steps=1) == pytest.approx(cost.step_s(2, 2700 + 1000), rel=1e-12)  # no prefill
-    assert pc.hits == 1 and pc.held == {("b", 0): 2} and pc.evictions == 1
+    assert pc.hits == 1 and pc.held == {("b", 0): 2} and pc.evictions == 2
     run_engine(e)
-    assert list(pc.free) == [("b", 0)] and not pc.held and e.preemptions == 0
+    assert list(pc.free) == [("seq", "b"), ("b", 0), ("seq", "a")] and not pc.held and e.preemptions == 0
 
 
 @pytest.mark.parametrize("policy", ["scripted", "least-loaded", "steal", "chunked"])

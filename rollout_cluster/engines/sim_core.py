@@ -1,9 +1,9 @@
 """SimEngineCore: a vLLM-like engine in virtual time, driven by the cost model.
 
 Each step admits waiting sequences while the batch has room (max_num_seqs) and KV fits
-(prefill charged at the prefill rate, less the prompt tokens found in the prefix cache:
-prefix_cache.py), decodes one token for every running sequence, and
-finishes those that reached their stop. Past KV capacity it preempts the newest running
+(prefill charged at the prefill rate, less the tokens found in the prefix cache: the group's
+prompt or the sequence's own earlier context, prefix_cache.py), decodes one token for every
+running sequence, and finishes those that reached their stop. Past KV capacity it preempts the newest running
 sequence and recomputes it later, as vLLM does. `advance(limit)` jumps over many steps at once
 while the batch is unchanged (closed form), which makes 32 replicas x 8192 sequences cheap.
 Pure: no clock, no asyncio.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..types import SeqProgress, Work
 from .cost_model import CostModel
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, seq_key
 
 
 @dataclass(eq=False)
@@ -44,9 +44,10 @@ class SimEngineCore:
         self.prefix_cache = PrefixCache(cost.kv_tokens)
 
     def _leave(self, s: _Seq) -> None:
-        """`s` leaves the running batch: its group's prompt is no longer held by it."""
-        if s.work.prefix_key is not None:
-            self.prefix_cache.release(s.work.prefix_key, s.work.prefix_len)
+        """`s` leaves the running batch: its group's prompt is no longer held by it, and its own
+        context (prompt + output so far) stays cached until evicted."""
+        w = s.work
+        self.prefix_cache.release(w.prefix_key, w.prefix_len, seq_key(w.seq_id), s.context)
 
     def submit(self, work: Work) -> None:
         stop = work.sampling.max_tokens if work.stop_after is None else min(work.sampling.max_tokens, work.stop_after)
@@ -79,7 +80,7 @@ class SimEngineCore:
             self.running.append(s)
             self.context += s.context
             w = s.work
-            hit = 0 if w.prefix_key is None else self.prefix_cache.admit(w.prefix_key, w.prefix_len)
+            hit = self.prefix_cache.admit(w.prefix_key, w.prefix_len, seq_key(w.seq_id), s.context)
             t += self.cost.prefill_s(s.context - hit if hit < s.context else 0)
         self.prefix_cache.evict(self.context)
         return t

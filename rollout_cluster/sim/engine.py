@@ -20,7 +20,7 @@ from collections import deque
 from itertools import count
 
 from ..engines.cost_model import CostModel
-from ..engines.prefix_cache import PrefixCache
+from ..engines.prefix_cache import PrefixCache, seq_key
 from ..types import SeqProgress, Work
 
 _new = object.__new__
@@ -37,7 +37,8 @@ def progress(seq_id: str, attempt: int, tokens: list, logprobs, reason, n: int) 
 class _Seq:
     """One segment. While running: produced = p0 + (engine.steps - s0), context likewise."""
 
-    __slots__ = ("work", "seq_id", "attempt", "ctx0", "stop", "p0", "s0", "reported", "order", "end", "key", "plen")
+    __slots__ = ("work", "seq_id", "attempt", "ctx0", "stop", "p0", "s0", "reported", "order", "end", "key", "plen",
+                 "skey")
 
     def __init__(self, work: Work, stop: int):
         self.work, self.seq_id, self.attempt = work, work.seq_id, work.attempt
@@ -49,6 +50,7 @@ class _Seq:
         self.order = 0  # admission number: running order, newest is preempted first
         self.end = 0  # engine step at which it reaches `stop`
         self.key, self.plen = work.prefix_key, work.prefix_len  # prefix cache: group and prompt length
+        self.skey = seq_key(work.seq_id)  # prefix cache: the sequence's own context
 
 
 class FastEngineCore:
@@ -86,8 +88,7 @@ class FastEngineCore:
         for s in hit:
             del self.running[s.order]
             self._freeze(s)
-            if s.key is not None:
-                self.prefix_cache.release(s.key, s.plen)
+            self.prefix_cache.release(s.key, s.plen, s.skey, s.ctx0)
             self._final(s, "abort")
         if any((s.seq_id, s.attempt) in keys for s in self.waiting):
             for s in [s for s in self.waiting if (s.seq_id, s.attempt) in keys]:
@@ -112,7 +113,7 @@ class FastEngineCore:
             self.running[s.order] = s
             heapq.heappush(self.ends, (s.end, s.order))
             self.context += s.ctx0
-            hit = 0 if s.key is None else cache.admit(s.key, s.plen)
+            hit = cache.admit(s.key, s.plen, s.skey, s.ctx0)
             t += cost.prefill_s(s.ctx0 - hit if hit < s.ctx0 else 0)
         if cache.free and cache.free_tokens + self.context > cost.kv_tokens:
             cache.evict(self.context)
@@ -124,8 +125,7 @@ class FastEngineCore:
             _, s = self.running.popitem()  # newest
             self._freeze(s)
             self.context -= s.ctx0
-            if s.key is not None:
-                self.prefix_cache.release(s.key, s.plen)
+            self.prefix_cache.release(s.key, s.plen, s.skey, s.ctx0)
             self.waiting.appendleft(s)  # recompute: re-prefilled with its output so far
             self.preemptions += 1
 
@@ -175,8 +175,7 @@ class FastEngineCore:
             del running[s.order]
             self._freeze(s)
             self.context -= s.ctx0
-            if s.key is not None:
-                release(s.key, s.plen)
+            release(s.key, s.plen, s.skey, s.ctx0)
             w = s.work
             reason = "length" if s.p0 >= w.sampling.max_tokens or w.stop_after is not None else "stop"
             self._final(s, reason)
