@@ -23,6 +23,17 @@ def test_relative_model_path_resolves_against_repo(tmp_path):
     assert cfg.base_dir == str(ROOT)
 
 
+def test_paths_in_a_nested_configs_folder_resolve_against_the_project(tmp_path):
+    """configs/experiments/*.yaml name models/ and configs/profiles/ as the top-level configs do."""
+    cfg = load_config(ROOT / "configs" / "experiments" / "cpu-bench-affine-evidence.yaml")
+    assert cfg.base_dir == str(ROOT)
+    assert cfg.profile_path() == str(ROOT / "configs" / "profiles" / "cpu-bench-cluster.yaml")
+    (tmp_path / "elsewhere").mkdir()
+    outside = tmp_path / "elsewhere" / "c.yaml"
+    outside.write_text("replicas: 1\n")
+    assert load_config(outside).base_dir == str(tmp_path / "elsewhere")
+
+
 @pytest.mark.parametrize("data, fragment", [
     ({"replicas": 0}, "replicas=0"),
     ({"replica": 2}, "replica: unknown key"),
