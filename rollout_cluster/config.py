@@ -221,10 +221,10 @@ def load_config(source) -> ClusterConfig:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
-        # A file under a `configs/` folder (at any depth) resolves paths against the project
-        # root above it; any other file against its own folder.
+        # A file in `configs/` or one folder below it (configs/experiments/) resolves paths
+        # against the project root above it; any other file against its own folder.
         here = path.resolve().parent
-        root = next((d.parent for d in (here, *here.parents) if d.name == "configs"), None)
+        root = next((d.parent for d in (here, here.parent) if d.name == "configs"), None)
         base = str(root or here)
     else:
         data = dict(source)

@@ -26,6 +26,7 @@ def set_niceness(target, setting: str = "engine.niceness", all_threads: bool = F
     if target is None or not hasattr(os, "getpriority"):
         return None
     for tid in _threads() if all_threads else [0]:
+        current = None
         try:
             current = os.getpriority(os.PRIO_PROCESS, tid)
             if current != target:
@@ -33,6 +34,7 @@ def set_niceness(target, setting: str = "engine.niceness", all_threads: bool = F
         except ProcessLookupError:
             continue  # the thread ended meanwhile
         except OSError as e:
-            return (f"could not change the niceness from {current} to {target} ({setting}): {e}; "
+            was = "its current value" if current is None else current
+            return (f"could not change the niceness from {was} to {target} ({setting}): {e}; "
                     "start Ray with RAY_worker_niceness=0 in the environment of `ray start`, or give the pod CAP_SYS_NICE")
     return None

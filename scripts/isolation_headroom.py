@@ -24,7 +24,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from rollout_cluster.bench.bounds import _shape, bounds, decode_alone_s, first_of_group
+from rollout_cluster.bench.bounds import _shape, bounds, decode_alone_s, first_of_group, work_s
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy.base import Assign, Decision, Policy
@@ -69,7 +69,7 @@ def identification(requests: list, cost, replicas: int) -> list:
     import numpy as np
 
     from rollout_cluster.config import PolicyConfig
-    from rollout_cluster.policy.estimate import expected_remaining_array
+    from rollout_cluster.policy.estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array
     from rollout_cluster.policy.steal import StealPolicy
     from rollout_cluster.state import SeqStatus
 
@@ -80,11 +80,13 @@ def identification(requests: list, cost, replicas: int) -> list:
         if not rows or view.now - rows[-1][0] >= SAMPLE_EVERY_S:
             seqs = [s for r in view.replicas.values() for s in r.seqs.values() if s.status is SeqStatus.RUNNING]
             groups = [view.groups.get(s.group) for s in seqs]
+            window = view.finished_lengths[-512:]  # as the policy's typical length, without touching its state
+            typical = max(float(TYPICAL_LENGTH_FLOOR), float(np.median(window)) if len(window) >= 8 else 0.0)
             rem = expected_remaining_array(np.array([s.generated for s in seqs], dtype=float),
                                            np.array([s.max_tokens for s in seqs], dtype=float),
                                            np.array([g.size if g else 1 for g in groups], dtype=float),
                                            np.array([g.finished if g else 0 for g in groups], dtype=float),
-                                           policy._typical(view))
+                                           typical)
             long = np.array([s.request.hidden_length >= LONG for s in seqs])
             top = np.argsort(-rem, kind="stable")[:TOP_K]
             rows.append((round(view.now, 1), len(seqs), int(long.sum()), int(long[top].sum())))
@@ -96,19 +98,23 @@ def identification(requests: list, cost, replicas: int) -> list:
 
 
 def informed_bound(requests: list, cost, replicas: int, marks: list) -> dict:
-    """{g: fluid time until the steps reach g + the longest sequence alone for the rest}."""
+    """{g: fluid time until the longest sequence has g tokens + that sequence alone for the rest,
+    and never less than the work bound}. g counts from the longest sequence's own start (it may be
+    admitted late when the batch exceeds the fleet's slots)."""
     shape, first = _shape(requests), first_of_group(requests)
     longest = max(range(len(shape)), key=lambda i: shape[i][1])
     prompt, length = shape[longest]
     r, slots = float(replicas), replicas * cost.max_num_seqs
     queue, ends, ctx_keys, done = deque(range(len(shape))), [], [], [False] * len(shape)
-    t, steps, active, context, reach = 0.0, 0, 0, 0, {}
+    t, steps, active, context, reach, start = 0.0, 0, 0, 0, {}, None
 
     def admit() -> float:
-        nonlocal active, context
+        nonlocal active, context, start
         tokens = biggest = 0
         while queue and active < slots:
             i = queue.popleft()
+            if i == longest:
+                start = steps
             p, n = shape[i]
             heapq.heappush(ends, (steps + n, i))
             heapq.heappush(ctx_keys, (-(p - steps), i))
@@ -128,8 +134,8 @@ def informed_bound(requests: list, cost, replicas: int, marks: list) -> dict:
             heapq.heappop(ctx_keys)
         cmax, k = steps - ctx_keys[0][0], ends[0][0] - steps
         for g in marks:
-            if steps < g <= steps + k:
-                reach[g] = t + interval(g - steps, cmax)
+            if start is not None and steps < start + g <= steps + k:
+                reach[g] = t + interval(start + g - steps, cmax)
         t += interval(k, cmax)
         steps += k
         context += active * k
@@ -137,7 +143,8 @@ def informed_bound(requests: list, cost, replicas: int, marks: list) -> dict:
             _, i = heapq.heappop(ends)
             done[i], active, context = True, active - 1, context - sum(shape[i])
         t += admit()
-    return {g: reach[g] + decode_alone_s(cost, prompt + g, length - g) for g in marks if g in reach}
+    work = sum(work_s(cost, p, n, not f) for (p, n), f in zip(shape, first)) / r
+    return {g: max(work, reach[g] + decode_alone_s(cost, prompt + g, length - g)) for g in marks if g in reach}
 
 
 def main() -> None:
