@@ -53,8 +53,8 @@ def test_best_k_equals_brute_force_over_every_k(seed):
     mine = Load(rng.integers(1, 3000, nr).astype(float), rng.integers(16, 9000, nr).astype(float), [None] * nr, COST)
     movable = [int(i) for i in np.argsort(-theirs.rem, kind="stable") if rng.random() < 0.7][:32]
     scale_v, scale_r = 1.0 + rng.random(), 0.5 + rng.random()
-    k, t, t_v_after = policy._best_k(theirs, movable, mine, scale_v, scale_r)
-    brute, victim_after = [], []
+    k, t, t_v_after, t_r_after = policy._best_k(theirs, movable, mine, scale_v, scale_r)
+    brute, victim_after, thief_after = [], [], []
     for j in range(len(movable) + 1):
         moved = movable[:j]
         rest = np.ones(nv, dtype=bool)
@@ -66,9 +66,11 @@ def test_best_k_equals_brute_force_over_every_k(seed):
             t_r += theirs.ctx[moved].sum() / COST.prefill_tokens_per_s * scale_r + MIGRATION_OVERHEAD_S
         brute.append(max(t_v, t_r))
         victim_after.append(t_v)
+        thief_after.append(t_r)
     assert t == pytest.approx(min(brute), rel=1e-9)
     assert brute[k] == pytest.approx(min(brute), rel=1e-9)
     assert t_v_after == pytest.approx(victim_after[k], rel=1e-9)  # the victim's estimate after the move
+    assert t_r_after == pytest.approx(thief_after[k], rel=1e-9)  # the thief's own, not the later of the two
 
 
 class _Seq:

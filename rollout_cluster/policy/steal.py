@@ -159,14 +159,14 @@ class StealPolicy(Policy):
             # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
             # shed the rest of V's batch to R so V's critical sequence decodes at a smaller batch.
             critical = int(np.argmax(theirs.rem))
-            best = (0, t_v, [], t_v)
+            best = (0, t_v, [], t_v, t_r)
             whole = movable[:budget]
             shed = [i for i in movable if i != critical][:budget]
             for cand in (whole, shed) if shed != whole else (whole,):
-                k, t_after, t_v_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
+                k, t_after, t_v_after, t_r_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
                 if k and t_after < best[1]:
-                    best = (k, t_after, cand[:k], t_v_after)
-            k, t_after, moved, t_v_after = best
+                    best = (k, t_after, cand[:k], t_v_after, t_r_after)
+            k, t_after, moved, t_v_after, t_r_after = best
             if k == 0 or t_after + self._min_gain(t_v) >= t_v:
                 continue
             decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
@@ -176,7 +176,7 @@ class StealPolicy(Policy):
             if len(victims) > 1:  # the next victim is weighed against R's load with these moved in
                 mine = mine.plus(theirs, moved, self.cost)
             self.finish_estimate[vid] = (now, t_v_after)
-            t_r = t_after
+            t_r = t_r_after  # R's own finish: t_after is the later of the two
             budget -= k
             self.moves += k
         self.finish_estimate[replica_id] = (now, t_r)
@@ -219,7 +219,7 @@ class StealPolicy(Policy):
         cand[:k] move to R (R pays their re-prefill). With the additive cost (finish_time_of),
         moving cand[:k] takes their own costs off V and onto R, and changes only the longest
         work left on each side: a running sum and a running max over k, O(len(cand)) after one
-        O(batch) max. Returns (k, that finish, V's finish after the move)."""
+        O(batch) max. Returns (k, that finish, V's and R's finishes after the move)."""
         a, prefill = self.cost.a, self.cost.prefill_tokens_per_s
         staying = np.ones(len(theirs.rem), dtype=bool)
         staying[cand] = False
@@ -229,7 +229,8 @@ class StealPolicy(Policy):
         for k in range(len(cand) - 1, -1, -1):
             left_max[k] = max(left_max[k + 1], rem_c[k])
         t_v0 = theirs.finish(self.cost, scale_v)
-        best_k, best_t, best_v = 0, max(t_v0, mine.finish(self.cost, scale_r)), t_v0
+        t_r0 = mine.finish(self.cost, scale_r)
+        best_k, best_t, best_v, best_r = 0, max(t_v0, t_r0), t_v0, t_r0
         moved_own = moved_ctx = 0.0
         got_max = mine.longest
         for k in range(1, len(cand) + 1):
@@ -240,8 +241,8 @@ class StealPolicy(Policy):
             t_r = ((a * got_max + mine.total + moved_own) * scale_r
                    + moved_ctx / prefill * scale_r + MIGRATION_OVERHEAD_S)
             if max(t_v, t_r) < best_t:
-                best_k, best_t, best_v = k, max(t_v, t_r), t_v
-        return best_k, best_t, best_v
+                best_k, best_t, best_v, best_r = k, max(t_v, t_r), t_v, t_r
+        return best_k, best_t, best_v, best_r
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.finish_estimate.pop(replica_id, None)
