@@ -8,7 +8,7 @@ import pytest
 
 from rollout_cluster.bench.calibrate import fit, parse_ints, step_curve
 from rollout_cluster.bench.report import trace_by_replica
-from rollout_cluster.bench.run import METRICS, percentile, tail_s
+from rollout_cluster.bench.run import METRICS, PREFILLED, percentile, tail_s
 from rollout_cluster.bench.vllm_run import utilization
 from rollout_cluster.bench.workloads import LongtailSpec, load_trace, parse_trace, rl_longtail, write_trace
 from rollout_cluster.cli import main
@@ -113,7 +113,8 @@ def test_bench_writes_json_md_png(tmp_path, capsys):
     lb = data["lower_bound_s"]
     assert 0 < lb <= data["balance_bound_s"]
     for name, row in data["results"].items():
-        assert list(row) == list(METRICS)
+        assert list(row) == list(METRICS) + [PREFILLED]  # the simulator also reports what it prefilled
+        assert 0 <= row[PREFILLED] <= row["reprefill_pct"]
         assert row["makespan_s"] >= lb
         assert row["ratio_to_lower_bound"] == pytest.approx(row["makespan_s"] / lb, rel=1e-3)
         assert row["tokens_per_s"] == pytest.approx(data["generated_tokens"] / row["makespan_s"], rel=1e-3)
@@ -320,3 +321,16 @@ def test_profile_fitted_from_replica_step_reports_recovers_the_curve(tmp_path):
         calibrate(SimpleNamespace(**{**vars(args), "samples_of": "seed 9"}))
     with pytest.raises(ValueError, match=r"from-samples=.*seed 3 steal.*only 0 usable"):
         calibrate(SimpleNamespace(**{**vars(args), "samples_of": "steal"}))
+
+
+def test_prefilled_reprefill_counts_cache_hits_out(tmp_path):
+    """chunked re-sends every continuation's context; continuing on the replica it last ran on, most
+    of it is cached, so what is prefilled is a small part of what is sent. Migrations (steal)
+    land on another replica: there little is cached beyond the group's prompt."""
+    out = tmp_path / "p"
+    longer = ["--replicas", "3", "--prompts", "6", "--samples", "4", "--median", "1500", "--max-tokens", "4096"]
+    assert main(["bench", "--engine", "sim", "--policies", "chunked,steal", "--out", str(out)] + longer) == 0
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    chunked = rows["chunked"]
+    assert chunked["reprefill_pct"] > 50 and chunked[PREFILLED] < 0.5 * chunked["reprefill_pct"]
+    assert "of it prefilled" in (out / "bench.md").read_text()

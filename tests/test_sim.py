@@ -312,5 +312,8 @@ def test_fast_engine_equals_reference_engine_with_prefix_cache_evictions(policy)
     assert fast.busy_s == ref.busy_s and fast.trace == ref.trace
     assert [c.token_ids for c in fast.completions] == [c.token_ids for c in ref.completions]
     assert caches[0] == caches[1]
+    assert fast.reprefilled_tokens == ref.reprefilled_tokens <= ref.reprefill_tokens
+    if policy in ("scripted", "chunked"):  # continuations were dispatched, and not all of them hit the cache
+        assert ref.reprefilled_tokens > 0
     assert sum(c[0] for c in caches[0]) > 0 and sum(c[2] for c in caches[0]) > 0 and ref.preemptions > 0
     assert all(not c[4] for c in caches[0])  # nothing runs at the end: every prompt released

@@ -12,7 +12,8 @@ from pathlib import Path
 COLUMNS = [("makespan_s", "makespan (s)", "{:.2f}"), ("ratio_to_lower_bound", "ratio to LB", "{:.3f}"),
            ("tokens_per_s", "tokens/s", "{:.0f}"), ("tail_s", "tail 90→100 % (s)", "{:.2f}"),
            ("utilization", "utilization", "{:.3f}"), ("migrations", "migrations", "{}"),
-           ("reprefill_pct", "re-prefill %", "{:.2f}"), ("decision_ms_mean", "decision ms (mean)", "{:.3f}"),
+           ("reprefill_pct", "re-prefill %", "{:.2f}"), ("reprefill_prefilled_pct", "of it prefilled %", "{:.2f}"),
+           ("decision_ms_mean", "decision ms (mean)", "{:.3f}"),
            ("decision_ms_p99", "decision ms (p99)", "{:.3f}")]
 
 

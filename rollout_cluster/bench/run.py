@@ -20,6 +20,9 @@ from .workloads import LongtailSpec, load_trace, rl_longtail, summary
 POLICIES = ("static", "chunked", "least-loaded", "pull", "steal")
 METRICS = ("makespan_s", "ratio_to_lower_bound", "tokens_per_s", "tail_s", "utilization", "migrations",
            "reprefill_pct", "decision_ms_mean", "decision_ms_p99")
+# Simulator only: re-prefill tokens actually prefilled (cache hits subtracted), % of generated.
+# `reprefill_pct` counts every continuation's prompt as sent; vLLM runs report only that.
+PREFILLED = "reprefill_prefilled_pct"
 SIM_SCALE = dict(prompts=512, samples=16, median=1500.0, sigma_prompt=0.9, sigma_sample=0.5, max_tokens=16384,
                  prompt_min=256, prompt_max=1024, replicas=None)  # replicas: the config's, else 32
 SIM_REPLICAS = 32
@@ -135,6 +138,8 @@ def simulate_policy(name: str, requests: list, cost: CostModel, replicas: int, l
     c = res.counters
     row = policy_metrics(span, res.finish_times, c["generated_tokens"], min(1.0, util), c["migrations"],
                          res.reprefill_tokens, decision_stats_ms(res.decision_times_s), lower)
+    generated = c["generated_tokens"]
+    row[PREFILLED] = round(100.0 * res.reprefilled_tokens / generated, 3) if generated else 0.0
     return row, res.trace
 
 
@@ -178,6 +183,8 @@ def combine(runs: list, seeds: list) -> dict:
     for name in first["results"]:
         rows = [r["results"][name] for r in runs]
         out["results"][name] = {k: mean(k, rows) for k in METRICS}
+        if all(row.get(PREFILLED) is not None for row in rows):
+            out["results"][name][PREFILLED] = mean(PREFILLED, rows)
         ratios = [row["ratio_to_lower_bound"] for row in rows]
         out["results"][name]["ratio_to_lower_bound_range"] = [min(ratios), max(ratios)]
     out.update(profile=first["profile"], bound_note=first["bound_note"], seeds=seeds,

@@ -27,6 +27,7 @@ class _Seq:
     produced: int = 0
     reported: int = 0
     admitted: bool = False
+    admitted_once: bool = False  # a dispatched continuation's first admission counts as re-prefill
 
 
 class SimEngineCore:
@@ -38,6 +39,7 @@ class SimEngineCore:
         self.running: list = []
         self.finals: list = []
         self.preemptions = 0
+        self.reprefilled_tokens = 0  # continuations' prompt tokens actually prefilled (not cached)
         self.context = 0  # KV tokens of running sequences
         self.last_step_s = 0.0
         self.steps = 0
@@ -81,7 +83,11 @@ class SimEngineCore:
             self.context += s.context
             w = s.work
             hit = self.prefix_cache.admit(w.prefix_key, w.prefix_len, seq_key(w.seq_id), s.context)
-            t += self.cost.prefill_s(s.context - hit if hit < s.context else 0)
+            prefilled = s.context - hit if hit < s.context else 0
+            t += self.cost.prefill_s(prefilled)
+            if not s.admitted_once and 0 < w.prefix_len < w.prompt_len:
+                self.reprefilled_tokens += prefilled
+            s.admitted_once = True
         self.prefix_cache.evict(self.context)
         return t
 

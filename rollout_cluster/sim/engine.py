@@ -38,7 +38,7 @@ class _Seq:
     """One segment. While running: produced = p0 + (engine.steps - s0), context likewise."""
 
     __slots__ = ("work", "seq_id", "attempt", "ctx0", "stop", "p0", "s0", "reported", "order", "end", "key", "plen",
-                 "skey")
+                 "skey", "continuation")
 
     def __init__(self, work: Work, stop: int):
         self.work, self.seq_id, self.attempt = work, work.seq_id, work.attempt
@@ -51,6 +51,7 @@ class _Seq:
         self.end = 0  # engine step at which it reaches `stop`
         self.key, self.plen = work.prefix_key, work.prefix_len  # prefix cache: group and prompt length
         self.skey = seq_key(work.seq_id)  # prefix cache: the sequence's own context
+        self.continuation = 0 < work.prefix_len < work.prompt_len  # until first admitted: counts as re-prefill
 
 
 class FastEngineCore:
@@ -63,6 +64,7 @@ class FastEngineCore:
         self.ends: list = []  # heap of (end step, order) of running sequences (lazy deletion)
         self.finals: list = []
         self.preemptions = 0
+        self.reprefilled_tokens = 0  # continuations' prompt tokens actually prefilled (not cached)
         self.context = 0  # KV tokens of running sequences
         self.last_step_s = 0.0
         self.steps = 0
@@ -114,7 +116,11 @@ class FastEngineCore:
             heapq.heappush(self.ends, (s.end, s.order))
             self.context += s.ctx0
             hit = cache.admit(s.key, s.plen, s.skey, s.ctx0)
-            t += cost.prefill_s(s.ctx0 - hit if hit < s.ctx0 else 0)
+            prefilled = s.ctx0 - hit if hit < s.ctx0 else 0
+            t += cost.prefill_s(prefilled)
+            if s.continuation:
+                self.reprefilled_tokens += prefilled
+                s.continuation = False
         if cache.free and cache.free_tokens + self.context > cost.kv_tokens:
             cache.evict(self.context)
         return t

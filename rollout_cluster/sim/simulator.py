@@ -36,6 +36,9 @@ class SimResult:
     # engines actually prefill may be less: a destination with the group's prompt in its prefix
     # cache prefills only the partial output (engines/prefix_cache.py); this counts tokens sent.
     reprefill_tokens: int = 0
+    # Of those, the tokens the engines actually prefilled on the continuations' first admission
+    # (prefix-cache hits subtracted): the re-prefill's real cost.
+    reprefilled_tokens: int = 0
 
 
 class Simulation:
@@ -114,7 +117,8 @@ class Simulation:
                          counters=dict(core.counters), decision_times_s=core.decision_times,
                          trace=trace, finish_times=finish_times, busy_s=dict(self.busy),
                          preemptions=sum(e.preemptions for e in self.engines.values()),
-                         reprefill_tokens=self.reprefill_tokens)
+                         reprefill_tokens=self.reprefill_tokens,
+                         reprefilled_tokens=sum(e.reprefilled_tokens for e in self.engines.values()))
 
     def _count_reprefill(self, work) -> None:
         seq = self.core.seqs.get(work.seq_id)
