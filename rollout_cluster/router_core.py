@@ -68,7 +68,11 @@ class RouterCore:
         self.give_up_t: dict = {}  # seq_id -> (time ordered, destination)
         self.model: Optional[ModelInfo] = None
         self.finished_lengths: list = []
-        self.counters = {"migrations": 0, "reprefill_tokens": 0, "generated_tokens": 0,
+        # reprefill_tokens: migrated context sent to a destination. reprefilled_tokens: what the
+        # engines reported actually prefilling for continuations (prefix-cache hits out), over
+        # reprefill_segments_measured continuation segments that reported it (vLLM only).
+        self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefilled_tokens": 0,
+                         "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0}
         self.decision_times: list = []
         self.finished_count = 0
@@ -233,6 +237,10 @@ class RouterCore:
                 or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
             self.counters["stale_reports"] += 1
             return
+        if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
+            context = seq.request.prompt_len + seq.segment_start
+            self.counters["reprefilled_tokens"] += max(0, context - p.cached_tokens)
+            self.counters["reprefill_segments_measured"] += 1
         if p.num_tokens:
             seq.generated += p.num_tokens
             self.counters["generated_tokens"] += p.num_tokens

@@ -176,6 +176,9 @@ class SeqProgress:
     finish_reason: Optional[str] = None  # set on the segment's one final report
     error: Optional[str] = None
     num_tokens: int = -1  # simulation reports counts without ids
+    # vLLM, on a segment's first report: prompt tokens it found in its prefix cache (-1: not known).
+    # For a continuation the router counts the rest as re-prefilled for real.
+    cached_tokens: int = -1
 
     def __post_init__(self):
         if self.num_tokens < 0:

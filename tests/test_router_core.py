@@ -156,6 +156,24 @@ def test_give_up_continues_elsewhere_with_prompt_plus_partial():
     assert [(m.source, m.destination, m.at_token) for m in c.migrations] == [("a", "b", 3)]
 
 
+def test_continuation_reprefill_counts_what_the_engine_did_not_find_cached():
+    """A segment's first report carries vLLM's num_cached_tokens: for a continuation the router
+    counts context - cached as re-prefilled; a fresh segment's report counts nothing."""
+    core = _core("scripted", scripted_at_tokens=[2])
+    _register(core, "a")
+    _register(core, "b")
+    core.submit([SequenceRequest([1, 2, 3, 4], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
+    w1 = core.decide("a", 0.0).start[0]
+    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [7, 8], cached_tokens=0)], EngineStats(), None, 8), 0.1)
+    assert core.counters["reprefilled_tokens"] == 0  # the first segment is not a re-prefill
+    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [9], None, "abort")], EngineStats(), None, 8), 0.2)
+    w2 = core.decide("b", 0.3).start[0]
+    assert w2.prompt_len == 7 and core.counters["reprefill_tokens"] == 7  # sent: prompt + 3 generated
+    core.on_report(Report("b", "i1", [SeqProgress(w1.seq_id, 2, [10], cached_tokens=4)], EngineStats(), None, 8), 0.4)
+    core.on_report(Report("b", "i1", [SeqProgress(w1.seq_id, 2, [11])], EngineStats(), None, 8), 0.5)  # -1: not again
+    assert core.counters["reprefilled_tokens"] == 3 and core.counters["reprefill_segments_measured"] == 1
+
+
 def test_dead_replica_work_resumes_from_last_reported_tokens():
     core = _core()
     _register(core, "a")

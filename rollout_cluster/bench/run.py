@@ -20,8 +20,9 @@ from .workloads import LongtailSpec, load_trace, rl_longtail, summary
 POLICIES = ("static", "chunked", "least-loaded", "pull", "steal")
 METRICS = ("makespan_s", "ratio_to_lower_bound", "tokens_per_s", "tail_s", "utilization", "migrations",
            "reprefill_pct", "decision_ms_mean", "decision_ms_p99")
-# Simulator only: re-prefill tokens actually prefilled (cache hits subtracted), % of generated.
-# `reprefill_pct` counts every continuation's prompt as sent; vLLM runs report only that.
+# Re-prefill tokens actually prefilled (cache hits subtracted), % of generated: the simulator's
+# engines count it; vLLM replicas report num_cached_tokens. `reprefill_pct` counts every
+# continuation's prompt as sent.
 PREFILLED = "reprefill_prefilled_pct"
 SIM_SCALE = dict(prompts=512, samples=16, median=1500.0, sigma_prompt=0.9, sigma_sample=0.5, max_tokens=16384,
                  prompt_min=256, prompt_max=1024, replicas=None)  # replicas: the config's, else 32

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..types import SamplingSpec, SequenceRequest, Work
 from .bounds import bounds
 from .report import trace_by_replica
-from .run import cluster_config, cost_model, header, percentile, policy_metrics, tail_s, workload
+from .run import PREFILLED, cluster_config, cost_model, header, percentile, policy_metrics, tail_s, workload
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 WARMUP_TOKENS = 16
@@ -90,6 +90,11 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
                          utilization(trace, makespan, cfg.replicas),
                          sum(len(c.migrations) for c in completions), reprefill,
                          (status["decision_ms_mean"], status["decision_ms_p99"]), lower)
+    # What the engines reported actually prefilling for continuations (vLLM's num_cached_tokens
+    # taken out); unknown if continuations ran but none reported it.
+    measured = counters.get("reprefill_segments_measured", 0)
+    row[PREFILLED] = (round(100.0 * counters.get("reprefilled_tokens", 0) / generated, 3)
+                      if generated and (measured or not reprefill) else None)
     row["median_finish_s"] = round(percentile([c.finish_time_s for c in completions], 0.5), 4)
     if counters["generated_tokens"] != generated:
         row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing

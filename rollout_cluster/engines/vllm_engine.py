@@ -116,6 +116,7 @@ class VllmEngine(EngineAdapter):
 
         rid = f"{work.seq_id}#{work.attempt}"
         final = None
+        cached = None  # the prefix-cache hit, reported once, with the segment's first progress
         try:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=work.prompt_token_ids),
                                                   sampling_params(work), request_id=rid):
@@ -127,8 +128,12 @@ class VllmEngine(EngineAdapter):
                     final = reason
                 self.context[key] = self.context.get(key, 0) + len(toks)
                 if toks or reason:
+                    hit = -1
+                    if cached is None:
+                        n = getattr(out, "num_cached_tokens", None)
+                        cached = hit = n if isinstance(n, int) and n >= 0 else -1
                     self.pending.append(SeqProgress(work.seq_id, work.attempt, toks,
-                                                    sampled_logprobs(toks, o.logprobs), reason))
+                                                    sampled_logprobs(toks, o.logprobs), reason, cached_tokens=hit))
             if final is None:  # stream ended without a finished output: only an abort does that
                 self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort"))
         except asyncio.CancelledError:

@@ -34,6 +34,11 @@ def test_greedy_migrated_tokens_equal_unmigrated(client, fresh_policy, unmigrate
         assert mig.token_ids == base.token_ids
         assert len(mig.logprobs) == len(base.logprobs) == GREEDY.max_tokens
         assert max(abs(a - b) for a, b in zip(mig.logprobs, base.logprobs)) < 1e-4
+    # Every continuation reported vLLM's prefix-cache hit on its first output; what was not
+    # cached was re-prefilled, never more than the context sent.
+    counters = client.status()["counters"]
+    assert counters["reprefill_segments_measured"] == moves * len(PROMPTS)
+    assert 0 < counters["reprefilled_tokens"] <= counters["reprefill_tokens"]
 
 
 def test_sampled_migrations_complete_exactly_once(client, fresh_policy):
