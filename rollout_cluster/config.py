@@ -55,7 +55,7 @@ class RouterConfig:
     max_ongoing_requests: int = 4096  # >> replicas + drivers: pulls must never queue
     submit_wait_for_replica_s: float = 600.0  # a submit with no live replica fails after this
     # 0 makes decisions prompt where engines keep every core busy, at the price of engine time
-    # (2-core CPU cluster, docs/benchmarks.md: steal's decision p99 64 -> 2.2 ms, no makespan gain).
+    # (2-core CPU cluster, docs/benchmarks.md: steal's decision p99 43 -> 2.2 ms, no makespan gain).
     niceness: Optional[int] = None  # the router's threads run at this niceness (null: keep Ray's 15)
     call_timeout_s: float = 120.0  # bound on every driver -> router call
 

@@ -3,7 +3,7 @@
 Ray runs its workers at nice 15 (RAY_worker_niceness) so that raylet and GCS stay responsive. An
 engine left there yields its core to every nice-0 process (the driver, raylet, GCS, the
 dashboard), and a router left there answers pulls late whenever the engines keep every core busy
-(measured on the 2-core CPU cluster: steal decisions with a p99 of 50-77 ms of wall time).
+(measured on the 2-core CPU cluster: steal decisions with a p99 of 43 ms of wall time, 2.2 ms at nice 0).
 """
 from __future__ import annotations
 

@@ -15,8 +15,6 @@ Algorithm, at a pull by replica R with free slots and nothing queued (rate-limit
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from ..config import PolicyConfig
@@ -27,7 +25,6 @@ from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array, own_costs
 from .pull import fair_take, take_for, take_spread
 
 MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull intervals
-VICTIMS_PER_DECISION = 1
 STEAL_INTERVAL_S = 0.5  # per-replica rate limit on estimates and steal attempts: bounds router CPU
 FULL_REFRESH_S = 2.0  # the same for a replica with no free slot (it can only be a victim)
 REPAY_FACTOR = 20.0  # a move needs expected decode time left >= this x its re-prefill time
@@ -49,10 +46,6 @@ class Load:
         """estimate.finish_time_of, from the cached sums."""
         return (cost.a * self.longest + self.total) * scale if len(self.rem) else 0.0
 
-    def plus(self, other: "Load", idx, cost: CostModel) -> "Load":
-        idx = list(idx)
-        return Load(np.concatenate((self.rem, other.rem[idx])), np.concatenate((self.ctx, other.ctx[idx])),
-                    self.seqs + [other.seqs[i] for i in idx], cost)
 
 
 class StealPolicy(Policy):
@@ -143,47 +136,38 @@ class StealPolicy(Policy):
         allowance = self.cfg.max_reprefill_frac * view.generated_tokens - view.reprefill_tokens - self.pending_reprefill
         if allowance <= 0:
             return decision
-        others = self._victim_candidates(view, replica_id)
-        victims = heapq.nlargest(VICTIMS_PER_DECISION, others, key=lambda r: self._left(r, now))
-        for vid in victims:
-            if budget <= 0 or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
-                break
-            victim = view.replicas[vid]
-            scale_v = self._scale(victim)
-            theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
-            t_v = self._finish(theirs, scale_v)
-            self.finish_estimate[vid] = (now, t_v)
-            movable = self._within(self._movable(theirs, now, scale_v, budget + 1), theirs, allowance)
-            if not movable:
-                continue
-            # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
-            # shed the rest of V's batch to R so V's critical sequence decodes at a smaller batch.
-            critical = int(np.argmax(theirs.rem))
-            best = (0, t_v, [], t_v, t_r)
-            whole = movable[:budget]
-            shed = [i for i in movable if i != critical][:budget]
-            for cand in (whole, shed) if shed != whole else (whole,):
-                k, t_after, t_v_after, t_r_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
-                if k and t_after < best[1]:
-                    best = (k, t_after, cand[:k], t_v_after, t_r_after)
-            k, t_after, moved, t_v_after, t_r_after = best
-            if k == 0 or t_after + self._min_gain(t_v) >= t_v:
-                continue
-            decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
-            cost = float(theirs.ctx[moved].sum())
-            allowance -= cost
-            self.pending_reprefill += cost
-            if len(victims) > 1:  # the next victim is weighed against R's load with these moved in
-                mine = mine.plus(theirs, moved, self.cost)
-            self.finish_estimate[vid] = (now, t_v_after)
-            t_r = t_r_after  # R's own finish: t_after is the later of the two
-            budget -= k
-            self.moves += k
-        self.finish_estimate[replica_id] = (now, t_r)
+        # One victim per attempt: the replica expected to finish last.
+        vid = max((rid for rid in view.replicas if rid != replica_id), key=lambda r: self._left(r, now), default=None)
+        if vid is None or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
+            return decision
+        victim = view.replicas[vid]
+        scale_v = self._scale(victim)
+        theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
+        t_v = self._finish(theirs, scale_v)
+        self.finish_estimate[vid] = (now, t_v)
+        movable = self._within(self._movable(theirs, now, scale_v, budget + 1), theirs, allowance)
+        if not movable:
+            return decision
+        # Two ways to shorten V: hand its longest work to R (R finishes sooner anyway), or
+        # shed the rest of V's batch to R so V's critical sequence decodes at a smaller batch.
+        critical = int(np.argmax(theirs.rem))
+        best = (0, t_v, [], t_v, t_r)
+        whole = movable[:budget]
+        shed = [i for i in movable if i != critical][:budget]
+        for cand in (whole, shed) if shed != whole else (whole,):
+            k, t_after, t_v_after, t_r_after = self._best_k(theirs, cand, mine, scale_v, scale_r)
+            if k and t_after < best[1]:
+                best = (k, t_after, cand[:k], t_v_after, t_r_after)
+        k, t_after, moved, t_v_after, t_r_after = best
+        if k == 0 or t_after + self._min_gain(t_v) >= t_v:
+            return decision
+        decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
+        cost = float(theirs.ctx[moved].sum())
+        self.pending_reprefill += cost
+        self.finish_estimate[vid] = (now, t_v_after)
+        self.finish_estimate[replica_id] = (now, t_r_after)  # R's own finish: t_after is the later of the two
+        self.moves += k
         return decision
-
-    def _victim_candidates(self, view: ClusterView, replica_id: str) -> list:
-        return [rid for rid in view.replicas if rid != replica_id]
 
     def _within(self, movable: list, load: Load, allowance: float) -> list:
         """The prefix of `movable` whose re-prefill fits the allowance."""
