@@ -3,9 +3,9 @@
 Two numbers bracket what any placement can reach when it knows the true lengths, which no
 shipped policy does:
 
-1. `informed`: the fluid schedule of bounds.balance_bound until the longest sequence has g
-   tokens, then that sequence alone on a replica (perfect isolation, free migration). It is the
-   makespan floor for a policy that learns who is longest only after g tokens.
+1. `informed`: the fluid schedule of bounds.balance_bound (bounds.fluid_schedule) until the
+   longest sequence has g tokens, then that sequence alone on a replica (perfect isolation, free
+   migration). It is the makespan floor for a policy that learns who is longest only after g tokens.
 2. `identification`: how well the group-sibling estimate (policy/estimate.py) finds the long
    sequences as the batch runs: of the K running sequences it ranks longest, how many are truly
    among the longest (>= LONG tokens). Sampled from a steal run with `tail_isolation` on.
@@ -18,13 +18,12 @@ Usage: python scripts/isolation_headroom.py [--profile a100-80g-7b] [--seed 0] [
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import time
-from collections import deque
 from pathlib import Path
 
-from rollout_cluster.bench.bounds import _shape, bounds, decode_alone_s, first_of_group, work_s
+from rollout_cluster.bench.bounds import (_shape, bounds, decode_alone_s, first_of_group, fluid_schedule,
+                                          fluid_steps_s, work_s)
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy.base import Assign, Decision, Policy
@@ -104,46 +103,14 @@ def informed_bound(requests: list, cost, replicas: int, marks: list) -> dict:
     shape, first = _shape(requests), first_of_group(requests)
     longest = max(range(len(shape)), key=lambda i: shape[i][1])
     prompt, length = shape[longest]
-    r, slots = float(replicas), replicas * cost.max_num_seqs
-    queue, ends, ctx_keys, done = deque(range(len(shape))), [], [], [False] * len(shape)
-    t, steps, active, context, reach, start = 0.0, 0, 0, 0, {}, None
-
-    def admit() -> float:
-        nonlocal active, context, start
-        tokens = biggest = 0
-        while queue and active < slots:
-            i = queue.popleft()
-            if i == longest:
-                start = steps
-            p, n = shape[i]
-            heapq.heappush(ends, (steps + n, i))
-            heapq.heappush(ctx_keys, (-(p - steps), i))
-            active, context = active + 1, context + p
-            if first[i]:
-                tokens, biggest = tokens + p, max(biggest, p)
-        return max(tokens / r, biggest) / cost.prefill_tokens_per_s
-
-    def interval(k: int, cmax: int) -> float:
-        tri = k * (k - 1) / 2
-        return k * (cost.a + cost.e * max(1.0, active / r)) + cost.c * max((k * context + active * tri) / r,
-                                                                           k * cmax + tri)
-
-    t += admit()
-    while active:
-        while done[ctx_keys[0][1]]:
-            heapq.heappop(ctx_keys)
-        cmax, k = steps - ctx_keys[0][0], ends[0][0] - steps
+    reach, start = {}, None
+    for iv in fluid_schedule(requests, cost, replicas):
+        if longest in iv.admitted:
+            start = iv.steps
         for g in marks:
-            if start is not None and steps < start + g <= steps + k:
-                reach[g] = t + interval(start + g - steps, cmax)
-        t += interval(k, cmax)
-        steps += k
-        context += active * k
-        while ends and ends[0][0] == steps:
-            _, i = heapq.heappop(ends)
-            done[i], active, context = True, active - 1, context - sum(shape[i])
-        t += admit()
-    work = sum(work_s(cost, p, n, not f) for (p, n), f in zip(shape, first)) / r
+            if start is not None and iv.steps < start + g <= iv.steps + iv.k:
+                reach[g] = iv.t + fluid_steps_s(cost, replicas, iv.active, iv.context, iv.cmax, start + g - iv.steps)
+    work = sum(work_s(cost, p, n, not f) for (p, n), f in zip(shape, first)) / replicas
     return {g: max(work, reach[g] + decode_alone_s(cost, prompt + g, length - g)) for g in marks if g in reach}
 
 

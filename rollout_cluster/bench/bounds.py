@@ -19,13 +19,15 @@ sequence of each group (in submission order) and none to its siblings.
   L*(a/B_max + e) + c*(L*P + L*(L-1)/2), and makespan >= W / R.
 - lower bound = max(longest alone, W / R). Pre-emptions and re-prefills only add to it.
 - balance bound: the makespan if at every step the active sequences and their context were spread
-  perfectly evenly over the replicas (see `balance_bound`). A policy that isolates the tail on
-  lightly loaded replicas may beat it; a policy that merely balances counts should not.
+  perfectly evenly over the replicas (see `balance_bound`; `fluid_schedule` walks that schedule).
+  A policy that isolates the tail on lightly loaded replicas may beat it; a policy that merely
+  balances counts should not.
 """
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from dataclasses import dataclass
 
 from ..engines.cost_model import CostModel
 
@@ -88,6 +90,42 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
     admitted later find the prompt cached). KV capacity is not modelled. The result is at least
     the lower bound.
     """
+    t = 0.0
+    for interval in fluid_schedule(requests, cost, replicas):
+        t = interval.t + interval.seconds
+    return t
+
+
+@dataclass(frozen=True)
+class FluidInterval:
+    """A run of lock-step decode steps of the fluid schedule between two sequence ends."""
+
+    t: float  # when it begins: after the prefill of the sequences admitted just before it
+    steps: int  # decode steps done before it
+    k: int  # its steps: until the next active sequence ends
+    active: int  # sequences decoding through it
+    context: int  # their context tokens at its start
+    cmax: int  # the largest context of one of them at its start
+    seconds: float  # its duration: fluid_steps_s(cost, replicas, active, context, cmax, k)
+    admitted: tuple  # indices (submission order) of the sequences admitted at its start
+
+
+def fluid_steps_s(cost: CostModel, replicas: int, active: int, context: int, cmax: int, k: int) -> float:
+    """Seconds of the first k steps of a fluid interval: `active` sequences holding `context`
+    tokens (the largest `cmax`) at its start, spread evenly over the replicas (see `balance_bound`)."""
+    r = float(replicas)
+    tri = k * (k - 1) / 2
+    even = (k * context + active * tri) / r
+    own = k * cmax + tri
+    return k * (cost.a + cost.e * max(1.0, active / r)) + cost.c * max(even, own)
+
+
+def fluid_schedule(requests, cost: CostModel, replicas: int):
+    """The fluid, perfectly balanced schedule of `balance_bound`, one interval at a time.
+
+    Yields a FluidInterval for each run of steps until the next sequence ends, in time order; the
+    schedule's makespan is the last one's t + seconds (0 with no requests).
+    """
     shape = _shape(requests)
     first = first_of_group(requests)
     r = float(replicas)
@@ -98,31 +136,33 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
     done = [False] * len(shape)
     t, steps, active, context = 0.0, 0, 0, 0
 
-    def admit() -> float:
+    def admit() -> tuple:
+        """Queued sequences into free slots: (their indices, the seconds to prefill them)."""
         nonlocal active, context
-        tokens, biggest = 0, 0
+        admitted, tokens, biggest = [], 0, 0
         while queue and active < slots:
             i = queue.popleft()
             p, n = shape[i]
             heapq.heappush(ends, (steps + n, i))
             heapq.heappush(ctx_keys, (-(p - steps), i))
+            admitted.append(i)
             active += 1
             context += p
             if first[i]:
                 tokens += p
                 biggest = max(biggest, p)
-        return max(tokens / r, biggest) / cost.prefill_tokens_per_s
+        return tuple(admitted), max(tokens / r, biggest) / cost.prefill_tokens_per_s
 
-    t += admit()
+    admitted, prefill = admit()
+    t += prefill
     while active:
         while done[ctx_keys[0][1]]:
             heapq.heappop(ctx_keys)
         cmax = steps - ctx_keys[0][0]
         k = ends[0][0] - steps
-        tri = k * (k - 1) / 2
-        even = (k * context + active * tri) / r
-        own = k * cmax + tri
-        t += k * (cost.a + cost.e * max(1.0, active / r)) + cost.c * max(even, own)
+        seconds = fluid_steps_s(cost, replicas, active, context, cmax, k)
+        yield FluidInterval(t, steps, k, active, context, cmax, seconds, admitted)
+        t += seconds
         steps += k
         context += active * k
         while ends and ends[0][0] == steps:
@@ -130,8 +170,8 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
             done[i] = True
             active -= 1
             context -= shape[i][0] + shape[i][1]
-        t += admit()
-    return t
+        admitted, prefill = admit()
+        t += prefill
 
 
 def bounds(requests, cost: CostModel, replicas: int) -> dict:
