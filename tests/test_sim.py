@@ -317,3 +317,29 @@ def test_fast_engine_equals_reference_engine_with_prefix_cache_evictions(policy)
         assert ref.reprefilled_tokens > 0
     assert sum(c[0] for c in caches[0]) > 0 and sum(c[2] for c in caches[0]) > 0 and ref.preemptions > 0
     assert all(not c[4] for c in caches[0])  # nothing runs at the end: every prompt released
+
+
+def test_host_slowdown_stretches_steps_only_while_another_replica_is_busy():
+    """Replicas sharing a host: a step takes (1 + s) as long while the other replica works."""
+    def sim(reqs, slowdown):
+        s = Simulation(make_policy(PolicyConfig(name="static"), COST), COST, 2, pull_interval_s=0.05,
+                       host_slowdown=slowdown)
+        return s.run(reqs)
+
+    alone = closed_form(COST, 1, 500, 2000)
+    one = [SequenceRequest(None, SPEC, 0, 0, hidden_length=2000, prompt_len=500)]
+    assert sim(one, 0.25).makespan_s == pytest.approx(alone, rel=1e-6)  # the other replica idles
+    # static splits contiguously: one sequence per replica, both busy throughout
+    two = one + [SequenceRequest(None, SPEC, 1, 0, hidden_length=2000, prompt_len=500)]
+    assert sim(two, 0.0).makespan_s == pytest.approx(alone, rel=1e-6)
+    assert sim(two, 0.25).makespan_s == pytest.approx(1.25 * alone, rel=1e-3)
+    # once the short one ends, the long one runs at full speed again
+    short = [one[0], SequenceRequest(None, SPEC, 1, 0, hidden_length=500, prompt_len=500)]
+    res = sim(short, 0.25)
+    t_short = 1.25 * closed_form(COST, 1, 500, 500)
+    expected = t_short + (alone - closed_form(COST, 1, 500, 500))
+    # replicas advance a pull interval at a time, so the switch is seen within one of them
+    assert res.makespan_s == pytest.approx(expected, abs=0.05 * 0.25)
+    assert alone < res.makespan_s < 1.25 * alone
+    with pytest.raises(ValueError, match="host_slowdown=-0.1"):
+        Simulation(make_policy(PolicyConfig(name="static"), COST), COST, 2, host_slowdown=-0.1)

@@ -28,6 +28,9 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
                    help="cost model for the bounds (and the sim engine): a100-80g-7b | h200-7b | h200-1.5b | FILE.yaml")
     p.add_argument("--config", default=None, help="cluster YAML (vllm: required; sim: policy tunables, max_num_seqs)")
     p.add_argument("--pull-interval", type=float, default=0.5, help="sim: seconds of virtual time between pulls")
+    p.add_argument("--host-slowdown", type=float, default=0.0,
+                   help="sim: replicas share one host; each runs (1 + this x share of the others busy) slower "
+                        "(0: separate GPUs; docs/benchmarks.md measures the 2-core CPU host)")
 
 
 def cmd_bench(a) -> int:

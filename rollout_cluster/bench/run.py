@@ -124,12 +124,14 @@ def decision_stats_ms(times_s: list) -> tuple:
 
 # ---- the simulator engine -------------------------------------------------------------------
 def simulate_policy(name: str, requests: list, cost: CostModel, replicas: int, lower: float,
-                    base: Optional[PolicyConfig] = None, pull_interval_s: float = 0.5) -> tuple:
+                    base: Optional[PolicyConfig] = None, pull_interval_s: float = 0.5,
+                    host_slowdown: float = 0.0) -> tuple:
     """(metrics row, trace {replica: [(t, active)]}) of one policy on the simulator."""
     from ..policy import make_policy
     from ..sim.simulator import Simulation
 
-    sim = Simulation(make_policy(policy_config(base, name), cost), cost, replicas, pull_interval_s=pull_interval_s)
+    sim = Simulation(make_policy(policy_config(base, name), cost), cost, replicas, pull_interval_s=pull_interval_s,
+                     host_slowdown=host_slowdown)
     res = sim.run(requests)
     bad = [c for c in res.completions if c is None or c.finish_reason == "error"]
     if bad:
@@ -165,7 +167,7 @@ def run_seed_sim(args, seed: int, cost: CostModel, cfg, policies: list, bar=None
             bar.set_postfix_str(f"seed {seed} {name}")
         out["results"][name], traces[name] = simulate_policy(
             name, requests, cost, args.replicas, b["lower_bound_s"], cfg.policy if cfg else None,
-            args.pull_interval)
+            args.pull_interval, getattr(args, "host_slowdown", 0.0))
         if bar is not None:
             bar.update(1)
     return out, traces

@@ -44,7 +44,7 @@ class SimResult:
 class Simulation:
     def __init__(self, policy: Policy, cost: CostModel, replicas: int, pull_interval_s: float = 0.5,
                  record_tokens: bool = False, max_model_len: int = 1 << 22, trace: bool = True,
-                 engine=FastEngineCore, max_virtual_s: float = 1e7):
+                 engine=FastEngineCore, max_virtual_s: float = 1e7, host_slowdown: float = 0.0):
         self.cost = cost
         self.n = replicas
         self.pull_interval_s = pull_interval_s
@@ -57,18 +57,33 @@ class Simulation:
         self.want_trace = trace
         self.max_virtual_s = max_virtual_s  # a policy that never finishes the batch fails here
         self.reprefill_tokens = 0
+        # Replicas that share one host (the 2-core CPU benchmark: memory bandwidth, caches) slow
+        # each other: a replica's steps take (1 + host_slowdown * share of the others busy) as long.
+        # 0 for replicas on separate GPUs. Replicas advance a pull interval at a time, so a change
+        # of the others' state takes effect within one interval.
+        if host_slowdown < 0:
+            raise ValueError(f"host_slowdown={host_slowdown!r}: must be >= 0")
+        self.host_slowdown = host_slowdown
+        self.slowdown = {rid: 1.0 for rid in self.engines}
+
+    def _slowdown(self, rid: str) -> float:
+        if not self.host_slowdown or self.n < 2:
+            return 1.0
+        others = sum(1 for r, e in self.engines.items() if r != rid and e.busy)
+        return 1.0 + self.host_slowdown * others / (self.n - 1)
 
     def _report(self, rid: str, first: bool) -> Report:
         e = self.engines[rid]
         stats = EngineStats(running=len(e.running), waiting=len(e.waiting), context_tokens=e.context,
-                            step_time_s=e.last_step_s)
+                            step_time_s=e.last_step_s * self.slowdown[rid])
         return Report(rid, "sim", e.drain(), stats, self.model if first else None, self.cost.max_num_seqs)
 
     def _advance(self, rid: str, until: float) -> None:
         e = self.engines[rid]
         t = self.clock[rid]
         while t < until and e.busy:
-            dt = e.advance(limit_s=until - t)
+            f = self.slowdown[rid] = self._slowdown(rid)
+            dt = e.advance(limit_s=(until - t) / f) * f
             self.busy[rid] += dt
             t += dt
             if e.finals:
