@@ -93,6 +93,30 @@ class RolloutClient:
     def status(self) -> dict:
         return self.router.status.remote().result(timeout_s=self.call_timeout_s)
 
+    def update_weights(self, path: str, version: Optional[int] = None, timeout_s: float = 600.0) -> int:
+        """Load the checkpoint in `path` (a directory every replica's node can read, same
+        architecture as the served model) into every replica, between batches; returns once all of
+        them hold it. `version` (default: current + 1) tags every Completion generated with these
+        weights. Raises if a batch is unfinished, or with the replicas' errors if a load fails
+        (those replicas keep their old weights and get no work until a later update succeeds)."""
+        v = self.router.update_weights.remote(path, version).result(timeout_s=self.call_timeout_s)
+        expected = self.config.replicas if self.config else 1
+        deadline = time.monotonic() + timeout_s
+        while True:
+            w = self.status()["weights"]
+            if w["version"] != v:
+                raise RuntimeError(f"update_weights: version {v} was replaced by {w['version']} meanwhile")
+            if w["errors"]:
+                raise RuntimeError(f"update_weights to version {v} ({path!r}) failed on {len(w['errors'])} "
+                                   f"replica(s): {'; '.join(sorted(w['errors'].values()))}")
+            held = [rv for rv in w["replicas"].values() if rv == v]
+            if len(held) >= expected and len(held) == len(w["replicas"]):
+                return v
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"update_weights: {len(held)} of {max(expected, len(w['replicas']))} replicas "
+                                   f"hold version {v} after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
     def set_policy(self, name: str, **params) -> str:
         return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
 

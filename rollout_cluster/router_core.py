@@ -49,6 +49,7 @@ class BatchState:
     submitted_t: float
     results: list  # Completion or None, by index
     order: list = field(default_factory=list)  # indices in finishing order
+    weights_version: int = 0
 
 
 class RouterCore:
@@ -81,14 +82,22 @@ class RouterCore:
         # cost profile to the engines as they run here (calibrate --from-samples).
         self.step_samples: list = []
         self._ids = itertools.count()
+        # Weights: a batch runs on one version. update_weights only between batches; a replica
+        # that does not hold the current version gets a load order and no work until it does.
+        self.weights_version = 0
+        self.weights_path: Optional[str] = None
+        self.weights_errors: dict = {}  # replica_id -> why its load failed
 
     # ---- driver side --------------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None) -> str:
         """Queue a batch of SequenceRequests. Invalid ones finish at once with an error."""
         if not self.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
+        if self.weights_errors and all(r.weights_version != self.weights_version for r in self.replicas.values()):
+            raise NoLiveReplicaError(f"no replica holds weights version {self.weights_version} "
+                                     f"({self.weights_path!r}): {'; '.join(sorted(self.weights_errors.values()))}")
         bid = batch_id or f"b{next(self._ids)}"
-        batch = BatchState(bid, len(requests), now, [None] * len(requests))
+        batch = BatchState(bid, len(requests), now, [None] * len(requests), weights_version=self.weights_version)
         self.batches[bid] = batch
         group_sizes: dict = {}
         for r in requests:
@@ -156,6 +165,40 @@ class RouterCore:
                 self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
         return len(seqs)
 
+    def update_weights(self, path: str, version: Optional[int] = None) -> int:
+        """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
+        nodes) as `version` (default: the current one + 1). Between batches only, so that a batch
+        never mixes versions. Replicas load at their next pull; returns the version."""
+        if not isinstance(path, str) or not path.strip():
+            raise InputError("path", path, "must be the path of a checkpoint directory")
+        if version is None:
+            version = self.weights_version + 1
+        if not isinstance(version, int) or isinstance(version, bool) or version <= self.weights_version:
+            raise InputError("version", version, f"must be an integer above the current version {self.weights_version}")
+        if self.seqs:
+            batches = sorted({s.batch_id for s in self.seqs.values()})
+            raise RuntimeError(f"update_weights: {len(self.seqs)} sequences of batch(es) {', '.join(batches)} are "
+                               "unfinished; weights change between batches (wait for them, or cancel)")
+        self.weights_version, self.weights_path = version, path
+        self.weights_errors.clear()
+        for rep in self.replicas.values():
+            self._order_weights(rep)
+        return version
+
+    def weights_status(self) -> dict:
+        return {"version": self.weights_version, "path": self.weights_path,
+                "replicas": {rid: r.weights_version for rid, r in self.replicas.items()},
+                "errors": dict(self.weights_errors)}
+
+    def _order_weights(self, rep: ReplicaState) -> None:
+        """Send `rep` the current weights once, if it does not hold them."""
+        v = self.weights_version
+        if self.weights_path is None or rep.weights_version == v or rep.weights_ordered == v:
+            return
+        rep.weights_ordered = v
+        self.outbox.setdefault(rep.replica_id, Orders()).control.append(
+            ("load_weights", {"path": self.weights_path, "version": v}))
+
     def release(self, batch_id: str) -> None:
         batch = self.batches.pop(batch_id, None)
         if batch is None:
@@ -166,6 +209,10 @@ class RouterCore:
     # ---- replica side -------------------------------------------------------------------
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         rep = self._register(report, now)
+        rep.weights_version = report.weights_version
+        if report.weights_error and report.weights_error_version == self.weights_version != rep.weights_version:
+            self.weights_errors[rep.replica_id] = report.weights_error
+        self._order_weights(rep)
         st = report.stats
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
             _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
@@ -181,7 +228,8 @@ class RouterCore:
         rep = self.replicas.get(replica_id)
         if rep is None:
             return Orders()
-        if len(self.queue) or self.seqs:
+        # A replica without the current weights gets no work (its load order is in its outbox).
+        if (len(self.queue) or self.seqs) and rep.weights_version == self.weights_version:
             t0 = timer() if timer else None
             decision = self.policy.decide(self.view(now), replica_id)
             if timer:
@@ -300,7 +348,7 @@ class RouterCore:
         logprobs = seq.logprobs if req.sampling.logprobs is not None else None
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
-                          now - seq.submitted_t)
+                          now - seq.submitted_t, batch.weights_version if batch else self.weights_version)
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
             _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)

@@ -87,6 +87,8 @@ class ReplicaState:
     stats: EngineStats = field(default_factory=EngineStats)
     seqs: dict = field(default_factory=dict)  # seq_id -> SeqState running (or giving up) here
     pulls: int = 0
+    weights_version: int = 0  # what the replica reports holding
+    weights_ordered: Optional[int] = None  # the version a load_weights order is out for
 
     @property
     def load(self) -> int:

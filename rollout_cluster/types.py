@@ -126,6 +126,7 @@ class Completion:
     batch_id: str = ""
     index: int = -1  # position in the submitted batch
     finish_time_s: float = 0.0  # seconds from the batch's submission to this sequence's end
+    weights_version: int = 0  # the weights every segment ran with (RolloutClient.update_weights)
 
     def to_json(self) -> dict:
         return {
@@ -138,6 +139,7 @@ class Completion:
             "replicas": list(self.replicas),
             "migrations": [m.__dict__ for m in self.migrations],
             "finish_time_s": round(self.finish_time_s, 4),
+            "weights_version": self.weights_version,
         }
 
 
@@ -215,6 +217,9 @@ class Report:
     stats: EngineStats = field(default_factory=EngineStats)
     model: Optional[ModelInfo] = None
     capacity: int = 0  # most sequences the engine runs at once (max_num_seqs)
+    weights_version: int = 0  # the version of the weights the engine holds (0: the config's model)
+    weights_error: Optional[str] = None  # why the last load_weights order failed, until one succeeds
+    weights_error_version: int = 0  # the version that load was for (an older error is stale)
 
 
 @dataclass
@@ -223,7 +228,8 @@ class Orders:
 
     start: list = field(default_factory=list)  # Work
     give_up: list = field(default_factory=list)  # (seq_id, attempt)
-    control: list = field(default_factory=list)  # ("pause"|"resume"|"sleep"|"wake"|"shutdown", arg)
+    # ("load_weights", {"path", "version"}) | ("sleep", level) | ("wake", None); run before `start`
+    control: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.start or self.give_up or self.control)

@@ -34,6 +34,11 @@ class EngineAdapter(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    async def load_weights(self, path: str) -> None:
+        """Replace the model's weights in place with the checkpoint in `path` (same architecture),
+        between batches: nothing may be running. Cached KV of the old weights is dropped."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load weights")
+
     async def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between rollouts (vLLM sleep mode)."""
 

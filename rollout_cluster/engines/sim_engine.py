@@ -53,6 +53,10 @@ class SimEngine(EngineAdapter):
         return EngineStats(running=len(c.running), waiting=len(c.waiting), context_tokens=c.context,
                            kv_usage=c.context / c.cost.kv_tokens, step_time_s=c.last_step_s)
 
+    async def load_weights(self, path: str) -> None:
+        """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""
+        self.weights_path = path
+
     async def shutdown(self) -> None:
         if self._task:
             self._task.cancel()

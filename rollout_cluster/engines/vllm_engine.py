@@ -181,6 +181,17 @@ class VllmEngine(EngineAdapter):
                            context_tokens=sum(self.context.values()), step_time_s=self._step_ema,
                            seq_tokens_per_s=self._rate_ema)
 
+    async def load_weights(self, path: str) -> None:
+        # The router orders a load only between batches; refuse rather than mix weights in a sequence.
+        if self.tasks:
+            raise RuntimeError(f"{len(self.tasks)} requests are running; weights change between batches")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"path={path!r}: no such checkpoint directory on this replica's node")
+        # vLLM's worker reloads in place from the checkpoint (model_loader.reload); then the prefix
+        # cache must go: its KV blocks were computed with the old weights.
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        await self.engine.reset_prefix_cache()
+
     async def sleep(self, level: int = 1) -> None:
         await self.engine.sleep(level)
 

@@ -39,6 +39,9 @@ class EngineReplica:
         self.unsent: list = []
         self.stopping = False
         self.loop_error = None
+        self.weights_version = 0  # the config's model
+        self.weights_error = None
+        self.weights_error_version = 0
         self.task = asyncio.get_running_loop().create_task(self._pull_loop())
 
     async def _pull_loop(self) -> None:
@@ -46,7 +49,8 @@ class EngineReplica:
         while not self.stopping:
             self.unsent += self.engine.drain()
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
-                            self.model if first else None, self.engine.capacity)
+                            self.model if first else None, self.engine.capacity,
+                            self.weights_version, self.weights_error, self.weights_error_version)
             try:
                 orders = await self.router.pull.remote(report)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
@@ -57,19 +61,28 @@ class EngineReplica:
             self.unsent = []
             first = False
             try:
+                for cmd, arg in orders.control:  # first: work sent with a weights load runs on them
+                    await self._control(cmd, arg)
                 for work in orders.start:
                     self.engine.submit(work)
                 if orders.give_up:
                     await self.engine.give_up(orders.give_up)
-                for cmd, arg in orders.control:
-                    await self._control(cmd, arg)
             except Exception as e:
                 self.loop_error = e
                 log.exception("replica %s failed applying orders", self.replica_id)
                 raise
 
     async def _control(self, cmd: str, arg) -> None:
-        if cmd == "sleep":
+        if cmd == "load_weights":
+            try:
+                await self.engine.load_weights(arg["path"])
+            except Exception as e:  # reported to the driver; the replica stays up on its old weights
+                log.exception("replica %s: load_weights %r failed", self.replica_id, arg["path"])
+                self.weights_error = f"replica {self.replica_id}: load_weights({arg['path']!r}): {e}"
+                self.weights_error_version = arg["version"]
+            else:
+                self.weights_version, self.weights_error = arg["version"], None
+        elif cmd == "sleep":
             await self.engine.sleep(int(arg or 1))
         elif cmd == "wake":
             await self.engine.wake()

@@ -116,6 +116,12 @@ class Router:
         self._notify_batches()
         return n
 
+    async def update_weights(self, path: str, version: int | None = None) -> int:
+        """Order every replica to load `path` as `version` (between batches); returns the version."""
+        v = self.core.update_weights(path, version)
+        self._wake_all()  # idle replicas are long-polling: give them the order now
+        return v
+
     async def status(self) -> dict:
         c = self.core
         dt = c.decision_times[-10000:]
@@ -127,6 +133,7 @@ class Router:
             "model": None if c.model is None else c.model.__dict__,
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
+            "weights": c.weights_status(),
         }
 
     async def set_trace(self, on: bool = True) -> None:

@@ -1,0 +1,59 @@
+"""Weight updates on the real cluster: both vLLM-CPU replicas reload a checkpoint in place
+between batches (RolloutClient.update_weights), and reloading the original restores its outputs."""
+import pytest
+
+from rollout_cluster.model_maker import make_model
+from rollout_cluster.types import SamplingSpec
+
+from e2e_support import ROOT
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = SamplingSpec(n=4, max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13] * 4]
+
+
+def tokens(client):
+    out = client.generate(PROMPTS, GREEDY)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 16 for c in out)
+    return out
+
+
+def by_prompt(completions):
+    """The greedy tokens of each prompt, checked equal over its samples (which ran on both replicas)."""
+    seen = {}
+    for c in completions:
+        seen.setdefault(c.prompt_index, set()).add(tuple(c.token_ids))
+    assert all(len(v) == 1 for v in seen.values()), seen
+    return [next(iter(seen[i])) for i in range(len(PROMPTS))]
+
+
+def test_update_weights_reloads_every_replica_and_back(client, tmp_path):
+    other = make_model(str(tmp_path / "step1"), seed=1)  # the served model's architecture, new weights
+    original = str(ROOT / "models" / "tiny-llama")
+    v0 = client.status()["weights"]["version"]
+
+    before = tokens(client)
+    assert {c.weights_version for c in before} == {v0}
+    v1 = client.update_weights(str(other))
+    assert v1 == v0 + 1
+    assert set(client.status()["weights"]["replicas"].values()) == {v1}
+    after = tokens(client)
+    assert {c.weights_version for c in after} == {v1}
+    assert len({c.replicas[0] for c in after}) == 2  # both replicas served with the new weights
+    assert by_prompt(after) != by_prompt(before)
+
+    v2 = client.update_weights(original)
+    restored = tokens(client)
+    assert {c.weights_version for c in restored} == {v2}
+    assert by_prompt(restored) == by_prompt(before)  # exact: the reload is in place, the prefix cache reset
+
+
+def test_a_failed_update_names_the_path_and_a_good_one_recovers(client, tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+    with pytest.raises(RuntimeError, match="no such checkpoint directory"):
+        client.update_weights(missing)
+    with pytest.raises(Exception, match="no replica holds weights version"):
+        client.generate(PROMPTS, GREEDY)
+    v = client.update_weights(str(ROOT / "models" / "tiny-llama"))
+    assert {c.weights_version for c in tokens(client)} == {v}
