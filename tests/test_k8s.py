@@ -309,3 +309,19 @@ def test_both_clusters_have_the_same_layout():
     (svc,), (job,) = by_kind("RayService"), by_kind("RayJob")
     strip = lambda s: {k: v for k, v in s.items() if k != "headGroupSpec"}  # noqa: E731
     assert strip(cluster_spec(svc)) == strip(cluster_spec(job))
+
+
+def test_every_engine_pod_reads_the_checkpoints_claim():
+    """update_weights(path) needs the path on every replica's node: each GPU worker group mounts
+    one ReadWriteMany claim at /checkpoints (the trainer writes it), read-only."""
+    claims = {d["metadata"]["name"]: d for _, d in DOCS if d.get("kind") == "PersistentVolumeClaim"}
+    for doc in by_kind("RayService") + by_kind("RayJob"):
+        for group in cluster_spec(doc)["workerGroupSpecs"]:
+            pod = group["template"]["spec"]
+            mounts = {m["mountPath"]: m for m in pod["containers"][0].get("volumeMounts", [])}
+            assert "/checkpoints" in mounts, f"{doc['metadata']['name']}/{group['groupName']}: no /checkpoints"
+            assert mounts["/checkpoints"].get("readOnly") is True
+            vol = next(v for v in pod["volumes"] if v["name"] == mounts["/checkpoints"]["name"])
+            claim = vol["persistentVolumeClaim"]["claimName"]
+            assert claim in claims, f"no PersistentVolumeClaim {claim!r} in k8s/"
+            assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
