@@ -1,4 +1,4 @@
-"""rollout-cluster: serve | generate | make-model | demo | bench | simulate | calibrate."""
+"""rollout-cluster: serve | generate | update-weights | make-model | demo | bench | simulate | calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,20 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_update_weights(a) -> int:
+    import ray
+
+    from .driver import RolloutClient
+
+    ray.init(address=a.address, log_to_driver=False)  # stdout: the one JSON line
+    client = RolloutClient.connect(a.app_name, address=a.address)
+    t0 = time.monotonic()
+    version = client.update_weights(a.path, a.version, timeout_s=a.timeout_s)
+    print(json.dumps({"version": version, "path": a.path, "seconds": round(time.monotonic() - t0, 3),
+                      "replicas": client.status()["weights"]["replicas"]}))
+    return 0
+
+
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
@@ -88,6 +102,14 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("update-weights", help="reload every replica of a running app from a checkpoint directory")
+    p.add_argument("path", help="a save_pretrained() directory every replica's node can read")
+    p.add_argument("--version", type=int, default=None, help="default: the current version + 1")
+    p.add_argument("--app-name", default="rollout")
+    p.add_argument("--address", default="auto")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.set_defaults(fn=cmd_update_weights)
 
     p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")
     p.add_argument("--config", default="configs/local-cpu.yaml")

@@ -97,20 +97,22 @@ class RolloutClient:
         """Load the checkpoint in `path` (a directory every replica's node can read, same
         architecture as the served model) into every replica, between batches; returns once all of
         them hold it. `version` (default: current + 1) tags every Completion generated with these
-        weights. Raises if a batch is unfinished, or with the replicas' errors if a load fails
-        (those replicas keep their old weights and get no work until a later update succeeds)."""
+        weights. Raises if a batch is unfinished, or with every replica's error once each replica
+        has either loaded or failed. A replica whose load failed gets no work until a later update
+        succeeds; one that vLLM left half loaded also restarts (Serve's health check) and loads again."""
         v = self.router.update_weights.remote(path, version).result(timeout_s=self.call_timeout_s)
-        expected = self.config.replicas if self.config else 1
+        expected = self.status().get("expected_replicas") or (self.config.replicas if self.config else 1)
         deadline = time.monotonic() + timeout_s
         while True:
             w = self.status()["weights"]
             if w["version"] != v:
                 raise RuntimeError(f"update_weights: version {v} was replaced by {w['version']} meanwhile")
-            if w["errors"]:
+            held = [rid for rid, rv in w["replicas"].items() if rv == v]
+            settled = len(held) + len(w["errors"]) >= max(expected, len(w["replicas"]))
+            if w["errors"] and settled:
                 raise RuntimeError(f"update_weights to version {v} ({path!r}) failed on {len(w['errors'])} "
                                    f"replica(s): {'; '.join(sorted(w['errors'].values()))}")
-            held = [rv for rv in w["replicas"].values() if rv == v]
-            if len(held) >= expected and len(held) == len(w["replicas"]):
+            if settled:
                 return v
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {len(held)} of {max(expected, len(w['replicas']))} replicas "

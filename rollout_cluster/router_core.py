@@ -190,6 +190,37 @@ class RouterCore:
                 "replicas": {rid: r.weights_version for rid, r in self.replicas.items()},
                 "errors": dict(self.weights_errors)}
 
+    def _weights_report(self, rep: ReplicaState, report: Report, now: float) -> None:
+        v = self.weights_version
+        if self.weights_path is None and report.weights_version > v and report.weights_path:
+            # A restarted router: the replicas remember the weights it ordered (no batch mixes them:
+            # a batch that ran before the restart is lost with the router anyway).
+            self.weights_version, self.weights_path = report.weights_version, report.weights_path
+            v = self.weights_version
+        rep.weights_version = report.weights_version
+        if rep.weights_version == v:
+            self.weights_errors.pop(rep.replica_id, None)
+        elif report.weights_error and report.weights_error_version == v:
+            if rep.replica_id not in self.weights_errors:
+                self.weights_errors[rep.replica_id] = report.weights_error
+                if all(r.weights_version != v for r in self.replicas.values()):
+                    self._fail_queued(f"no replica holds weights version {v} ({self.weights_path!r}): "
+                                      + "; ".join(sorted(self.weights_errors.values())), now)
+        elif rep.weights_ordered == v and report.weights_loading != v and not self._order_pending(rep.replica_id):
+            rep.weights_ordered = None  # the order was sent and the replica never saw it: again
+        self._order_weights(rep)
+
+    def _order_pending(self, replica_id: str) -> bool:
+        orders = self.outbox.get(replica_id)
+        return orders is not None and any(cmd == "load_weights" for cmd, _ in orders.control)
+
+    def _fail_queued(self, why: str, now: float) -> None:
+        """Queued work that no replica can run ends with an error (running work cannot exist)."""
+        for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED]:
+            self.queue.remove(seq)
+            seq.error = why
+            self._finish(seq, "error", now, None)
+
     def _order_weights(self, rep: ReplicaState) -> None:
         """Send `rep` the current weights once, if it does not hold them."""
         v = self.weights_version
@@ -209,10 +240,7 @@ class RouterCore:
     # ---- replica side -------------------------------------------------------------------
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         rep = self._register(report, now)
-        rep.weights_version = report.weights_version
-        if report.weights_error and report.weights_error_version == self.weights_version != rep.weights_version:
-            self.weights_errors[rep.replica_id] = report.weights_error
-        self._order_weights(rep)
+        self._weights_report(rep, report, now)
         st = report.stats
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
             _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
@@ -240,7 +268,11 @@ class RouterCore:
         return self.outbox.pop(replica_id, None) or Orders()
 
     def view(self, now: float) -> ClusterView:
-        return ClusterView(now, self.queue, self.replicas, self.groups, self.seqs, self.expected_replicas,
+        """What the policy sees; a replica without the current weights is not part of it."""
+        replicas = self.replicas
+        if any(r.weights_version != self.weights_version for r in replicas.values()):
+            replicas = {rid: r for rid, r in replicas.items() if r.weights_version == self.weights_version}
+        return ClusterView(now, self.queue, replicas, self.groups, self.seqs, self.expected_replicas,
                            self.finished_lengths, self.counters["generated_tokens"], self.counters["reprefill_tokens"])
 
     def expire(self, now: float) -> list:
@@ -256,7 +288,11 @@ class RouterCore:
             return
         self.counters["replica_deaths"] += 1
         self.outbox.pop(replica_id, None)
+        self.weights_errors.pop(replica_id, None)
         for seq in list(rep.seqs.values()):
+            if seq.cancelled:  # the driver gave up on it: never run it again
+                self._finish(seq, "abort", now, replica_id)
+                continue
             seq.status, seq.replica = SeqStatus.QUEUED, None
             self.queue.push(seq)
         self.queue.release_reserved(replica_id)
@@ -368,7 +404,8 @@ class RouterCore:
     def _apply_decision(self, decision: Decision, now: float) -> None:
         for a in decision.assign:
             seq = a.seq
-            if seq.status is not SeqStatus.QUEUED or a.replica_id not in self.replicas:
+            rep = self.replicas.get(a.replica_id)
+            if seq.status is not SeqStatus.QUEUED or rep is None or rep.weights_version != self.weights_version:
                 self.counters["policy_errors"] += 1
                 continue
             self.queue.remove(seq)

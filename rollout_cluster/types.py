@@ -220,6 +220,8 @@ class Report:
     weights_version: int = 0  # the version of the weights the engine holds (0: the config's model)
     weights_error: Optional[str] = None  # why the last load_weights order failed, until one succeeds
     weights_error_version: int = 0  # the version that load was for (an older error is stale)
+    weights_loading: int = 0  # the version being loaded now (0: none)
+    weights_path: str = ""  # where weights_version came from ("": the config's model)
 
 
 @dataclass

@@ -12,10 +12,11 @@ COST = load_profile("h200-1.5b", max_num_seqs=8)
 MODEL = ModelInfo(100, 64)
 
 
-def pull(core, rid, now, version=0, progress=(), error=None, model=None, error_version=None):
+def pull(core, rid, now, version=0, progress=(), error=None, model=None, error_version=None, loading=0, path=""):
     if error_version is None:
         error_version = core.weights_version
-    return core.on_report(Report(rid, "i1", list(progress), EngineStats(), model, 8, version, error, error_version), now)
+    return core.on_report(Report(rid, "i1", list(progress), EngineStats(), model, 8, version, error, error_version,
+                                 loading, path), now)
 
 
 def core_with(replicas=("a", "b"), policy="pull"):
@@ -42,16 +43,18 @@ def test_every_replica_gets_one_load_order_and_no_work_until_it_holds_the_weight
     assert core.update_weights("/ckpt/step1") == 1
     a = pull(core, "a", 0.1)
     assert loads(a) == [{"path": "/ckpt/step1", "version": 1}]
-    assert loads(pull(core, "a", 0.2)) == []  # ordered once, not at every pull
+    assert loads(pull(core, "a", 0.2, loading=1)) == []  # ordered once, not at every pull
     bid = batch(core, now=0.3)
-    assert not pull(core, "a", 0.4).start  # still reports version 0: no work
-    got_a = pull(core, "a", 0.5, version=1).start  # loaded: its fair share
+    assert not pull(core, "a", 0.4, loading=1).start  # still loading: no work
+    got_a = pull(core, "a", 0.5, version=1).start  # loaded: the fair share among loaded replicas: all
     b = pull(core, "b", 0.6)
     assert loads(b) == [{"path": "/ckpt/step1", "version": 1}] and not b.start
+    # b's next report shows neither the version nor a load of it: the order was lost, send it again
+    assert loads(pull(core, "b", 0.65)) == [{"path": "/ckpt/step1", "version": 1}]
     got_b = pull(core, "b", 0.7, version=1).start
-    assert len(got_a) == len(got_b) == 1
-    finish(core, "a", got_a[0], 0.8, 1)
-    finish(core, "b", got_b[0], 0.8, 1)
+    assert len(got_a) == 2 and not got_b
+    for w in got_a:
+        finish(core, "a", w, 0.8, 1)
     done, _, finished = core.fetch(bid, 0)
     assert finished and [c.weights_version for c in done] == [1, 1]
     assert core.weights_status() == {"version": 1, "path": "/ckpt/step1", "replicas": {"a": 1, "b": 1}, "errors": {}}
@@ -125,3 +128,70 @@ def test_a_loading_replicas_share_waits_for_it():
     assert len(a.start) == 2 and not loads(a)
     assert loads(b) == [{"path": "/ckpt/step1", "version": 1}] and not b.start
     assert {w.seq_id for w in pull(core, "b", 0.4, version=1).start} == {f"{bid}:2", f"{bid}:3"}
+
+
+def test_push_policies_cannot_give_work_to_a_replica_without_the_weights():
+    """least-loaded assigns to every replica from one pull; a replica whose load failed is not one."""
+    core = core_with(("a", "b"), policy="least-loaded")
+    core.update_weights("/ckpt/step1")
+    pull(core, "a", 0.1)
+    pull(core, "b", 0.1)
+    pull(core, "a", 0.2, version=1)
+    pull(core, "b", 0.2, error="replica b: load_weights: bad checkpoint")
+    bid = batch(core, n=4, now=0.3)
+    a = pull(core, "a", 0.4, version=1)
+    assert len(a.start) == 4 and not core.outbox.get("b")
+    for w in a.start:
+        finish(core, "a", w, 0.5, 1)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and {c.weights_version for c in done} == {1} and {tuple(c.replicas) for c in done} == {("a",)}
+
+
+def test_errors_of_a_removed_replica_are_forgotten_and_a_success_clears_its_own():
+    core = core_with(("a", "b"))
+    core.update_weights("/ckpt/step1")
+    pull(core, "a", 0.1)
+    pull(core, "b", 0.1)
+    pull(core, "a", 0.2, error="a failed")
+    pull(core, "b", 0.2, error="b failed")
+    assert set(core.weights_status()["errors"]) == {"a", "b"}
+    core.remove_replica("b", 0.3)
+    assert set(core.weights_status()["errors"]) == {"a"}
+    core.update_weights("/ckpt/step2")
+    pull(core, "a", 0.4, error="a failed", error_version=1)
+    pull(core, "a", 0.5, version=2)
+    assert core.weights_status()["errors"] == {}
+
+
+def test_queued_work_fails_with_the_reasons_once_no_replica_can_hold_the_weights():
+    """The batch was submitted while a replica still held the version; then every load failed."""
+    core = core_with(("a",))
+    core.update_weights("/ckpt/step1")
+    pull(core, "a", 0.1)
+    core.replicas["a"].weights_version = 1  # as if loaded, so that submit accepts the batch
+    bid = batch(core, now=0.2)
+    pull(core, "a", 0.3, error="replica a: load_weights('/ckpt/step1'): torn checkpoint")
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and all(c.finish_reason == "error" and "torn checkpoint" in c.error for c in done)
+
+
+def test_a_restarted_router_takes_the_version_the_replicas_hold():
+    core = core_with(("a", "b"))  # a fresh router: version 0, no path
+    a = pull(core, "a", 0.1, version=3, path="/ckpt/step3")
+    assert core.weights_version == 3 and core.weights_path == "/ckpt/step3" and not loads(a)
+    b = pull(core, "b", 0.1, version=0)  # b restarted too: it loads the same
+    assert loads(b) == [{"path": "/ckpt/step3", "version": 3}]
+    bid = batch(core, now=0.2)
+    assert pull(core, "a", 0.3, version=3, path="/ckpt/step3").start
+    assert core.batches[bid].weights_version == 3
+
+
+def test_a_dead_replicas_cancelled_sequences_end_as_abort_instead_of_running_again():
+    core = core_with(("a", "b"))
+    bid = batch(core)
+    work = pull(core, "a", 0.1).start
+    core.cancel(bid, 0.2)
+    core.remove_replica("a", 0.3)
+    done, _, finished = core.fetch(bid, 0)
+    assert len(work) == 1 and finished and all(c.finish_reason == "abort" for c in done)
+    core.update_weights("/ckpt/step1")  # nothing left unfinished

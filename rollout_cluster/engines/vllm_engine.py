@@ -54,6 +54,32 @@ def engine_args(cfg: EngineConfig, model: str):
     )
 
 
+class WeightsLoadBroken(RuntimeError):
+    """A load failed after vLLM began replacing the weights: the engine must be restarted."""
+
+
+def check_checkpoint(path: str) -> None:
+    """Refuse a directory that cannot be a complete checkpoint, before the engine touches its weights
+    (vLLM empties a layer before it reads its new tensors, and only warns about missing ones)."""
+    import json
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"path={path!r}: no such checkpoint directory on this replica's node")
+    files = set(os.listdir(path))
+    if "config.json" not in files:
+        raise FileNotFoundError(f"path={path!r}: no config.json (write the checkpoint with save_pretrained)")
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if index in files:
+            with open(os.path.join(path, index)) as f:
+                shards = set(json.load(f).get("weight_map", {}).values())
+            missing = sorted(shards - files)
+            if missing:
+                raise FileNotFoundError(f"path={path!r}: {index} names shards that are not there: {missing[:3]}")
+            return
+    if not any(f.endswith((".safetensors", ".bin", ".pt")) for f in files):
+        raise FileNotFoundError(f"path={path!r}: no weight files (*.safetensors, *.bin)")
+
+
 def sampling_params(work: Work):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -182,15 +208,19 @@ class VllmEngine(EngineAdapter):
                            seq_tokens_per_s=self._rate_ema)
 
     async def load_weights(self, path: str) -> None:
-        # The router orders a load only between batches; refuse rather than mix weights in a sequence.
-        if self.tasks:
-            raise RuntimeError(f"{len(self.tasks)} requests are running; weights change between batches")
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"path={path!r}: no such checkpoint directory on this replica's node")
-        # vLLM's worker reloads in place from the checkpoint (model_loader.reload); then the prefix
-        # cache must go: its KV blocks were computed with the old weights.
-        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        await self.engine.reset_prefix_cache()
+        check_checkpoint(path)  # before vLLM touches the model: a bad path leaves the old weights
+        if self.tasks:  # the router orders a load only between batches: these are orphans of a
+            log.warning("aborting %d requests left from before the weights load", len(self.tasks))
+            await self.give_up(list(self.tasks))
+        # vLLM's worker reloads in place from the checkpoint (model_executor/model_loader/reload).
+        # A failure in there leaves the model half loaded: the caller must restart this engine.
+        try:
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        except Exception as e:
+            raise WeightsLoadBroken(f"vLLM failed reloading {path!r}, its weights are now unknown: {e}") from e
+        # The prefix cache's KV blocks were computed with the old weights.
+        if not await self.engine.reset_prefix_cache():
+            raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
 
     async def sleep(self, level: int = 1) -> None:
         await self.engine.sleep(level)

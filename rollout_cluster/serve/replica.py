@@ -42,6 +42,9 @@ class EngineReplica:
         self.weights_version = 0  # the config's model
         self.weights_error = None
         self.weights_error_version = 0
+        self.weights_path = ""
+        self.loading = None  # (version, asyncio.Task) of a load in progress
+        self.broken = None  # set when a failed load left the engine's weights unknown
         self.task = asyncio.get_running_loop().create_task(self._pull_loop())
 
     async def _pull_loop(self) -> None:
@@ -50,7 +53,8 @@ class EngineReplica:
             self.unsent += self.engine.drain()
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
                             self.model if first else None, self.engine.capacity,
-                            self.weights_version, self.weights_error, self.weights_error_version)
+                            self.weights_version, self.weights_error, self.weights_error_version,
+                            self.loading[0] if self.loading else 0, self.weights_path)
             try:
                 orders = await self.router.pull.remote(report)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
@@ -61,8 +65,10 @@ class EngineReplica:
             self.unsent = []
             first = False
             try:
-                for cmd, arg in orders.control:  # first: work sent with a weights load runs on them
+                for cmd, arg in orders.control:
                     await self._control(cmd, arg)
+                if orders.start and self.loading:  # the router sends none while loading; be sure
+                    await self.loading[1]
                 for work in orders.start:
                     self.engine.submit(work)
                 if orders.give_up:
@@ -74,18 +80,32 @@ class EngineReplica:
 
     async def _control(self, cmd: str, arg) -> None:
         if cmd == "load_weights":
-            try:
-                await self.engine.load_weights(arg["path"])
-            except Exception as e:  # reported to the driver; the replica stays up on its old weights
-                log.exception("replica %s: load_weights %r failed", self.replica_id, arg["path"])
-                self.weights_error = f"replica {self.replica_id}: load_weights({arg['path']!r}): {e}"
-                self.weights_error_version = arg["version"]
-            else:
-                self.weights_version, self.weights_error = arg["version"], None
+            if arg["version"] in (self.weights_version, self.loading and self.loading[0]):
+                return  # a resent order of what is done or under way
+            # In the background: the replica keeps pulling (and reporting `loading`), so a load longer
+            # than router.replica_timeout_s does not look like a dead replica.
+            task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"]))
+            self.loading = (arg["version"], task)
         elif cmd == "sleep":
             await self.engine.sleep(int(arg or 1))
         elif cmd == "wake":
             await self.engine.wake()
+
+    async def _load_weights(self, path: str, version: int) -> None:
+        from ..engines.vllm_engine import WeightsLoadBroken
+
+        try:
+            await self.engine.load_weights(path)
+        except Exception as e:
+            log.exception("replica %s: load_weights %r failed", self.replica_id, path)
+            self.weights_error = f"replica {self.replica_id}: load_weights({path!r}): {e}"
+            self.weights_error_version = version
+            if isinstance(e, WeightsLoadBroken):
+                self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
+        else:
+            self.weights_version, self.weights_path, self.weights_error = version, path, None
+        finally:
+            self.loading = None
 
     async def info(self) -> dict:
         return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__}
@@ -93,6 +113,8 @@ class EngineReplica:
     def check_health(self) -> None:
         if self.task.done():
             raise RuntimeError(f"pull loop stopped: {self.loop_error or self.task.exception()}")
+        if self.broken is not None:
+            raise RuntimeError(f"restart needed: {self.broken}")
 
     async def __del__(self):
         self.stopping = True

@@ -134,6 +134,7 @@ class Router:
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
             "weights": c.weights_status(),
+            "expected_replicas": c.expected_replicas,
         }
 
     async def set_trace(self, on: bool = True) -> None:
