@@ -74,7 +74,8 @@ class RouterCore:
         # reprefill_segments_measured continuation segments that reported it (vLLM only).
         self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefilled_tokens": 0,
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
-                         "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0}
+                         "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "lost_orders": 0,
+                         "duplicate_reports": 0}
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
@@ -247,6 +248,8 @@ class RouterCore:
                             STEP_SAMPLES_KEPT)
         for p in report.progress:
             self._apply(rep, p, now)
+        if report.held is not None:
+            self._reconcile(rep, report.held, now)
         orders = self.decide(rep.replica_id, now, timer)
         if self.trace is not None:
             self.trace.append((now, rep.replica_id, len(rep.seqs)))
@@ -265,7 +268,24 @@ class RouterCore:
                 _append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
                 self.metrics.decision(dt)
             self._apply_decision(decision, now)
-        return self.outbox.pop(replica_id, None) or Orders()
+        orders = self.outbox.pop(replica_id, None) or Orders()
+        for work in orders.start:
+            seq = self.seqs.get(work.seq_id)
+            if seq is not None:
+                seq.delivered_pull = rep.pulls
+        return orders
+
+    def _reconcile(self, rep: ReplicaState, held: list, now: float) -> None:
+        """Work sent in the reply to an earlier pull that the replica does not hold never arrived
+        (the reply was lost: the replica applies a reply's orders before it pulls again). It runs
+        again from its last reported tokens, like the work of a dead replica."""
+        have = {(sid, attempt) for sid, attempt in held}
+        lost = [s for s in rep.seqs.values()
+                if 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
+        for seq in lost:
+            del rep.seqs[seq.seq_id]
+            self.counters["lost_orders"] += 1
+            self._requeue_after_segment(seq, rep.replica_id, now)
 
     def view(self, now: float) -> ClusterView:
         """What the policy sees; a replica without the current weights is not part of it."""
@@ -320,6 +340,9 @@ class RouterCore:
         if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
                 or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
             self.counters["stale_reports"] += 1
+            return
+        if 0 <= p.offset < seq.generated - seq.segment_start:  # sent again after a lost reply
+            self.counters["duplicate_reports"] += 1
             return
         if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
             context = seq.request.prompt_len + seq.segment_start

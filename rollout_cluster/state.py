@@ -47,6 +47,7 @@ class SeqState:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     cancelled: bool = False  # the driver gave up on the batch: finish as "abort", never requeue
+    delivered_pull: int = -1  # the replica's pull whose reply carried the current attempt's Work
 
     @property
     def prompt_len(self) -> int:

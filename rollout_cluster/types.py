@@ -181,6 +181,9 @@ class SeqProgress:
     # vLLM, on a segment's first report: prompt tokens it found in its prefix cache (-1: not known).
     # For a continuation the router counts the rest as re-prefilled for real.
     cached_tokens: int = -1
+    # Tokens of this attempt reported before this delta (-1: not tracked). A report the router
+    # applied but whose reply was lost comes again; the router drops what it already has.
+    offset: int = -1
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -222,6 +225,9 @@ class Report:
     weights_error_version: int = 0  # the version that load was for (an older error is stale)
     weights_loading: int = 0  # the version being loaded now (0: none)
     weights_path: str = ""  # where weights_version came from ("": the config's model)
+    # Every (seq_id, attempt) the engine holds, sent every few seconds (None in between): the
+    # router requeues work it sent in a reply the replica never received.
+    held: Optional[list] = None
 
 
 @dataclass

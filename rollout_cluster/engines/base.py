@@ -34,6 +34,10 @@ class EngineAdapter(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    def held(self) -> list:
+        """Every (seq_id, attempt) submitted and not yet reported finished."""
+        raise NotImplementedError
+
     async def load_weights(self, path: str) -> None:
         """Replace the model's weights in place with the checkpoint in `path` (same architecture),
         between batches: nothing may be running. Cached KV of the old weights is dropped."""

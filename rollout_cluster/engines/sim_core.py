@@ -138,8 +138,9 @@ class SimEngineCore:
         n = s.produced - s.reported
         toks = self._tokens(s, s.reported, s.produced) if self.emit_tokens else []
         lps = [-1.0] * n if self.emit_tokens and s.work.sampling.logprobs is not None else None
+        self.finals.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, reason, num_tokens=n,
+                                       offset=s.reported))
         s.reported = s.produced
-        self.finals.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, reason, num_tokens=n))
 
     def drain(self) -> list:
         out = []
@@ -148,7 +149,8 @@ class SimEngineCore:
             if n:
                 toks = self._tokens(s, s.reported, s.produced) if self.emit_tokens else []
                 lps = [-1.0] * n if self.emit_tokens and s.work.sampling.logprobs is not None else None
-                out.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, None, num_tokens=n))
+                out.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, None, num_tokens=n,
+                                       offset=s.reported))
                 s.reported = s.produced
         out += self.finals
         self.finals = []

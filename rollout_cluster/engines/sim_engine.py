@@ -48,6 +48,10 @@ class SimEngine(EngineAdapter):
     def drain(self) -> list:
         return self.core.drain()
 
+    def held(self) -> list:
+        c = self.core
+        return [(s.work.seq_id, s.work.attempt) for group in (c.running, c.waiting) for s in group]
+
     def stats(self) -> EngineStats:
         c = self.core
         return EngineStats(running=len(c.running), waiting=len(c.waiting), context_tokens=c.context,

@@ -143,6 +143,7 @@ class VllmEngine(EngineAdapter):
         rid = f"{work.seq_id}#{work.attempt}"
         final = None
         cached = None  # the prefix-cache hit, reported once, with the segment's first progress
+        produced = 0  # tokens of this attempt so far: each delta's offset
         try:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=work.prompt_token_ids),
                                                   sampling_params(work), request_id=rid):
@@ -159,11 +160,13 @@ class VllmEngine(EngineAdapter):
                         n = getattr(out, "num_cached_tokens", None)
                         cached = hit = n if isinstance(n, int) and n >= 0 else -1
                     self.pending.append(SeqProgress(work.seq_id, work.attempt, toks,
-                                                    sampled_logprobs(toks, o.logprobs), reason, cached_tokens=hit))
+                                                    sampled_logprobs(toks, o.logprobs), reason, cached_tokens=hit,
+                                                    offset=produced))
+                    produced += len(toks)
             if final is None:  # stream ended without a finished output: only an abort does that
-                self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort"))
+                self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
         except asyncio.CancelledError:
-            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort"))
+            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
         except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
             log.warning("request %s failed: %s", rid, e)
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "error",
@@ -200,6 +203,9 @@ class VllmEngine(EngineAdapter):
             self._rate_ema = rate if self._rate_ema == 0 else 0.9 * self._rate_ema + 0.1 * rate
         self._last_drain = now
         return out
+
+    def held(self) -> list:
+        return list(self.tasks)
 
     def stats(self) -> EngineStats:
         running = len(self.tasks)

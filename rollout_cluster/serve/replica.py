@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from ray import serve
@@ -18,6 +19,7 @@ from ..engines.factory import make_engine
 from ..types import Report
 
 log = logging.getLogger("ray.serve")
+HELD_EVERY_S = 2.0  # how often a report lists every attempt the engine holds (lost-reply recovery)
 
 
 def replica_rank() -> int:
@@ -49,12 +51,17 @@ class EngineReplica:
 
     async def _pull_loop(self) -> None:
         first = True
+        held_t = 0.0
         while not self.stopping:
             self.unsent += self.engine.drain()
+            now = time.monotonic()
+            held = None
+            if now - held_t >= HELD_EVERY_S:  # drained and listed together: consistent
+                held, held_t = self.engine.held(), now
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
                             self.model if first else None, self.engine.capacity,
                             self.weights_version, self.weights_error, self.weights_error_version,
-                            self.loading[0] if self.loading else 0, self.weights_path)
+                            self.loading[0] if self.loading else 0, self.weights_path, held)
             try:
                 orders = await self.router.pull.remote(report)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry

@@ -1,0 +1,95 @@
+"""A pull whose reply never reaches the replica (the router applied the report and answered, the
+answer was lost): the replica sends the same deltas again, and later lists what it holds. No token
+is counted twice, and work the lost reply carried runs again; nothing is lost."""
+from rollout_cluster.config import PolicyConfig
+from rollout_cluster.engines.cost_model import load_profile
+from rollout_cluster.engines.sim_core import SimEngineCore
+from rollout_cluster.policy import make_policy
+from rollout_cluster.router_core import RouterCore
+from rollout_cluster.types import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+
+COST = load_profile("h200-1.5b", max_num_seqs=8)
+
+
+def report(progress=(), held=None, model=None):
+    return Report("a", "i1", list(progress), EngineStats(), model, 8, held=held)
+
+
+def setup(n=2, max_tokens=6):
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=1)
+    core.on_report(report(model=ModelInfo(100, 64)), 0.0)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=max_tokens), i, 0) for i in range(n)], 0.0)
+    return core, bid
+
+
+def test_a_report_sent_again_after_a_lost_reply_counts_its_tokens_once():
+    core, bid = setup(n=1)
+    (work,) = core.decide("a", 0.0).start
+    delta = SeqProgress(work.seq_id, work.attempt, [7, 8], offset=0)
+    core.on_report(report([delta]), 0.1)  # applied; its reply is lost, so the replica keeps the delta
+    later = SeqProgress(work.seq_id, work.attempt, [9, 10, 11, 12], None, "length", offset=2)
+    core.on_report(report([delta, later]), 0.2)  # the retry carries it again, then the rest
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and done[0].token_ids == [7, 8, 9, 10, 11, 12]
+    assert core.counters["duplicate_reports"] == 1 and core.counters["generated_tokens"] == 6
+
+
+def test_work_in_a_lost_reply_runs_again_once_the_replica_lists_what_it_holds():
+    core, bid = setup(n=2)
+    lost = core.decide("a", 0.0).start  # this reply never arrives
+    assert len(lost) == 2
+    again = core.on_report(report(held=[]), 0.1).start  # "I hold nothing": both go out again
+    assert [(w.seq_id, w.attempt) for w in again] == [(w.seq_id, w.attempt + 1) for w in lost]
+    assert core.counters["lost_orders"] == 2
+    # the new attempts are held; the replica lists them and nothing moves
+    assert not core.on_report(report(held=[(w.seq_id, w.attempt) for w in again]), 0.2).start
+    for w in again:
+        core.on_report(report([SeqProgress(w.seq_id, w.attempt, [5] * 6, None, "length", offset=0)]), 0.3)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and [len(c.token_ids) for c in done] == [6, 6] and core.counters["lost_orders"] == 2
+
+
+def test_work_in_the_reply_being_answered_is_not_taken_for_lost():
+    """The list comes with the pull that the new work answers: the replica has not seen it yet."""
+    core, _ = setup(n=1)
+    orders = core.on_report(report(held=[]), 0.1)
+    assert len(orders.start) == 1 and core.counters["lost_orders"] == 0
+
+
+def test_a_lost_reply_mid_segment_resumes_from_the_last_reported_tokens():
+    core, bid = setup(n=1, max_tokens=6)
+    (work,) = core.decide("a", 0.0).start
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [7, 8], offset=0)]), 0.1)
+    # the engine then lost the request (a replica that restarted its engine, say) and says so
+    (again,) = core.on_report(report(held=[]), 0.2).start
+    assert again.attempt == work.attempt + 1 and again.prompt_token_ids == [1, 2, 7, 8]
+    assert again.sampling.max_tokens == 4
+    core.on_report(report([SeqProgress(again.seq_id, again.attempt, [9, 10, 11, 12], None, "length", offset=0)]), 0.3)
+    assert core.fetch(bid, 0)[0][0].token_ids == [7, 8, 9, 10, 11, 12]
+
+
+def test_the_engines_number_their_deltas():
+    """SimEngineCore (the real-time sim replica) gives each delta the tokens reported before it."""
+    core, _ = setup(n=1, max_tokens=6)
+    (work,) = core.decide("a", 0.0).start
+    eng = SimEngineCore(COST)
+    eng.submit(work)
+    eng.advance(max_steps=2)
+    first = eng.drain()
+    eng.advance()
+    rest = eng.drain()
+    assert [(p.offset, p.num_tokens) for p in first + rest] == [(0, 2), (2, 4)]
+
+
+def test_the_sim_replica_lists_what_it_holds():
+    from rollout_cluster.engines.sim_engine import SimEngine
+
+    core, _ = setup(n=2)
+    works = core.decide("a", 0.0).start
+    eng = SimEngine(COST)
+    for w in works:
+        eng.submit(w)
+    assert sorted(eng.held()) == sorted((w.seq_id, w.attempt) for w in works)
+    eng.core.advance()
+    eng.drain()
+    assert eng.held() == []  # both finished (6 tokens) and reported
