@@ -1,7 +1,8 @@
 """Batch job for `ray job submit`: deploy the app on the cluster, run a JSONL batch, write results.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input in.jsonl --output out.jsonl
+        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input in.jsonl --output out.jsonl \\
+        [--weights /checkpoints/step-7]
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-app", action="store_true", help="leave an app this job deployed running afterwards")
     ap.add_argument("--redeploy", action="store_true", help="redeploy even if an app of that name is running")
     ap.add_argument("--timeout-s", type=float, default=None)
+    ap.add_argument("--weights", default=None,
+                    help="load this checkpoint directory into every replica first (update_weights)")
     a = ap.parse_args(argv)
     import ray
     from ray import serve
@@ -38,7 +41,10 @@ def main(argv=None) -> int:
     client = RolloutClient(cfg.app_name, config=cfg)
     try:
         client.wait_ready(cfg.replicas if deployed else 1)
+        version = client.update_weights(a.weights) if a.weights else None
         summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s)
+        if version is not None:
+            summary["weights_version"] = version
     finally:
         if deployed and not a.keep_app:
             serve.delete(cfg.app_name)

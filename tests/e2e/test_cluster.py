@@ -102,11 +102,16 @@ def test_ray_job_submit(client, tmp_path):
     _write_jsonl(src, JSONL_IN)
     run = subprocess.run([str(VENV_BIN / "ray"), "job", "submit", "--address", "http://127.0.0.1:8265",
                           "--working-dir", ".", "--", "python", "-m", "rollout_cluster.jobs.rollout",
-                          "--config", "configs/local-cpu.yaml", "--input", str(src), "--output", str(dst)],
+                          "--config", "configs/local-cpu.yaml", "--input", str(src), "--output", str(dst),
+                          "--weights", str(ROOT / "models" / "tiny-llama")],
                          env=ray_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "succeeded" in run.stdout.lower()
     _check_jsonl_output(dst)
+    # the job first reloaded the replicas (the same checkpoint: a new version) and tagged every line
+    version = client.status()["weights"]["version"]
+    lines = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert version >= 1 and {line["weights_version"] for line in lines if line["finish_reason"] != "error"} == {version}
 
 
 def test_engine_processes_do_not_inherit_rays_worker_niceness(client):
