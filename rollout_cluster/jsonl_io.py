@@ -3,7 +3,8 @@
 Input, one JSON object a line: {"prompt_token_ids": [..], "n": 1, "max_tokens": 128, "temperature": 1.0,
 "top_p": 1.0, "ignore_eos": false, "logprobs": null, "stop_token_ids": [], "seed": null}; all but
 prompt_token_ids optional. Output, one line per (line, sample) in input order: {"prompt_index",
-"sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations"}.
+"sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
+"finish_time_s", "weights_version"}. The app's HTTP route POST /<app>/generate takes and returns the same.
 A bad line yields one output line with finish_reason "error" naming the field; the rest still run.
 """
 from __future__ import annotations

@@ -17,7 +17,12 @@ from .router import Router
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 class Gateway:
-    """HTTP face: GET / returns the router's status as JSON (health checks, dashboards)."""
+    """HTTP face of the app (route prefix /<app_name>):
+    - GET  /<app>           the router's status as JSON (health checks, dashboards);
+    - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (one request a
+      line), answered with the output JSONL once every sequence is done. `?timeout_s=` bounds the
+      wait (default 3600); past it the batch is cancelled and the answer is 504.
+    For trainers that are not Python; a Python driver uses RolloutClient (streaming, no HTTP limits)."""
 
     def __init__(self, router, replicas):
         self.router = router
@@ -26,7 +31,48 @@ class Gateway:
     async def __call__(self, request: Request):
         from starlette.responses import JSONResponse
 
+        path = request.url.path.rstrip("/")
+        if request.method == "POST" and path.endswith("/generate"):
+            return await self._generate(request)
+        if request.method != "GET" or path.endswith("/generate"):
+            return JSONResponse({"error": f"{request.method} {request.url.path}: use GET / for status, "
+                                          "POST /generate for a batch"}, status_code=405)
         return JSONResponse(json.loads(json.dumps(await self.router.status.remote(), default=str)))
+
+    async def _generate(self, request: Request):
+        import asyncio
+        import time
+
+        from starlette.responses import JSONResponse, Response
+
+        from ..jsonl_io import merge_results, read_requests
+
+        try:
+            timeout_s = float(request.query_params.get("timeout_s", 3600))
+        except ValueError:
+            return JSONResponse({"error": f"timeout_s={request.query_params['timeout_s']!r}: not a number"},
+                                status_code=400)
+        lines = (await request.body()).decode("utf-8", errors="replace").splitlines()
+        requests, errors = read_requests(lines)
+        results = [None] * len(requests)
+        if requests:
+            try:
+                bid = await self.router.submit.remote(requests)
+            except Exception as e:  # no live replica, weights not loadable: say why
+                return JSONResponse({"error": str(e)}, status_code=503)
+            cursor, done, deadline = 0, False, time.monotonic() + timeout_s
+            while not done:
+                if time.monotonic() > deadline:
+                    await self.router.cancel.remote(bid)
+                    return JSONResponse({"error": f"batch {bid} not done after timeout_s={timeout_s:g}; cancelled"},
+                                        status_code=504)
+                new, cursor, done = await self.router.fetch.remote(bid, cursor, 1.0)
+                for c in new:
+                    results[c.index] = c
+                await asyncio.sleep(0)
+        records = merge_results(len(lines), requests, results, errors)
+        body = "".join(json.dumps(r) + "\n" for r in records)
+        return Response(body, media_type="application/x-ndjson")
 
 
 QUIET = {"enable_access_log": False}  # pulls run 20 times a second per replica

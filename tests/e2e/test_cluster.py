@@ -97,6 +97,27 @@ def test_cli_generate_jsonl(client, tmp_path):
     _check_jsonl_output(dst)
 
 
+def test_http_generate_takes_and_returns_the_jsonl_format(client, tmp_path):
+    import os
+    import urllib.error
+    import urllib.request
+
+    base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{client.app_name}"
+    body = ("\n".join(JSONL_IN) + "\n").encode()
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/generate", data=body, method="POST"), timeout=600) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        (tmp_path / "out.jsonl").write_bytes(r.read())
+    _check_jsonl_output(tmp_path / "out.jsonl")
+    with urllib.request.urlopen(base, timeout=60) as r:  # GET: the router's status
+        assert "replicas" in json.loads(r.read())
+    for req, code, said in [(urllib.request.Request(f"{base}/generate?timeout_s=soon", data=body, method="POST"),
+                             400, "timeout_s='soon'"),
+                            (urllib.request.Request(f"{base}/generate", method="GET"), 405, "POST /generate")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == code and said in json.loads(e.value.read())["error"]
+
+
 def test_ray_job_submit(client, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, JSONL_IN)
