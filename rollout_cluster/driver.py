@@ -192,15 +192,28 @@ class RolloutClient:
         """Completions as they finish (not in input order)."""
         requests = expand(prompts, sampling)
         bid = await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s)
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        cursor, done = 0, False
-        while not done:
-            if time.monotonic() > deadline:
-                self._cancel_quietly(bid)
-                raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} done at timeout_s; the batch was cancelled")
-            new, cursor, done = await asyncio.wait_for(self.router.fetch.remote(bid, cursor, 1.0), self.call_timeout_s)
-            for c in new:
-                yield c
+        async for c in completions(self.router, bid, len(requests), timeout_s or self.timeout_s, self.call_timeout_s):
+            yield c
+
+
+async def completions(router, batch_id: str, total: int, timeout_s: float,
+                      call_timeout_s: float = 120.0) -> AsyncIterator[Completion]:
+    """The completions of a submitted batch as they finish, long-polling the router's `fetch`.
+    Past `timeout_s` the batch is cancelled and TimeoutError raised. RolloutClient.stream and the
+    HTTP route both use it."""
+    deadline = time.monotonic() + timeout_s
+    cursor, done = 0, False
+    while not done:
+        if time.monotonic() > deadline:
+            try:
+                await asyncio.wait_for(router.cancel.remote(batch_id), call_timeout_s)
+            except Exception:
+                pass
+            raise TimeoutError(f"batch {batch_id}: {cursor} of {total} sequences done after {timeout_s:g} s "
+                               "(timeout_s); the batch was cancelled")
+        new, cursor, done = await asyncio.wait_for(router.fetch.remote(batch_id, cursor, 1.0), call_timeout_s)
+        for c in new:
+            yield c
 
 
 def _bar(total: int, enabled: bool):

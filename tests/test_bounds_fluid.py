@@ -1,8 +1,5 @@
 """bounds.fluid_schedule, the fluid schedule behind balance_bound and the isolation script's
 informed bound: by hand on three sequences, and against a step-by-step recomputation."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from rollout_cluster.bench.bounds import (FluidInterval, balance_bound, decode_alone_s, first_of_group,
@@ -13,7 +10,6 @@ from rollout_cluster.types import SamplingSpec, SequenceRequest
 
 # One slot per replica, so that with two replicas a third sequence queues.
 TOY = CostModel(name="toy", a=1.0, c=0.25, e=0.5, prefill_tokens_per_s=2.0, kv_tokens=10**6, max_num_seqs=1)
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "isolation_headroom.py"
 
 
 def seq(prompt_index, sample_index, prompt, length):
@@ -68,14 +64,6 @@ def step_by_step(requests, cost, replicas):
         t, step = done_at[step + j], step + j
         running = {i: s for i, s in running.items() if s[1] > 0}
     return t, start, done_at
-
-
-@pytest.fixture(scope="module")
-def headroom():
-    spec = importlib.util.spec_from_file_location("isolation_headroom", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("seed,replicas,max_num_seqs", [(0, 2, 3), (1, 3, 2), (2, 4, 64)])

@@ -1,24 +1,11 @@
 """scripts/isolation_headroom.py: its bounds bracket correctly and its oracle placement completes."""
-import importlib.util
-from pathlib import Path
-
-import pytest
 
 from rollout_cluster.bench.bounds import bounds
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.sim.simulator import Simulation
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "isolation_headroom.py"
 SPEC = LongtailSpec(prompts=24, samples=8, median=300.0, max_tokens=2048, seed=1, prompt_min=32, prompt_max=128)
-
-
-@pytest.fixture(scope="module")
-def headroom():
-    spec = importlib.util.spec_from_file_location("isolation_headroom", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_informed_bound_lies_between_the_lower_and_balance_bounds_and_grows_with_g(headroom):

@@ -30,6 +30,14 @@ def batch(core, n=2, now=0.0):
     return core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=2), i, 0) for i in range(n)], now)
 
 
+def ordered(core, path, *replicas):
+    """update_weights(path), and each of `replicas` pulls once: it has its load order."""
+    version = core.update_weights(path)
+    for rid in replicas:
+        assert loads(pull(core, rid, 0.1)) == [{"path": path, "version": version}]
+    return version
+
+
 def loads(orders):
     return [arg for cmd, arg in orders.control if cmd == "load_weights"]
 
@@ -84,8 +92,7 @@ def test_update_is_refused_while_a_batch_runs_and_versions_only_grow():
 
 def test_a_replica_that_joins_later_loads_the_current_weights_first():
     core = core_with(("a",))
-    core.update_weights("/ckpt/step1")
-    pull(core, "a", 0.1)
+    ordered(core, "/ckpt/step1", "a")
     pull(core, "a", 0.2, version=1)
     c = core.on_report(Report("c", "i1", [], EngineStats(), MODEL, 8, 0), 0.3)  # a restart: version 0
     assert loads(c) == [{"path": "/ckpt/step1", "version": 1}]
@@ -96,9 +103,7 @@ def test_a_replica_that_joins_later_loads_the_current_weights_first():
 
 def test_a_failed_load_is_reported_and_a_batch_with_no_loaded_replica_is_refused():
     core = core_with(("a", "b"))
-    core.update_weights("/missing")
-    pull(core, "a", 0.1)
-    pull(core, "b", 0.1)
+    ordered(core, "/missing", "a", "b")
     pull(core, "a", 0.2, error="replica a: load_weights('/missing'): no such checkpoint directory")
     assert core.weights_status()["errors"] == {"a": "replica a: load_weights('/missing'): no such checkpoint directory"}
     pull(core, "b", 0.2, error="replica b: load_weights('/missing'): no such checkpoint directory")
@@ -119,8 +124,7 @@ def test_a_failed_load_is_reported_and_a_batch_with_no_loaded_replica_is_refused
 def test_a_loading_replicas_share_waits_for_it():
     """static gives each replica a fixed share; the share of a replica still loading waits."""
     core = core_with(("a", "b"), policy="static")
-    core.update_weights("/ckpt/step1")
-    pull(core, "a", 0.1)
+    ordered(core, "/ckpt/step1", "a")
     pull(core, "a", 0.15, version=1)
     bid = batch(core, n=4, now=0.2)
     a = pull(core, "a", 0.3, version=1)
@@ -133,9 +137,7 @@ def test_a_loading_replicas_share_waits_for_it():
 def test_push_policies_cannot_give_work_to_a_replica_without_the_weights():
     """least-loaded assigns to every replica from one pull; a replica whose load failed is not one."""
     core = core_with(("a", "b"), policy="least-loaded")
-    core.update_weights("/ckpt/step1")
-    pull(core, "a", 0.1)
-    pull(core, "b", 0.1)
+    ordered(core, "/ckpt/step1", "a", "b")
     pull(core, "a", 0.2, version=1)
     pull(core, "b", 0.2, error="replica b: load_weights: bad checkpoint")
     bid = batch(core, n=4, now=0.3)
@@ -149,9 +151,7 @@ def test_push_policies_cannot_give_work_to_a_replica_without_the_weights():
 
 def test_errors_of_a_removed_replica_are_forgotten_and_a_success_clears_its_own():
     core = core_with(("a", "b"))
-    core.update_weights("/ckpt/step1")
-    pull(core, "a", 0.1)
-    pull(core, "b", 0.1)
+    ordered(core, "/ckpt/step1", "a", "b")
     pull(core, "a", 0.2, error="a failed")
     pull(core, "b", 0.2, error="b failed")
     assert set(core.weights_status()["errors"]) == {"a", "b"}
@@ -166,8 +166,7 @@ def test_errors_of_a_removed_replica_are_forgotten_and_a_success_clears_its_own(
 def test_queued_work_fails_with_the_reasons_once_no_replica_can_hold_the_weights():
     """The batch was submitted while a replica still held the version; then every load failed."""
     core = core_with(("a",))
-    core.update_weights("/ckpt/step1")
-    pull(core, "a", 0.1)
+    ordered(core, "/ckpt/step1", "a")
     core.replicas["a"].weights_version = 1  # as if loaded, so that submit accepts the batch
     bid = batch(core, now=0.2)
     pull(core, "a", 0.3, error="replica a: load_weights('/ckpt/step1'): torn checkpoint")

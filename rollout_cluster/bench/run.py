@@ -167,7 +167,7 @@ def run_seed_sim(args, seed: int, cost: CostModel, cfg, policies: list, bar=None
             bar.set_postfix_str(f"seed {seed} {name}")
         out["results"][name], traces[name] = simulate_policy(
             name, requests, cost, args.replicas, b["lower_bound_s"], cfg.policy if cfg else None,
-            args.pull_interval, getattr(args, "host_slowdown", 0.0))
+            args.pull_interval, args.host_slowdown)
         if bar is not None:
             bar.update(1)
     return out, traces

@@ -16,6 +16,10 @@ from abc import ABC, abstractmethod
 from ..types import EngineStats, ModelInfo, Work
 
 
+class WeightsLoadBroken(RuntimeError):
+    """A weights load failed after the engine began replacing its weights: restart the engine."""
+
+
 class EngineAdapter(ABC):
     capacity: int = 1  # sequences decoded at once (max_num_seqs)
 
@@ -34,9 +38,9 @@ class EngineAdapter(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    @abstractmethod
     def held(self) -> list:
         """Every (seq_id, attempt) submitted and not yet reported finished."""
-        raise NotImplementedError
 
     async def load_weights(self, path: str) -> None:
         """Replace the model's weights in place with the checkpoint in `path` (same architecture),

@@ -15,7 +15,7 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..types import EngineStats, ModelInfo, SeqProgress, Work
-from .base import EngineAdapter
+from .base import EngineAdapter, WeightsLoadBroken
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,6 @@ def engine_args(cfg: EngineConfig, model: str):
         skip_tokenizer_init=True,
         disable_log_stats=True,
     )
-
-
-class WeightsLoadBroken(RuntimeError):
-    """A load failed after vLLM began replacing the weights: the engine must be restarted."""
 
 
 def check_checkpoint(path: str) -> None:

@@ -40,11 +40,9 @@ class Gateway:
         return JSONResponse(json.loads(json.dumps(await self.router.status.remote(), default=str)))
 
     async def _generate(self, request: Request):
-        import asyncio
-        import time
-
         from starlette.responses import JSONResponse, Response
 
+        from ..driver import completions
         from ..jsonl_io import merge_results, read_requests
 
         try:
@@ -60,16 +58,11 @@ class Gateway:
                 bid = await self.router.submit.remote(requests)
             except Exception as e:  # no live replica, weights not loadable: say why
                 return JSONResponse({"error": str(e)}, status_code=503)
-            cursor, done, deadline = 0, False, time.monotonic() + timeout_s
-            while not done:
-                if time.monotonic() > deadline:
-                    await self.router.cancel.remote(bid)
-                    return JSONResponse({"error": f"batch {bid} not done after timeout_s={timeout_s:g}; cancelled"},
-                                        status_code=504)
-                new, cursor, done = await self.router.fetch.remote(bid, cursor, 1.0)
-                for c in new:
+            try:
+                async for c in completions(self.router, bid, len(requests), timeout_s):
                     results[c.index] = c
-                await asyncio.sleep(0)
+            except TimeoutError as e:
+                return JSONResponse({"error": str(e)}, status_code=504)
         records = merge_results(len(lines), requests, results, errors)
         body = "".join(json.dumps(r) + "\n" for r in records)
         return Response(body, media_type="application/x-ndjson")

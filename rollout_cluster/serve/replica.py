@@ -15,6 +15,7 @@ import uuid
 from ray import serve
 
 from ..config import load_config
+from ..engines.base import WeightsLoadBroken
 from ..engines.factory import make_engine
 from ..types import Report
 
@@ -99,8 +100,6 @@ class EngineReplica:
             await self.engine.wake()
 
     async def _load_weights(self, path: str, version: int) -> None:
-        from ..engines.vllm_engine import WeightsLoadBroken
-
         try:
             await self.engine.load_weights(path)
         except Exception as e:
