@@ -64,6 +64,9 @@ def add_commands(sub) -> None:
                    help="vllm: also run the batch on one bare AsyncLLM and report router_overhead_pct "
                         "against the 1-replica pull run")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="vllm: bound on each policy's batch")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="vllm: run each seed's batch N times per policy in rotated order; rows are the median run "
+                        "and bench.json adds per-round paired differences")
     _workload_flags(p)
     p.set_defaults(fn=cmd_bench)
 

@@ -56,6 +56,10 @@ def run_summary(run: dict) -> str:
     if w:
         shown = {k: v for k, v in w.items() if k not in ("sequences", "generated_tokens")}
         lines.append("workload: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    if run.get("repeats"):
+        from .repeats import describe
+
+        lines.extend(describe(run["repeats"], run["results"]))
     if run.get("bare_engine"):
         lines.append("bare engine: " + ", ".join(f"{k}={v}" for k, v in run["bare_engine"].items()))
     return "\n\n".join(lines)
@@ -69,6 +73,10 @@ def markdown(result: dict) -> str:
     parts = [title + f"Mean over seeds {result['seeds']} (ratio range in brackets).\n",
              f"mean lower bound {result['lower_bound_s']:.2f} s, mean balance bound {result['balance_bound_s']:.2f} s\n",
              results_table(result["results"]) + "\n"]
+    if result.get("repeats"):
+        worst = result["repeats"]["worst_seed_median_pct"]
+        parts.append("Worst seed's median paired difference (first policy's makespan against the second's): "
+                     + "; ".join(f"{a} vs {b} {v:+.2f} %" for a, row in worst.items() for b, v in row.items()) + "\n")
     for run in result["per_seed"]:
         parts.append(f"\n## seed {run['seed']}\n\n" + run_summary(run) + "\n\n" + results_table(run["results"]) + "\n")
     return "\n".join(parts)

@@ -192,6 +192,10 @@ def combine(runs: list, seeds: list) -> dict:
         out["results"][name]["ratio_to_lower_bound_range"] = [min(ratios), max(ratios)]
     out.update(profile=first["profile"], bound_note=first["bound_note"], seeds=seeds,
                summary="mean over seeds", per_seed=[{**r, "seed": s} for r, s in zip(runs, seeds)])
+    if all(r.get("repeats") for r in runs):
+        from .repeats import across_seeds
+
+        out["repeats"] = across_seeds([r["repeats"] for r in runs])
     return out
 
 
@@ -204,6 +208,10 @@ def bench(args) -> dict:
     fill_defaults(args)
     policies = parse_policies(args.policies)
     seeds = [int(s) for s in str(args.seeds).split(",")] if args.seeds is not None else [args.seed]
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1 or (repeats > 1 and args.engine != "vllm"):
+        raise ValueError(f"--repeats={repeats}: must be >= 1, and above 1 only with --engine vllm "
+                         "(the simulator is deterministic)")
     if args.engine == "vllm":
         from .vllm_run import bench_vllm
 

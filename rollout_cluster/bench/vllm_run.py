@@ -3,7 +3,8 @@
 The cluster starts once (RolloutClient.start); one small warm-up batch runs first so that
 compilation is not measured; then, per seed and per policy: set_policy, set_trace, run the batch
 and time it in the driver. Each policy gets the same lengths but fresh random prompt ids, so no
-run finds the previous one's prompts in the prefix cache. Bounds come from --profile (a
+run finds the previous one's prompts in the prefix cache. `--repeats N` runs every seed's batch N
+times per policy and reports the median run (bench/repeats.py). Bounds come from --profile (a
 calibrated YAML from `rollout-cluster calibrate`); the output says which.
 
 `--bare-engine` then (after the cluster is down, so nothing competes for the cores) runs the
@@ -112,8 +113,6 @@ def bound_note(args, cfg, cost) -> str:
 
 def bench_vllm(args, policies: list, seeds: list) -> tuple:
     """(bench dict, traces of the first seed). Starts and stops one cluster."""
-    from tqdm import tqdm
-
     from ..driver import RolloutClient
     from .run import combine
 
@@ -124,32 +123,10 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
     note = bound_note(args, cfg, cost)
     print(note)
     client = RolloutClient.start(cfg)
-    runs, traces, batches, step_samples = [], None, [], {}
     try:
-        model = client.status()["model"]
-        vocab = int(model["vocab_size"])
-        client.run_requests(warmup_batch(cfg.replicas, vocab), timeout_s=args.timeout_s)
-        with tqdm(total=len(seeds) * len(policies), desc="bench (vllm)", unit="run") as bar:
-            for seed in seeds:
-                requests, desc = workload(args, seed)
-                check_fits(requests, model)
-                b = bounds(requests, cost, cfg.replicas)
-                run = header("vllm", cfg.replicas, desc, b, cost, note)
-                seed_traces = {}
-                for name in policies:
-                    bar.set_postfix_str(f"seed {seed} {name}")
-                    reqs, _ = workload(args, seed, vocab, ids_salt=f"-{name}")
-                    run["results"][name], seed_traces[name], step_samples[f"seed {seed} {name}"] = run_policy(
-                        client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
-                    bar.update(1)
-                runs.append(run)
-                batches.append(workload(args, seed, vocab, ids_salt="-bare")[0])
-                traces = traces or seed_traces
+        runs, traces, batches, vocab = bench_on_cluster(client, cfg, args, policies, seeds, cost, note)
     finally:
         client.shutdown()
-    if step_samples and getattr(args, "out", None):  # for `calibrate --from-samples`
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "step_samples.json").write_text(json.dumps(step_samples))
     if getattr(args, "bare_engine", False):
         for run, bare in zip(runs, run_bare_engine(cfg, batches, warmup_batch(1, vocab))):
             run["bare_engine"] = bare_summary(bare, run, cfg)
@@ -157,6 +134,52 @@ def bench_vllm(args, policies: list, seeds: list) -> tuple:
     if len(runs) > 1 and runs[0].get("bare_engine"):
         result["bare_engine"] = [r["bare_engine"] for r in runs]
     return result, traces
+
+
+def bench_on_cluster(client, cfg, args, policies: list, seeds: list, cost, note: str) -> tuple:
+    """(runs per seed, traces of the first seed, bare-engine batches, vocab size) on a running
+    cluster. With args.repeats = N > 1, every policy runs each seed's batch N times in rotated
+    order (bench/repeats.py) and a seed's row is the median run."""
+    from tqdm import tqdm
+
+    from .repeats import round_order, summarize_seed
+
+    repeats = int(getattr(args, "repeats", 1) or 1)
+    runs, traces, batches, step_samples = [], None, [], {}
+    model = client.status()["model"]
+    vocab = int(model["vocab_size"])
+    client.run_requests(warmup_batch(cfg.replicas, vocab), timeout_s=args.timeout_s)
+    with tqdm(total=len(seeds) * len(policies) * repeats, desc="bench (vllm)", unit="run") as bar:
+        for seed in seeds:
+            requests, desc = workload(args, seed)
+            check_fits(requests, model)
+            b = bounds(requests, cost, cfg.replicas)
+            run = header("vllm", cfg.replicas, desc, b, cost, note)
+            rows = {name: [] for name in policies}
+            seed_traces = {name: [] for name in policies}
+            for r in range(repeats):
+                for name in round_order(policies, r):
+                    bar.set_postfix_str(f"seed {seed} {name}" + (f" round {r}" if repeats > 1 else ""))
+                    salt = f"-{name}" if repeats == 1 else f"-{name}-r{r}"
+                    reqs, _ = workload(args, seed, vocab, ids_salt=salt)
+                    row, trace, samples = run_policy(client, name, reqs, cfg, b["lower_bound_s"], args.timeout_s)
+                    rows[name].append(row)
+                    seed_traces[name].append(trace)
+                    step_samples[f"seed {seed} {name}" + (f" r{r}" if repeats > 1 else "")] = samples
+                    bar.update(1)
+            if repeats > 1:
+                results, picked, run["repeats"] = summarize_seed(rows)
+                run["results"] = {name: results[name] for name in policies}
+            else:
+                picked = {name: 0 for name in policies}
+                run["results"] = {name: rows[name][0] for name in policies}
+            runs.append(run)
+            batches.append(workload(args, seed, vocab, ids_salt="-bare")[0])
+            traces = traces or {name: seed_traces[name][picked[name]] for name in policies}
+    if step_samples and getattr(args, "out", None):  # for `calibrate --from-samples`
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "step_samples.json").write_text(json.dumps(step_samples))
+    return runs, traces, batches, vocab
 
 
 def bare_summary(bare: dict, run: dict, cfg) -> dict:
