@@ -249,7 +249,7 @@ class RouterCore:
         for p in report.progress:
             self._apply(rep, p, now)
         if report.held is not None:
-            self._reconcile(rep, report.held, now)
+            self._reconcile(rep, report.held, report.aborting, now)
         orders = self.decide(rep.replica_id, now, timer)
         if self.trace is not None:
             self.trace.append((now, rep.replica_id, len(rep.seqs)))
@@ -273,12 +273,17 @@ class RouterCore:
             seq = self.seqs.get(work.seq_id)
             if seq is not None:
                 seq.delivered_pull = rep.pulls
+        for seq_id, _ in orders.give_up:
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.give_up_pull = rep.pulls
         return orders
 
-    def _reconcile(self, rep: ReplicaState, held: list, now: float) -> None:
+    def _reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float) -> None:
         """Work sent in the reply to an earlier pull that the replica does not hold never arrived
         (the reply was lost: the replica applies a reply's orders before it pulls again). It runs
-        again from its last reported tokens, like the work of a dead replica."""
+        again from its last reported tokens, like the work of a dead replica. A give-up sent in such
+        a reply is sent again: the replica holds the attempt and does not list it as aborting."""
         have = {(sid, attempt) for sid, attempt in held}
         lost = [s for s in rep.seqs.values()
                 if 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
@@ -286,6 +291,14 @@ class RouterCore:
             del rep.seqs[seq.seq_id]
             self.counters["lost_orders"] += 1
             self._requeue_after_segment(seq, rep.replica_id, now)
+        aborting = {(sid, attempt) for sid, attempt in aborting}
+        for seq in rep.seqs.values():
+            key = (seq.seq_id, seq.attempt)
+            if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
+                    and key in have and key not in aborting):
+                self.counters["lost_orders"] += 1
+                seq.give_up_pull = -1
+                self.outbox.setdefault(rep.replica_id, Orders()).give_up.append((seq.seq_id, seq.attempt))
 
     def view(self, now: float) -> ClusterView:
         """What the policy sees; a replica without the current weights is not part of it."""

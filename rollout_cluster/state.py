@@ -48,6 +48,7 @@ class SeqState:
     error: Optional[str] = None
     cancelled: bool = False  # the driver gave up on the batch: finish as "abort", never requeue
     delivered_pull: int = -1  # the replica's pull whose reply carried the current attempt's Work
+    give_up_pull: int = -1  # the replica's pull whose reply carried the give-up of the current attempt
 
     @property
     def prompt_len(self) -> int:

@@ -228,6 +228,9 @@ class Report:
     # Every (seq_id, attempt) the engine holds, sent every few seconds (None in between): the
     # router requeues work it sent in a reply the replica never received.
     held: Optional[list] = None
+    # Sent with `held`: the held attempts already told to give up, whose abort is on its way. A
+    # held attempt not in it after a give-up was sent means the give-up never arrived.
+    aborting: list = field(default_factory=list)
 
 
 @dataclass

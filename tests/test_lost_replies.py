@@ -11,8 +11,8 @@ from rollout_cluster.types import EngineStats, ModelInfo, Report, SamplingSpec, 
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
-def report(progress=(), held=None, model=None):
-    return Report("a", "i1", list(progress), EngineStats(), model, 8, held=held)
+def report(progress=(), held=None, model=None, aborting=()):
+    return Report("a", "i1", list(progress), EngineStats(), model, 8, held=held, aborting=list(aborting))
 
 
 def setup(n=2, max_tokens=6):
@@ -93,3 +93,49 @@ def test_the_sim_replica_lists_what_it_holds():
     eng.core.advance()
     eng.drain()
     assert eng.held() == []  # both finished (6 tokens) and reported
+
+
+def test_a_give_up_in_a_lost_reply_is_sent_again_once_the_replica_still_lists_the_attempt():
+    core, bid = setup(n=1, max_tokens=50)
+    (work,) = core.decide("a", 0.0).start
+    key = (work.seq_id, work.attempt)
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [7, 8], offset=0)], held=[key]), 0.1)
+    assert core.cancel(bid, 0.15) == 1
+    assert core.decide("a", 0.2).give_up == [key]  # this reply is lost
+    # the next report, without the list, cannot tell: nothing is resent
+    assert core.on_report(report(), 0.3).give_up == []
+    again = core.on_report(report(held=[key]), 0.4).give_up  # the replica still runs it
+    assert again == [key] and core.counters["lost_orders"] == 1
+    # this time it arrives: the engine lists the attempt as aborting, then reports the abort
+    assert core.on_report(report(held=[key], aborting=[key]), 0.5).give_up == []
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [9], None, "abort", offset=2)], held=[]), 0.6)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and done[0].finish_reason == "abort" and done[0].token_ids == [7, 8, 9]
+    assert core.counters["lost_orders"] == 1
+
+
+def test_a_delivered_give_up_is_not_sent_twice():
+    core, bid = setup(n=1, max_tokens=50)
+    (work,) = core.decide("a", 0.0).start
+    core.cancel(bid, 0.1)
+    (key,) = core.decide("a", 0.2).give_up
+    assert core.on_report(report(held=[key], aborting=[key]), 0.3).give_up == []  # applied, abort on its way
+    # an engine that aborts at once reports the abort with the list that no longer holds it
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [4], None, "abort", offset=0)], held=[]), 0.4)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and done[0].token_ids == [4]
+    assert core.counters["lost_orders"] == 0
+
+
+def test_the_sim_replica_stops_listing_what_it_gives_up():
+    import asyncio
+
+    from rollout_cluster.engines.sim_engine import SimEngine
+
+    core, _ = setup(n=2, max_tokens=50)
+    works = core.decide("a", 0.0).start
+    eng = SimEngine(COST)
+    for w in works:
+        eng.submit(w)
+    asyncio.run(eng.give_up([(works[0].seq_id, works[0].attempt)]))
+    assert eng.held() == [(works[1].seq_id, works[1].attempt)]

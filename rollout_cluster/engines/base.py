@@ -42,6 +42,11 @@ class EngineAdapter(ABC):
     def held(self) -> list:
         """Every (seq_id, attempt) submitted and not yet reported finished."""
 
+    def aborting(self) -> list:
+        """The held attempts already given up whose final report is still to come (an engine
+        whose give_up finishes at once has none)."""
+        return []
+
     async def load_weights(self, path: str) -> None:
         """Replace the model's weights in place with the checkpoint in `path` (same architecture),
         between batches: nothing may be running. Cached KV of the old weights is dropped."""

@@ -173,7 +173,7 @@ class VllmEngine(EngineAdapter):
             self.aborted.discard(key)
 
     async def give_up(self, keys: list) -> None:
-        live = [tuple(k) for k in keys if tuple(k) in self.tasks]
+        live = [tuple(k) for k in keys if tuple(k) in self.tasks and tuple(k) not in self.aborted]
         if not live:
             return
         self.aborted.update(live)
@@ -202,6 +202,9 @@ class VllmEngine(EngineAdapter):
 
     def held(self) -> list:
         return list(self.tasks)
+
+    def aborting(self) -> list:
+        return [k for k in self.tasks if k in self.aborted]
 
     def stats(self) -> EngineStats:
         running = len(self.tasks)

@@ -56,13 +56,13 @@ class EngineReplica:
         while not self.stopping:
             self.unsent += self.engine.drain()
             now = time.monotonic()
-            held = None
+            held, aborting = None, []
             if now - held_t >= HELD_EVERY_S:  # drained and listed together: consistent
-                held, held_t = self.engine.held(), now
+                held, aborting, held_t = self.engine.held(), self.engine.aborting(), now
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
                             self.model if first else None, self.engine.capacity,
                             self.weights_version, self.weights_error, self.weights_error_version,
-                            self.loading[0] if self.loading else 0, self.weights_path, held)
+                            self.loading[0] if self.loading else 0, self.weights_path, held, aborting)
             try:
                 orders = await self.router.pull.remote(report)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
