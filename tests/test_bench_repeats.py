@@ -31,9 +31,9 @@ def test_paired_pct_compares_runs_of_the_same_round():
         paired_pct({"a": [1.0], "b": [1.0, 2.0]})
 
 
-def row(span):
+def row(span, migrations=0):
     return {"makespan_s": span, "ratio_to_lower_bound": span / 10, "tokens_per_s": 1000 / span, "tail_s": 1.0,
-            "utilization": 0.5, "migrations": 0, "reprefill_pct": 0.0, "decision_ms_mean": 0.1,
+            "utilization": 0.5, "migrations": migrations, "reprefill_pct": 0.0, "decision_ms_mean": 0.1,
             "decision_ms_p99": 0.2}
 
 
@@ -44,10 +44,12 @@ def run_of(rows_by_policy):
 
 
 def test_summarize_seed_and_combine_report_the_worst_seed():
-    seed0, picked = run_of({"static": [row(100), row(120), row(110)], "steal": [row(90), row(130), row(95)]})
+    seed0, picked = run_of({"static": [row(100), row(120), row(110)], "steal": [row(90, 2), row(130), row(95, 1)]})
     assert picked == {"static": 2, "steal": 2}
     assert seed0["results"]["static"]["makespan_s"] == 110
     assert seed0["results"]["steal"]["makespans_s"] == [90, 130, 95]
+    assert seed0["results"]["steal"]["migrations_by_round"] == [2, 0, 1]
+    assert seed0["results"]["steal"]["migrations"] == 1  # the median run's
     assert seed0["results"]["steal"]["makespan_spread_pct"] == pytest.approx(100 * 40 / 95, abs=0.01)
     seed1, _ = run_of({"static": [row(50), row(50), row(50)], "steal": [row(52), row(51), row(60)]})
     out = combine([seed0, seed1], [0, 1])
@@ -58,6 +60,7 @@ def test_summarize_seed_and_combine_report_the_worst_seed():
     text = markdown(out)
     assert "steal vs static +4.00 %" in text
     assert "steal 90.00, 130.00, 95.00" in text
+    assert "migrations by round: steal 2, 0, 1" in text
 
 
 def test_across_seeds_keeps_the_largest_median():

@@ -54,7 +54,7 @@ def summarize_seed(rows_by_policy: dict) -> tuple:
         i = median_row(rows)
         picked[name] = i
         spans = [r["makespan_s"] for r in rows]
-        results[name] = {**rows[i], "makespans_s": spans,
+        results[name] = {**rows[i], "makespans_s": spans, "migrations_by_round": [r["migrations"] for r in rows],
                          "makespan_spread_pct": round(100.0 * (max(spans) - min(spans)) / median(spans), 2)}
     spans = {name: [r["makespan_s"] for r in rows] for name, rows in rows_by_policy.items()}
     n = len(next(iter(rows_by_policy.values())))
@@ -78,6 +78,10 @@ def describe(repeats: dict, results: dict) -> list:
     lines = [f"{repeats['rounds']} rounds per policy, rotated order; each row is the median run. Makespans by round: "
              + "; ".join(f"{name} " + ", ".join(f"{s:.2f}" for s in row["makespans_s"])
                          for name, row in results.items() if "makespans_s" in row)]
+    moved = [f"{name} " + ", ".join(str(m) for m in row["migrations_by_round"])
+             for name, row in results.items() if any(row.get("migrations_by_round", []))]
+    if moved:
+        lines.append("migrations by round: " + "; ".join(moved))
     pairs = [f"{a} vs {b}: median {cell['median']:+.2f} % (rounds " + ", ".join(f"{p:+.1f}" for p in cell["per_round"]) + ")"
              for a, row in repeats["paired_pct"].items() for b, cell in row.items()]
     if pairs:
