@@ -47,18 +47,16 @@ def paired_pct(makespans: dict) -> dict:
 
 
 def summarize_seed(rows_by_policy: dict) -> tuple:
-    """(results {policy: median run's row + makespans_s}, index of each median run, repeats dict)
-    from {policy: [row of round 0, 1, ...]}."""
-    results, picked = {}, {}
-    for name, rows in rows_by_policy.items():
-        i = median_row(rows)
-        picked[name] = i
-        spans = [r["makespan_s"] for r in rows]
-        results[name] = {**rows[i], "makespans_s": spans, "migrations_by_round": [r["migrations"] for r in rows],
-                         "makespan_spread_pct": round(100.0 * (max(spans) - min(spans)) / median(spans), 2)}
+    """(results {policy: median run's row + every round's makespan and migrations}, index of each
+    median run, repeats dict) from {policy: [row of round 0, 1, ...]}."""
     spans = {name: [r["makespan_s"] for r in rows] for name, rows in rows_by_policy.items()}
-    n = len(next(iter(rows_by_policy.values())))
-    return results, picked, {"rounds": n, "paired_pct": paired_pct(spans)}
+    picked = {name: median_row(rows) for name, rows in rows_by_policy.items()}
+    results = {name: {**rows[picked[name]], "makespans_s": spans[name],
+                      "migrations_by_round": [r["migrations"] for r in rows],
+                      "makespan_spread_pct": round(100.0 * (max(spans[name]) - min(spans[name])) / median(spans[name]), 2)}
+               for name, rows in rows_by_policy.items()}
+    rounds = len(next(iter(spans.values())))
+    return results, picked, {"rounds": rounds, "paired_pct": paired_pct(spans)}
 
 
 def across_seeds(repeat_summaries: Sequence[dict]) -> dict:
