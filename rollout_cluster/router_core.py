@@ -163,6 +163,9 @@ class RouterCore:
                 self._finish(seq, "abort", now, None)
             elif seq.status is SeqStatus.RUNNING:
                 seq.status = SeqStatus.GIVING_UP
+                rep = self.replicas.get(seq.replica)
+                if rep is not None:
+                    rep.seqs.giving_up(seq)
                 self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
         return len(seqs)
 
@@ -363,6 +366,7 @@ class RouterCore:
             self.counters["reprefill_segments_measured"] += 1
         if p.num_tokens:
             seq.generated += p.num_tokens
+            rep.seqs.progressed(seq)
             self.counters["generated_tokens"] += p.num_tokens
             if self.record_tokens:
                 seq.token_ids.extend(p.token_ids)
@@ -452,6 +456,7 @@ class RouterCore:
                 self.counters["policy_errors"] += 1
                 continue
             seq.status = SeqStatus.GIVING_UP
+            self.replicas[seq.replica].seqs.giving_up(seq)
             self.give_up_t[seq.seq_id] = (now, g.destination)
             self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+from .seq_table import SeqTable
 from .types import EngineStats, SequenceRequest
 
 
@@ -87,7 +88,7 @@ class ReplicaState:
     joined_t: float
     last_pull_t: float
     stats: EngineStats = field(default_factory=EngineStats)
-    seqs: dict = field(default_factory=dict)  # seq_id -> SeqState running (or giving up) here
+    seqs: SeqTable = field(default_factory=SeqTable)  # seq_id -> SeqState running (or giving up) here
     pulls: int = 0
     weights_version: int = 0  # what the replica reports holding
     weights_ordered: Optional[int] = None  # the version a load_weights order is out for

@@ -268,11 +268,16 @@ def test_steal_vectorised_estimate_equals_the_scalar_one():
     from rollout_cluster.policy.estimate import expected_remaining
     from rollout_cluster.policy.steal import StealPolicy
 
-    seqs = [SimpleNamespace(generated=g, max_tokens=m, context_tokens=100 + g, group=None,
+    from rollout_cluster.seq_table import SeqTable
+
+    seqs = [SimpleNamespace(seq_id=f"s{i}", generated=g, max_tokens=m, context_tokens=100 + g, group=None,
                             request=SimpleNamespace(prompt_len=100, sampling=SimpleNamespace(max_tokens=m)))
-            for g, m in [(0, 50), (10, 50), (49, 50), (300, 4000), (3000, 4000), (5, 16384)]]
+            for i, (g, m) in enumerate([(0, 50), (10, 50), (49, 50), (300, 4000), (3000, 4000), (5, 16384)])]
+    table = SeqTable()
+    for s in seqs:
+        table[s.seq_id] = s
     view = SimpleNamespace(groups={})
-    load = StealPolicy(PolicyConfig(name="steal"), COST)._load(view, seqs, typical=200.0)
+    load = StealPolicy(PolicyConfig(name="steal"), COST)._load(view, SimpleNamespace(seqs=table), typical=200.0)
     assert list(load.rem) == [expected_remaining(s, None, 200.0, use_group=False) for s in seqs]
     assert list(load.ctx) == [s.context_tokens for s in seqs]
 

@@ -66,8 +66,11 @@ def take_spread(view: ClusterView, replica_id: str, limit: int) -> list:
 def fair_take(view: ClusterView, replica_id: str) -> int:
     """How much the puller may take: its free slots, but no more than its even share of all
     work (queued + running), so a small batch is not swallowed by the first replica to pull."""
+    queued = len(view.queue)
+    if not queued:  # (reserved continuations are taken whatever the limit)
+        return 0
     rep = view.replicas[replica_id]
-    total = len(view.queue) + view.running
+    total = queued + view.running
     share = -(-total // max(1, len(view.replicas)))
     return max(0, min(rep.free_slots, share - rep.load))
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import PolicyConfig
 from ..engines.cost_model import CostModel
-from ..state import ClusterView, ReplicaState, SeqStatus
+from ..state import ClusterView, ReplicaState
 from .base import Assign, Decision, GiveUp, Policy
 from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array, own_costs
 from .pull import fair_take, take_for, take_spread
@@ -54,7 +54,9 @@ class StealPolicy(Policy):
     def __init__(self, cfg: PolicyConfig, cost: CostModel):
         self.cfg = cfg
         self.cost = cost
-        self.finish_estimate: dict = {}  # replica_id -> (time of estimate, seconds left then)
+        # replica_id -> when its latest estimate expects it to finish (absolute time: the
+        # estimate ages without being touched, and the latest finisher is a plain max)
+        self.finish_at: dict = {}
         self.last_attempt: dict = {}
         self.moves = 0
         self.pending_reprefill = 0.0  # ordered but not yet counted by the router (decays as it counts)
@@ -70,14 +72,19 @@ class StealPolicy(Policy):
             self._typical_t, self._typical_value = view.now, max(float(TYPICAL_LENGTH_FLOOR), median)
         return self._typical_value
 
-    def _load(self, view: ClusterView, seqs: list, typical: float) -> Load:
+    def _load(self, view: ClusterView, rep: ReplicaState, typical: float, starts: list = (),
+              running_only: bool = False) -> Load:
+        """The Load of `rep`'s sequences (plus `starts`, about to join it), from the columns the
+        router keeps up to date (SeqTable): O(batch) numpy work, O(len(starts)) Python work."""
+        seqs, g, prompt, cap = rep.seqs.columns(running_only)
+        if starts:
+            seqs = seqs + list(starts)
+            g = np.concatenate((g, [s.generated for s in starts]))
+            prompt = np.concatenate((prompt, [s.request.prompt_len for s in starts]))
+            cap = np.concatenate((cap, [s.request.sampling.max_tokens for s in starts]))
         if not seqs:
             return Load(np.zeros(0), np.zeros(0), seqs, self.cost)
-        # The hot path: one flat list per column (numpy converts those far faster than tuples).
-        g = np.array([s.generated for s in seqs], dtype=np.float64)
-        reqs = [s.request for s in seqs]
-        ctx = g + np.array([r.prompt_len for r in reqs], dtype=np.float64)
-        cap = np.array([r.sampling.max_tokens for r in reqs], dtype=np.float64)
+        ctx = g + prompt
         if self.cfg.tail_isolation:
             groups = view.groups
             sizes, finished = [], []
@@ -102,9 +109,15 @@ class StealPolicy(Policy):
     def _finish(self, load: Load, scale: float) -> float:
         return load.finish(self.cost, scale)
 
-    def _left(self, rid: str, now: float) -> float:
-        t0, est = self.finish_estimate.get(rid, (now, 0.0))
-        return est - (now - t0)
+    def _latest_other(self, view: ClusterView, replica_id: str):
+        """(replica, its finish time) of the replica other than `replica_id` expected to finish
+        last, among those in the view; (None, -inf) if none has an estimate."""
+        best, best_t = None, float("-inf")
+        replicas = view.replicas
+        for rid, t in self.finish_at.items():
+            if t > best_t and rid != replica_id and rid in replicas:
+                best, best_t = rid, t
+        return best, best_t
 
     # --- decision --------------------------------------------------------------------
     def decide(self, view: ClusterView, replica_id: str) -> Decision:
@@ -124,10 +137,10 @@ class StealPolicy(Policy):
             return decision
         self.last_attempt[replica_id] = now
         typical = self._typical(view)
-        mine = self._load(view, list(rep.seqs.values()) + starts, typical)
+        mine = self._load(view, rep, typical, starts)
         scale_r = self._scale(rep)
         t_r = self._finish(mine, scale_r)
-        self.finish_estimate[replica_id] = (now, t_r)
+        self.finish_at[replica_id] = now + t_r
         free = rep.capacity - rep.load - len(starts)
         if len(view.queue) > len(starts) or free <= 0 or self.cfg.max_moves_per_seq == 0:
             return decision
@@ -137,14 +150,14 @@ class StealPolicy(Policy):
         if allowance <= 0:
             return decision
         # One victim per attempt: the replica expected to finish last.
-        vid = max((rid for rid in view.replicas if rid != replica_id), key=lambda r: self._left(r, now), default=None)
-        if vid is None or self._left(vid, now) <= t_r + self._min_gain(self._left(vid, now)):
+        vid, vid_at = self._latest_other(view, replica_id)
+        if vid is None or vid_at - now <= t_r + self._min_gain(vid_at - now):
             return decision
         victim = view.replicas[vid]
         scale_v = self._scale(victim)
-        theirs = self._load(view, [s for s in victim.seqs.values() if s.status is SeqStatus.RUNNING], typical)
+        theirs = self._load(view, victim, typical, running_only=True)
         t_v = self._finish(theirs, scale_v)
-        self.finish_estimate[vid] = (now, t_v)
+        self.finish_at[vid] = now + t_v
         movable = self._within(self._movable(theirs, now, scale_v, budget + 1), theirs, allowance)
         if not movable:
             return decision
@@ -164,8 +177,8 @@ class StealPolicy(Policy):
         decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
         cost = float(theirs.ctx[moved].sum())
         self.pending_reprefill += cost
-        self.finish_estimate[vid] = (now, t_v_after)
-        self.finish_estimate[replica_id] = (now, t_r_after)  # R's own finish: t_after is the later of the two
+        self.finish_at[vid] = now + t_v_after
+        self.finish_at[replica_id] = now + t_r_after  # R's own finish: t_after is the later of the two
         self.moves += k
         return decision
 
@@ -229,4 +242,4 @@ class StealPolicy(Policy):
         return best_k, best_t, best_v, best_r
 
     def on_replica_removed(self, replica_id: str) -> None:
-        self.finish_estimate.pop(replica_id, None)
+        self.finish_at.pop(replica_id, None)
