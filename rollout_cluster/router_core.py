@@ -74,7 +74,7 @@ class RouterCore:
         # reprefill_segments_measured continuation segments that reported it (vLLM only).
         self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefilled_tokens": 0,
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
-                         "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "lost_orders": 0,
+                         "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
                          "duplicate_reports": 0}
         self.decision_times: list = []
         self.finished_count = 0
@@ -243,6 +243,9 @@ class RouterCore:
 
     # ---- replica side -------------------------------------------------------------------
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
+        known = self.replicas.get(report.replica_id)
+        if report.leaving and (known is None or known.incarnation != report.incarnation):
+            return Orders()  # already declared dead: its work was requeued then
         rep = self._register(report, now)
         self._weights_report(rep, report, now)
         st = report.stats
@@ -251,6 +254,9 @@ class RouterCore:
                             STEP_SAMPLES_KEPT)
         for p in report.progress:
             self._apply(rep, p, now)
+        if report.leaving:
+            self.remove_replica(rep.replica_id, now, leaving=True)
+            return Orders()
         if report.held is not None:
             self._reconcile(rep, report.held, report.aborting, now)
         orders = self.decide(rep.replica_id, now, timer)
@@ -317,12 +323,15 @@ class RouterCore:
             self.remove_replica(rid, now)
         return dead
 
-    def remove_replica(self, replica_id: str, now: float) -> None:
-        """Requeue the replica's sequences from their last reported tokens."""
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False) -> None:
+        """Requeue the replica's sequences from their last reported tokens. `leaving`: it said
+        goodbye (a graceful shutdown) rather than stopped pulling."""
         rep = self.replicas.pop(replica_id, None)
         if rep is None:
             return
-        self.counters["replica_deaths"] += 1
+        self.counters["replica_leaves" if leaving else "replica_deaths"] += 1
+        if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer. A dead
+            self.expected_replicas = max(1, self.expected_replicas - 1)  # one is replaced: no change
         self.outbox.pop(replica_id, None)
         self.weights_errors.pop(replica_id, None)
         for seq in list(rep.seqs.values()):
@@ -343,6 +352,8 @@ class RouterCore:
         if rep is None:
             rep = ReplicaState(report.replica_id, report.incarnation, report.capacity, now, now)
             self.replicas[report.replica_id] = rep
+            # More replicas than expected: the deployment was scaled up (or a replacement came first).
+            self.expected_replicas = max(self.expected_replicas, len(self.replicas))
         if report.model is not None and self.model is None:
             self.model = report.model
         rep.capacity = report.capacity or rep.capacity

@@ -231,6 +231,10 @@ class Report:
     # Sent with `held`: the held attempts already told to give up, whose abort is on its way. A
     # held attempt not in it after a give-up was sent means the give-up never arrived.
     aborting: list = field(default_factory=list)
+    # The replica is shutting down (Serve scales it down or replaces it): it gave up everything it
+    # held and this report carries the final partials. The router requeues its work at once
+    # instead of after router.replica_timeout_s, and sends it nothing more.
+    leaving: bool = False
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """`static`: the SPMD offline baseline. Each batch is split once, contiguously by group, into
 equal shares, one per expected replica; a replica gets its whole share at its first pull, and
-nothing moves afterwards. Work of a replica that dies is re-dispatched like `pull`."""
+nothing moves afterwards. Work of a replica that dies is re-dispatched like `pull`; a share no
+live replica holds (its replica died or left before taking it) goes to the next replica to arrive.
+The number of shares is the router's expected fleet size, which follows the Serve deployment's
+replica count."""
 from __future__ import annotations
 
 from .base import Assign, Decision, Policy
@@ -21,23 +24,39 @@ class StaticPolicy(Policy):
     def __init__(self):
         self.share_of_replica: dict = {}  # replica_id -> share index
         self.assignment: dict = {}  # seq_id -> share index
-        self.next_share = 0
+        self.parts = 0
+
+    def _claim_share(self, replica_id: str, parts: int):
+        """The lowest share index no live replica holds (a replaced or removed replica's share
+        goes to the next one to arrive), or None when every share has a replica."""
+        held = set(self.share_of_replica.values())
+        free = next((i for i in range(parts) if i not in held), None)
+        if free is not None:
+            self.share_of_replica[replica_id] = free
+        return free
 
     def decide(self, view: ClusterView, replica_id: str) -> Decision:
         parts = max(1, view.expected_replicas)
-        unassigned = [s for s in view.queue.fresh.values() if s.seq_id not in self.assignment]
-        if unassigned:
+        fresh = view.queue.fresh
+        unassigned = [s for s in fresh.values() if s.seq_id not in self.assignment]
+        if unassigned or (fresh and parts != self.parts):
+            if parts != self.parts:  # the fleet was resized: everything not started is dealt again
+                self.parts, self.share_of_replica = parts, {}
+                unassigned = list(fresh.values())
+            self.assignment = {sid: i for sid, i in self.assignment.items() if sid in fresh}  # started: forget
             for i, share in enumerate(split_contiguous(unassigned, parts)):
                 for s in share:
                     self.assignment[s.seq_id] = i
-        if replica_id not in self.share_of_replica:
-            self.share_of_replica[replica_id] = self.next_share % parts
-            self.next_share += 1
-        mine = self.share_of_replica[replica_id]
-        out = [s for s in view.queue.fresh.values() if self.assignment.get(s.seq_id) == mine]
+        mine = self.share_of_replica.get(replica_id)
+        if mine is None:
+            mine = self._claim_share(replica_id, self.parts or parts)
+        out = [s for s in view.queue.fresh.values() if self.assignment.get(s.seq_id) == mine] if mine is not None else []
         rep = view.replicas[replica_id]
         # Continuations only exist after a replica failure: re-dispatch them pull-style.
         if view.queue.continuations:
             out += take_for(view, replica_id, max(0, rep.free_slots - len(out)))[: len(view.queue.continuations)]
             out = list({s.seq_id: s for s in out}.values())
         return Decision(assign=[Assign(s, replica_id) for s in out])
+
+    def on_replica_removed(self, replica_id: str) -> None:
+        self.share_of_replica.pop(replica_id, None)

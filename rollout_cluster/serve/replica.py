@@ -21,6 +21,7 @@ from ..types import Report
 
 log = logging.getLogger("ray.serve")
 HELD_EVERY_S = 2.0  # how often a report lists every attempt the engine holds (lost-reply recovery)
+HAND_BACK_S = 10.0  # at shutdown, the most time spent giving the router back what this replica holds
 
 
 def replica_rank() -> int:
@@ -123,5 +124,35 @@ class EngineReplica:
             raise RuntimeError(f"restart needed: {self.broken}")
 
     async def __del__(self):
+        """Serve calls this when it scales the deployment down or replaces the replica: hand the
+        work back (partial tokens included) so that it continues elsewhere at once, then stop."""
         self.stopping = True
+        if getattr(self, "task", None) is not None:
+            try:
+                await asyncio.wait_for(self._hand_back(), HAND_BACK_S)
+            except Exception as e:  # the router requeues it after router.replica_timeout_s instead
+                log.warning("replica %s could not hand its work back (%r)", self.replica_id, e)
         await self.engine.shutdown()
+
+    async def _hand_back(self) -> None:
+        """Stop pulling, give up every sequence, wait for their partials, send them in a last
+        report marked `leaving`."""
+        try:  # the loop ends after the pull in flight (router.pull_wait_s), unless the router is gone
+            await asyncio.wait_for(asyncio.shield(self.task), 2.0)
+        except asyncio.TimeoutError:
+            self.task.cancel()  # its pull's deltas are still in self.unsent; its orders were never applied
+        except Exception:
+            pass  # the loop's error is logged; what it held is still handed back
+        held = self.engine.held()
+        if held:
+            await self.engine.give_up(held)
+        while self.engine.held():
+            self.unsent += self.engine.drain()
+            await asyncio.sleep(0.01)
+        self.unsent += self.engine.drain()
+        report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
+                        self.engine.capacity, self.weights_version, leaving=True)
+        # With nothing to hand back the goodbye only saves the router a timeout; when the whole
+        # application is being deleted the router may be gone already: do not wait long for it.
+        await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S / 2 if report.progress else 1.0)
+        log.info("replica %s handed back %d sequences", self.replica_id, len(held))

@@ -61,6 +61,11 @@ class Router:
         orders = core.on_report(report, now, timer=time.perf_counter)
         if core.finished_count != before:
             self._notify_batches()
+        if report.leaving:  # its work is back in the queue: the others take it now
+            log.info("replica %s left; its sequences were requeued", report.replica_id)
+            self.work_ready.pop(report.replica_id, None)
+            self._wake_all()
+            return orders
         if core.outbox:
             for rid in core.outbox:
                 if rid in self.work_ready:

@@ -1,6 +1,6 @@
-"""A replica dies mid-batch (its actor is killed): every one of its sequences completes
-elsewhere from its last reported tokens. Runs last: the cluster then waits for Serve's
-replacement replica."""
+"""A replica leaves mid-batch, shut down by Serve (it hands its work back with every token) or
+killed (its work continues from its last reported tokens): every sequence completes elsewhere,
+once. The cluster then waits for Serve's replacement replica (the fresh_policy fixture)."""
 import time
 
 import pytest
@@ -17,6 +17,43 @@ def engine_replica_actors():
             if "EngineReplica" in a["name"]]
 
 
+def collect(client, bid, n):
+    results, cursor, done = [None] * n, 0, False
+    deadline = time.monotonic() + 600
+    while not done:
+        assert time.monotonic() < deadline
+        new, cursor, done = client.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=60)
+        for c in new:
+            assert results[c.index] is None  # never twice
+            results[c.index] = c
+    return results
+
+
+def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_policy):
+    """What Serve's controller does to a replica when it scales the deployment down or replaces
+    it: a graceful shutdown, which calls the replica's __del__."""
+    fresh_policy("pull")
+    lengths = [600] * 8 + [300] * 8
+    prompts = [[50 + i, 51, 52] for i in range(len(lengths))]
+    requests = expand(prompts, [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
+    bid = client.submit(requests)
+    time.sleep(1.0)
+    st = client.status()
+    leaving_id = max(st["replicas"], key=lambda r: st["replicas"][r]["running"])
+    assert st["replicas"][leaving_id]["running"] > 0
+    (actor,) = [a for a in engine_replica_actors() if leaving_id in a["name"]]
+    ray.get(ray.get_actor(actor["name"], namespace=actor["namespace"]).perform_graceful_shutdown.remote(), timeout=120)
+    # Back already (router.replica_timeout_s is 8 s here): it said goodbye, it did not go silent.
+    st = client.status()
+    assert leaving_id not in st["replicas"]
+    assert st["counters"]["replica_leaves"] == 1 and st["counters"]["replica_deaths"] == 0
+    results = collect(client, bid, len(requests))
+    assert [len(c.token_ids) for c in results] == lengths
+    assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
+    resumed = [c for c in results if c.replicas[0] == leaving_id]
+    assert resumed and all(len(c.replicas) == 2 for c in resumed)
+
+
 def test_killed_replica_work_completes_elsewhere(client, fresh_policy):
     fresh_policy("pull")
     lengths = [600] * 8 + [300] * 8
@@ -29,14 +66,7 @@ def test_killed_replica_work_completes_elsewhere(client, fresh_policy):
     assert st["replicas"][victim_id]["running"] > 0
     (victim,) = [a for a in engine_replica_actors() if victim_id in a["name"]]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-    results, cursor, done = [None] * len(requests), 0, False
-    deadline = time.monotonic() + 600
-    while not done:
-        assert time.monotonic() < deadline
-        new, cursor, done = client.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=60)
-        for c in new:
-            assert results[c.index] is None  # never twice
-            results[c.index] = c
+    results = collect(client, bid, len(requests))
     assert [len(c.token_ids) for c in results] == lengths
     assert all(len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if victim_id in c.replicas and len(c.replicas) > 1]

@@ -1,0 +1,56 @@
+"""A replica that shuts down gracefully (Serve scales the deployment down or replaces the replica)
+gives up what it holds and says goodbye: its sequences continue elsewhere at once, from every
+token it produced, instead of after router.replica_timeout_s from the last report."""
+from rollout_cluster.config import PolicyConfig
+from rollout_cluster.engines.cost_model import load_profile
+from rollout_cluster.policy import make_policy
+from rollout_cluster.router_core import RouterCore
+from rollout_cluster.types import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+
+COST = load_profile("h200-1.5b", max_num_seqs=8)
+
+
+def report(rid, progress=(), model=None, leaving=False):
+    return Report(rid, f"{rid}-1", list(progress), EngineStats(), model, 8, leaving=leaving)
+
+
+def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2, replica_timeout_s=60.0)
+    core.on_report(report("a", model=ModelInfo(100, 64)), 0.0)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), i, 0) for i in range(2)], 0.0)
+    works = core.decide("a", 0.0).start
+    assert len(works) == 2
+    first, second = works
+    core.on_report(report("a", [SeqProgress(first.seq_id, first.attempt, [7], offset=0)]), 0.1)
+    # shutting down: it gave both up; the final report has every token since the last one
+    final = [SeqProgress(first.seq_id, first.attempt, [8, 9], None, "abort", offset=1),
+             SeqProgress(second.seq_id, second.attempt, [5], None, "abort", offset=0)]
+    orders = core.on_report(report("a", final, leaving=True), 0.2)
+    assert not orders.start and "a" not in core.replicas
+    assert core.counters["replica_leaves"] == 1 and core.counters["replica_deaths"] == 0
+    assert core.counters["migrations"] == 0  # a hand-back is not a policy's move
+    # another replica takes both at once, each with its partial output as part of the prompt
+    again = {w.seq_id: w for w in core.on_report(report("b"), 0.3).start}  # b's first pull
+    assert again[first.seq_id].prompt_token_ids == [1, 2, 7, 8, 9] and again[first.seq_id].sampling.max_tokens == 3
+    assert again[second.seq_id].prompt_token_ids == [1, 2, 5] and again[second.seq_id].sampling.max_tokens == 5
+    core.on_report(report("b", [SeqProgress(first.seq_id, again[first.seq_id].attempt, [1, 1, 1], None, "length"),
+                                SeqProgress(second.seq_id, again[second.seq_id].attempt, [2] * 5, None, "length")]), 0.4)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and sorted(c.token_ids for c in done) == [[5, 2, 2, 2, 2, 2], [7, 8, 9, 1, 1, 1]]
+    assert {tuple(c.replicas) for c in done} == {("a", "b")}
+
+
+def test_work_a_leaving_replica_did_not_report_is_requeued_from_its_last_tokens():
+    """A final report that misses a sequence (its abort did not finish in time) loses nothing
+    already reported: the sequence is requeued as for a dead replica, but at once."""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=1, replica_timeout_s=60.0)
+    core.on_report(report("a", model=ModelInfo(100, 64)), 0.0)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4), 0, 0)], 0.0)
+    (work,) = core.decide("a", 0.0).start
+    core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [7, 8], offset=0)]), 0.1)
+    core.on_report(report("a", leaving=True), 0.2)
+    assert len(core.queue) == 1 and core.counters["replica_leaves"] == 1
+    (again,) = core.on_report(report("b"), 0.3).start
+    assert again.prompt_token_ids == [1, 2, 7, 8]
+    core.on_report(report("b", [SeqProgress(work.seq_id, again.attempt, [3, 4], None, "length")]), 0.4)
+    assert core.fetch(bid, 0)[0][0].token_ids == [7, 8, 3, 4]
