@@ -39,6 +39,9 @@ class SamplingSpec:
     repetition_penalty: float = 1.0  # counts prompt+output: exact across migration
     presence_penalty: float = 0.0  # counts output only: pins the sequence
     frequency_penalty: float = 0.0  # counts output only: pins the sequence
+    # vLLM's prefix-cache namespace: a request reuses cached KV only from requests with the same
+    # salt (tenants that must not share a cache; a run that must not reuse earlier KV)
+    cache_salt: Optional[str] = None
 
     def validate(self) -> None:
         def is_int(v):
@@ -69,6 +72,8 @@ class SamplingSpec:
                 raise InputError(name, getattr(self, name), "must be a number")
         if self.repetition_penalty <= 0:
             raise InputError("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InputError("cache_salt", self.cache_salt, "must be null or a non-empty string")
 
     @property
     def migratable(self) -> bool:

