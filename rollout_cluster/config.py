@@ -40,6 +40,7 @@ class EngineConfig:
     cpu_bind_cores: bool = True  # pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)
     sim_profile: str = "a100-80g-7b"  # kind=sim: built-in profile name or YAML file
     sim_vocab_size: int = 32000
+    sim_time_scale: float = 1.0  # kind=sim: wall seconds per modelled second (>1: slower than modelled, less host CPU a second)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class ClusterConfig:
             ("engine.max_num_seqs", self.engine.max_num_seqs >= 1, "must be >= 1"),
             ("engine.max_num_batched_tokens", self.engine.max_num_batched_tokens >= 1, "must be >= 1"),
             ("engine.stream_interval", self.engine.stream_interval >= 1, "must be >= 1"),
+            ("engine.sim_time_scale", self.engine.sim_time_scale > 0, "must be > 0"),
             ("engine.niceness", self.engine.niceness is None or -20 <= self.engine.niceness <= 19,
              "must be null or in [-20, 19]"),
             ("router.niceness", self.router.niceness is None or -20 <= self.router.niceness <= 19,

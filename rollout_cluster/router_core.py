@@ -8,6 +8,7 @@ replicas dead). Migration semantics: docs/semantics.md.
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -149,7 +150,7 @@ class RouterCore:
         batch = self.batches.get(batch_id)
         if batch is None:
             raise KeyError(f"batch_id={batch_id!r}: unknown batch (finished and collected, or never submitted)")
-        new = [batch.results[i] for i in batch.order[cursor:]]
+        new = [batch.results[i].with_lists() for i in batch.order[cursor:]]
         return new, len(batch.order), len(batch.order) == batch.size
 
     def cancel(self, batch_id: str, now: float) -> int:
@@ -383,7 +384,7 @@ class RouterCore:
                 seq.token_ids.extend(p.token_ids)
                 if p.logprobs is not None:
                     if seq.logprobs is None:
-                        seq.logprobs = []
+                        seq.logprobs = array("d")
                     seq.logprobs.extend(p.logprobs)
         reason = p.finish_reason
         if reason is None:
@@ -485,7 +486,7 @@ class RouterCore:
         if req.hidden_length is not None:
             left = max(1, req.hidden_length - seq.generated)
             stop_after = left if stop_after is None else min(stop_after, left)
-        prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids
+        prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids.tolist()
         work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
                     prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len)
         self.replicas[replica_id].seqs[seq.seq_id] = seq

@@ -133,6 +133,17 @@ class Completion:
     finish_time_s: float = 0.0  # seconds from the batch's submission to this sequence's end
     weights_version: int = 0  # the weights every segment ran with (RolloutClient.update_weights)
 
+    def with_lists(self) -> "Completion":
+        """This completion with plain lists: the router keeps finished tokens in compact arrays
+        until they are fetched."""
+        if isinstance(self.token_ids, list) and (self.logprobs is None or isinstance(self.logprobs, list)):
+            return self
+        def as_list(v):
+            return v if isinstance(v, list) else v.tolist() if hasattr(v, "tolist") else list(v)
+
+        return replace(self, token_ids=as_list(self.token_ids),
+                       logprobs=None if self.logprobs is None else as_list(self.logprobs))
+
     def to_json(self) -> dict:
         return {
             "prompt_index": self.prompt_index,

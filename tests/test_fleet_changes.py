@@ -92,3 +92,53 @@ def test_static_shares_follow_a_scale_up():
     assert fleet.core.expected_replicas == 3
     used = fleet.run_batch(["a", "b", "c"])
     assert sorted(list(used.values()).count(r) for r in ("a", "b", "c")) == [4, 4, 4]
+
+
+def test_a_sim_engine_slowed_down_reports_wall_time_steps():
+    """engine.sim_time_scale: the modelled step is stretched in wall time, and the step time the
+    replica reports (which the steal policy compares with its cost model) is the wall time."""
+    import asyncio
+
+    from rollout_cluster.config import ClusterConfig, EngineConfig
+    from rollout_cluster.engines.factory import make_engine
+    from rollout_cluster.types import Work
+
+    async def step_times(scale):
+        cfg = ClusterConfig(engine=EngineConfig(kind="sim", sim_profile="h200-1.5b", max_num_seqs=8,
+                                                sim_time_scale=scale)).validate()
+        eng = make_engine(cfg)
+        await eng.start()
+        eng.submit(Work("s", 1, [1] * 40, SamplingSpec(max_tokens=10_000), None, prompt_len=40))
+        eng.core.advance(max_steps=3)
+        out = (eng.core.last_step_s, eng.stats().step_time_s)
+        await eng.shutdown()
+        return out
+
+    modelled, reported = asyncio.run(step_times(3.0))
+    assert modelled > 0 and reported == pytest.approx(3.0 * modelled)
+    modelled, reported = asyncio.run(step_times(1.0))
+    assert reported == pytest.approx(modelled)
+
+
+def test_a_sim_engine_held_off_the_cpu_catches_up_with_the_wall_clock():
+    """A replica process descheduled for a while (32 replicas on a 2-core host) must not fall
+    behind for good: the real-time sim engine runs the steps it owes when it gets the CPU back."""
+    import asyncio
+    import time
+
+    from rollout_cluster.engines.sim_engine import SimEngine
+    from rollout_cluster.types import Work
+
+    async def modelled_after_a_stall():
+        eng = SimEngine(load_profile("h200-1.5b", max_num_seqs=8))
+        await eng.start()
+        eng.submit(Work("s", 1, [1] * 40, SamplingSpec(max_tokens=1_000_000), None, prompt_len=40))
+        await asyncio.sleep(0.05)
+        time.sleep(0.4)  # the whole process off the CPU: the engine's loop cannot run
+        await asyncio.sleep(0.05)
+        out = eng.modelled_s
+        await eng.shutdown()
+        return out
+
+    # 0.5 s of wall time passed; without catching up only the 0.1 s of awake time would be modelled
+    assert asyncio.run(modelled_after_a_stall()) >= 0.4

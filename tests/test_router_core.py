@@ -314,3 +314,25 @@ def test_step_time_reports_are_kept_only_while_tracing():
     core.on_report(Report("a", "i1", [], EngineStats(running=0, context_tokens=0, seq_tokens_per_s=50.0), None, 8), 3.0)
     core.on_report(Report("a", "i1", [], EngineStats(running=3, context_tokens=700, seq_tokens_per_s=0.0), None, 8), 4.0)
     assert core.step_samples == [(4, 900, 0.02)]  # idle and unmeasured reports carry no sample
+
+
+def test_router_keeps_tokens_in_compact_arrays_and_hands_out_lists():
+    """The router holds every token of a batch until it is fetched: 4 bytes an id and 8 a logprob
+    (arrays), not a Python object each. Drivers still get plain lists."""
+    from array import array
+
+    core = _core()
+    _register(core, "a")
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4, logprobs=0), 0, 0)], 0.0)
+    (w,) = core.decide("a", 0.0).start
+    core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, w.attempt, [5, 6], [-0.5, -0.25], None, offset=0)],
+                          EngineStats(), None, 8), 0.1)
+    seq = core.seqs[w.seq_id]
+    assert isinstance(seq.token_ids, array) and seq.token_ids.itemsize == 4
+    assert isinstance(seq.logprobs, array) and seq.logprobs.typecode == "d"
+    core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, w.attempt, [7, 8], [-1.0, -2.0], "length", offset=2)],
+                          EngineStats(), None, 8), 0.2)
+    assert isinstance(core.batches[bid].results[0].token_ids, array)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and type(done[0].token_ids) is list and type(done[0].logprobs) is list
+    assert done[0].token_ids == [5, 6, 7, 8] and done[0].logprobs == [-0.5, -0.25, -1.0, -2.0]

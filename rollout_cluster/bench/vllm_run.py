@@ -73,6 +73,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     params = {k: v for k, v in dataclasses.asdict(cfg.policy).items() if k != "name"}
     client.set_policy(name, **params)
     client.set_trace(True)
+    before = client.status()
     t0 = time.monotonic()
     completions = client.run_requests(requests, timeout_s=timeout_s)
     makespan = time.monotonic() - t0
@@ -97,6 +98,13 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     row[PREFILLED] = (round(100.0 * counters.get("reprefilled_tokens", 0) / generated, 3)
                       if generated and (measured or not reprefill) else None)
     row["median_finish_s"] = round(percentile([c.finish_time_s for c in completions], 0.5), 4)
+    row["router_rss_peak_mb"] = status.get("router_rss_peak_mb")  # over the router's life: this run and those before
+    # The router's CPU: the share of one core it used during the batch, and pulls it answered a second.
+    if "router_cpu_s" in status and "router_cpu_s" in before and makespan > 0:
+        row["router_cpu_share"] = round((status["router_cpu_s"] - before["router_cpu_s"]) / makespan, 4)
+    was = before["replicas"]
+    pulls = sum(r["pulls"] - (was[rid]["pulls"] if rid in was else 0) for rid, r in status["replicas"].items())
+    row["pulls_per_s"] = round(pulls / makespan, 1) if makespan > 0 else 0.0
     if counters["generated_tokens"] != generated:
         row["router_generated_tokens"] = counters["generated_tokens"]  # a disagreement worth seeing
     return row, trace, samples

@@ -11,7 +11,8 @@ def make_engine(cfg: ClusterConfig, rank: int = 0) -> EngineAdapter:
     if e.kind == "sim":
         from .sim_engine import SimEngine
 
-        return SimEngine(load_profile(cfg.profile_path(), e.max_num_seqs), e.sim_vocab_size, e.max_model_len)
+        return SimEngine(load_profile(cfg.profile_path(), e.max_num_seqs), e.sim_vocab_size, e.max_model_len,
+                         e.sim_time_scale)
     from .vllm_engine import VllmEngine
 
     return VllmEngine(e, cfg.model_path(), rank)

@@ -21,22 +21,30 @@ class SimEngine(EngineAdapter):
         self.core = SimEngineCore(cost, vocab_size)
         self.capacity = cost.max_num_seqs
         self.info = ModelInfo(vocab_size, max_model_len, f"sim:{cost.name}")
-        self.time_scale = time_scale  # <1 runs faster than modelled time
+        self.time_scale = time_scale  # wall seconds per modelled second (<1: faster than modelled); step times are reported in wall seconds
         self._wake = asyncio.Event()
         self._task = None
-        self._slept = 0.0
+        self.modelled_s = 0.0  # modelled seconds of the current busy period
 
     async def start(self) -> ModelInfo:
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self.info
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        origin, self.modelled_s = loop.time(), 0.0  # wall time at modelled 0 of this busy period
         while True:
             if not self.core.busy:
                 self._wake.clear()
                 await self._wake.wait()
-            dt = self.core.advance(limit_s=MAX_REAL_STEP_S / self.time_scale)
-            await asyncio.sleep(dt * self.time_scale)
+                origin, self.modelled_s = loop.time(), 0.0
+            # Keep the modelled clock on the wall clock: a replica that was descheduled (a loaded
+            # host) or slowed by its own pulls runs the steps it owes at once, instead of adding
+            # every late wake-up to the batch's makespan.
+            behind = (loop.time() - origin) / self.time_scale - self.modelled_s
+            self.modelled_s += self.core.advance(limit_s=max(0.0, behind) + MAX_REAL_STEP_S / self.time_scale)
+            ahead = origin + self.modelled_s * self.time_scale - loop.time()
+            await asyncio.sleep(max(0.0, ahead))
 
     def submit(self, work: Work) -> None:
         self.core.submit(work)
@@ -55,7 +63,7 @@ class SimEngine(EngineAdapter):
     def stats(self) -> EngineStats:
         c = self.core
         return EngineStats(running=len(c.running), waiting=len(c.waiting), context_tokens=c.context,
-                           kv_usage=c.context / c.cost.kv_tokens, step_time_s=c.last_step_s)
+                           kv_usage=c.context / c.cost.kv_tokens, step_time_s=c.last_step_s * self.time_scale)
 
     async def load_weights(self, path: str) -> None:
         """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""

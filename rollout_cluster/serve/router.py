@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 
 from ray import serve
@@ -140,6 +141,9 @@ class Router:
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
             "weights": c.weights_status(),
             "expected_replicas": c.expected_replicas,
+            # the router process's peak resident memory (it holds every token of its live batches)
+            "router_rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "router_cpu_s": time.process_time(),  # CPU seconds of the router's process so far
         }
 
     async def set_trace(self, on: bool = True) -> None:

@@ -127,7 +127,7 @@ class Simulation:
                 self._advance(rid, nxt)
                 nxt = max(self.clock[rid], now + 1e-6)
             heapq.heappush(heap, (nxt, rid))
-        completions = batch.results
+        completions = [None if c is None else c.with_lists() for c in batch.results]
         return SimResult(makespan_s=max(finish_times, default=0.0), completions=completions,
                          counters=dict(core.counters), decision_times_s=core.decision_times,
                          trace=trace, finish_times=finish_times, busy_s=dict(self.busy),
