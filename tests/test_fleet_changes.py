@@ -58,12 +58,18 @@ def test_expected_fleet_size_follows_joins_and_leaves_not_deaths():
     assert fleet.core.expected_replicas == 2 and fleet.core.counters["replica_leaves"] == 1
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_replaced_replica_does_not_strand_the_next_batch(policy):
+def fleet_after_a_batch(policy: str) -> Fleet:
+    """Replicas a and b (the configured 2) that have run one batch."""
     fleet = Fleet(policy, expected=2)
     for rid in ("a", "b"):
         fleet.pull(rid)
     fleet.run_batch(["a", "b"])
+    return fleet
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_replaced_replica_does_not_strand_the_next_batch(policy):
+    fleet = fleet_after_a_batch(policy)
     fleet.core.remove_replica("b", fleet.now)  # b died; Serve starts c in its place
     fleet.pull("c")
     used = fleet.run_batch(["a", "c"])
@@ -73,10 +79,7 @@ def test_a_replaced_replica_does_not_strand_the_next_batch(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_scaled_down_fleet_splits_the_next_batch_over_the_replicas_left(policy):
-    fleet = Fleet(policy, expected=2)
-    for rid in ("a", "b"):
-        fleet.pull(rid)
-    fleet.run_batch(["a", "b"])
+    fleet = fleet_after_a_batch(policy)
     fleet.pull("b", leaving=True)  # Serve stopped b (scale-down): it said goodbye
     assert fleet.core.expected_replicas == 1
     used = fleet.run_batch(["a"])
@@ -84,10 +87,7 @@ def test_a_scaled_down_fleet_splits_the_next_batch_over_the_replicas_left(policy
 
 
 def test_static_shares_follow_a_scale_up():
-    fleet = Fleet("static", expected=2)
-    for rid in ("a", "b"):
-        fleet.pull(rid)
-    fleet.run_batch(["a", "b"])
+    fleet = fleet_after_a_batch("static")
     fleet.pull("c")  # the deployment was scaled up
     assert fleet.core.expected_replicas == 3
     used = fleet.run_batch(["a", "b", "c"])

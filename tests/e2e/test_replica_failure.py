@@ -29,25 +29,32 @@ def collect(client, bid, n):
     return results
 
 
-def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_policy):
-    """What Serve's controller does to a replica when it scales the deployment down or replaces
-    it: a graceful shutdown, which calls the replica's __del__."""
-    fresh_policy("pull")
+def batch_and_busiest_replica(client, first_token: int) -> tuple:
+    """(batch id, lengths, busiest replica's id, its actor): a batch of long sequences submitted
+    and running on both replicas for a second."""
     lengths = [600] * 8 + [300] * 8
-    prompts = [[50 + i, 51, 52] for i in range(len(lengths))]
+    prompts = [[first_token + i, 51, 52] for i in range(len(lengths))]
     requests = expand(prompts, [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
     bid = client.submit(requests)
     time.sleep(1.0)
     st = client.status()
-    leaving_id = max(st["replicas"], key=lambda r: st["replicas"][r]["running"])
-    assert st["replicas"][leaving_id]["running"] > 0
-    (actor,) = [a for a in engine_replica_actors() if leaving_id in a["name"]]
-    ray.get(ray.get_actor(actor["name"], namespace=actor["namespace"]).perform_graceful_shutdown.remote(), timeout=120)
+    rid = max(st["replicas"], key=lambda r: st["replicas"][r]["running"])
+    assert st["replicas"][rid]["running"] > 0
+    (actor,) = [a for a in engine_replica_actors() if rid in a["name"]]
+    return bid, lengths, rid, ray.get_actor(actor["name"], namespace=actor["namespace"])
+
+
+def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_policy):
+    """What Serve's controller does to a replica when it scales the deployment down or replaces
+    it: a graceful shutdown, which calls the replica's __del__."""
+    fresh_policy("pull")
+    bid, lengths, leaving_id, actor = batch_and_busiest_replica(client, 50)
+    ray.get(actor.perform_graceful_shutdown.remote(), timeout=120)
     # Back already (router.replica_timeout_s is 8 s here): it said goodbye, it did not go silent.
     st = client.status()
     assert leaving_id not in st["replicas"]
     assert st["counters"]["replica_leaves"] == 1 and st["counters"]["replica_deaths"] == 0
-    results = collect(client, bid, len(requests))
+    results = collect(client, bid, len(lengths))
     assert [len(c.token_ids) for c in results] == lengths
     assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if c.replicas[0] == leaving_id]
@@ -56,17 +63,9 @@ def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_po
 
 def test_killed_replica_work_completes_elsewhere(client, fresh_policy):
     fresh_policy("pull")
-    lengths = [600] * 8 + [300] * 8
-    prompts = [[30 + i, 31, 32] for i in range(len(lengths))]
-    requests = expand(prompts, [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
-    bid = client.submit(requests)
-    time.sleep(1.0)
-    st = client.status()
-    victim_id = max(st["replicas"], key=lambda r: st["replicas"][r]["running"])
-    assert st["replicas"][victim_id]["running"] > 0
-    (victim,) = [a for a in engine_replica_actors() if victim_id in a["name"]]
-    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-    results = collect(client, bid, len(requests))
+    bid, lengths, victim_id, victim = batch_and_busiest_replica(client, 30)
+    ray.kill(victim, no_restart=True)
+    results = collect(client, bid, len(lengths))
     assert [len(c.token_ids) for c in results] == lengths
     assert all(len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if victim_id in c.replicas and len(c.replicas) > 1]
