@@ -142,3 +142,19 @@ def test_a_sim_engine_held_off_the_cpu_catches_up_with_the_wall_clock():
 
     # 0.5 s of wall time passed; without catching up only the 0.1 s of awake time would be modelled
     assert asyncio.run(modelled_after_a_stall()) >= 0.4
+
+
+def test_static_runs_a_share_whose_replica_never_comes_after_a_while():
+    """The expected fleet can stay above the live one (a replacement joined before the dead
+    replica timed out): a share nobody claims is run by a replica that finished its own."""
+    fleet = Fleet("static", expected=2)
+    fleet.pull("a")
+    bid = fleet.core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=3), i // 2, i % 2) for i in range(8)],
+                            fleet.now)
+    assert len(fleet.pull("a")) == 4  # its share; the other waits for a second replica
+    assert fleet.pull("a") == []  # finished its own; the other share has not waited long enough
+    fleet.now += 31.0
+    assert len(fleet.pull("a")) == 4  # nobody came: it runs the other share
+    fleet.pull("a")
+    done, _, finished = fleet.core.fetch(bid, 0)
+    assert finished and len(done) == 8

@@ -1,9 +1,9 @@
 """`static`: the SPMD offline baseline. Each batch is split once, contiguously by group, into
 equal shares, one per expected replica; a replica gets its whole share at its first pull, and
 nothing moves afterwards. Work of a replica that dies is re-dispatched like `pull`; a share no
-live replica holds (its replica died or left before taking it) goes to the next replica to arrive.
-The number of shares is the router's expected fleet size, which follows the Serve deployment's
-replica count."""
+live replica holds (its replica died or left before taking it) goes to the next replica to arrive,
+or after ORPHAN_SHARE_S to a replica that finished its own. The number of shares is the router's
+expected fleet size, which follows replicas joining and leaving."""
 from __future__ import annotations
 
 from .base import Assign, Decision, Policy
@@ -16,6 +16,9 @@ def split_contiguous(seqs: list, parts: int) -> list:
     n = len(seqs)
     bounds = [round(i * n / parts) for i in range(parts + 1)]
     return [seqs[bounds[i]:bounds[i + 1]] for i in range(parts)]
+
+
+ORPHAN_SHARE_S = 30.0  # a share no live replica holds, queued this long, goes to one that finished its own
 
 
 class StaticPolicy(Policy):
@@ -50,13 +53,27 @@ class StaticPolicy(Policy):
         mine = self.share_of_replica.get(replica_id)
         if mine is None:
             mine = self._claim_share(replica_id, self.parts or parts)
-        out = [s for s in view.queue.fresh.values() if self.assignment.get(s.seq_id) == mine] if mine is not None else []
+        out = [s for s in fresh.values() if self.assignment.get(s.seq_id) == mine] if mine is not None else []
+        if not out and fresh:
+            out = self._orphan_share(view)
         rep = view.replicas[replica_id]
         # Continuations only exist after a replica failure: re-dispatch them pull-style.
         if view.queue.continuations:
             out += take_for(view, replica_id, max(0, rep.free_slots - len(out)))[: len(view.queue.continuations)]
             out = list({s.seq_id: s for s in out}.values())
         return Decision(assign=[Assign(s, replica_id) for s in out])
+
+    def _orphan_share(self, view: ClusterView) -> list:
+        """The queued work of a share that no live replica holds, once it has waited
+        ORPHAN_SHARE_S: its replica died or left and none came in its place (the expected fleet
+        size can stay above the live fleet, for one, when a replacement joined before the dead
+        replica timed out). SPMD would wait for ever; this waits a while, then runs it."""
+        held = set(self.share_of_replica.values())
+        for s in view.queue.fresh.values():
+            i = self.assignment.get(s.seq_id)
+            if i is not None and i not in held and view.now - s.submitted_t >= ORPHAN_SHARE_S:
+                return [t for t in view.queue.fresh.values() if self.assignment.get(t.seq_id) == i]
+        return []
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.share_of_replica.pop(replica_id, None)
