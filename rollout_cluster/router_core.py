@@ -21,6 +21,7 @@ from .types import Completion, InputError, Migration, ModelInfo, Orders, Report,
 STEP_SAMPLES_KEPT = 100_000
 DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
+DEPARTED_KEPT = 4096  # replicas remembered as gone after their goodbye
 
 
 def _append_bounded(values: list, value, keep: int) -> None:
@@ -58,6 +59,8 @@ class RouterCore:
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False):
         self.policy = policy
         self.expected_replicas = expected_replicas
+        self.surplus_joins = 0  # joins that raised expected_replicas since the last death or leave
+        self.departed: dict = {}  # (replica_id, incarnation) of replicas that said goodbye (bounded, in order)
         self.replica_timeout_s = replica_timeout_s
         self.metrics = metrics or RouterMetrics()
         self.record_tokens = record_tokens
@@ -247,6 +250,8 @@ class RouterCore:
         known = self.replicas.get(report.replica_id)
         if report.leaving and (known is None or known.incarnation != report.incarnation):
             return Orders()  # already declared dead: its work was requeued then
+        if (report.replica_id, report.incarnation) in self.departed:
+            return Orders()  # a late pull of a replica that said goodbye: not a new replica
         rep = self._register(report, now)
         self._weights_report(rep, report, now)
         st = report.stats
@@ -331,8 +336,17 @@ class RouterCore:
         if rep is None:
             return
         self.counters["replica_leaves" if leaving else "replica_deaths"] += 1
-        if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer. A dead
-            self.expected_replicas = max(1, self.expected_replicas - 1)  # one is replaced: no change
+        if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer
+            self.expected_replicas = max(1, self.expected_replicas - 1)
+            self.surplus_joins = max(0, self.surplus_joins - 1)
+            self.departed[(replica_id, rep.incarnation)] = None
+            while len(self.departed) > DEPARTED_KEPT:
+                self.departed.pop(next(iter(self.departed)))
+        elif self.surplus_joins > 0:
+            # A dead replica is replaced, so its death alone changes nothing; but if its
+            # replacement already joined (and raised the count), the count is one too high now.
+            self.surplus_joins -= 1
+            self.expected_replicas = max(1, self.expected_replicas - 1)
         self.outbox.pop(replica_id, None)
         self.weights_errors.pop(replica_id, None)
         for seq in list(rep.seqs.values()):
@@ -353,8 +367,11 @@ class RouterCore:
         if rep is None:
             rep = ReplicaState(report.replica_id, report.incarnation, report.capacity, now, now)
             self.replicas[report.replica_id] = rep
-            # More replicas than expected: the deployment was scaled up (or a replacement came first).
-            self.expected_replicas = max(self.expected_replicas, len(self.replicas))
+            # More replicas than expected: the deployment was scaled up, or a replacement came
+            # before its dead predecessor timed out (the next death takes that back).
+            if len(self.replicas) > self.expected_replicas:
+                self.expected_replicas = len(self.replicas)
+                self.surplus_joins += 1
         if report.model is not None and self.model is None:
             self.model = report.model
         rep.capacity = report.capacity or rep.capacity

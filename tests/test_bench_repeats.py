@@ -76,3 +76,15 @@ def test_repeats_refused_on_the_simulator(tmp_path):
         main(["bench", "--engine", "sim", "--repeats", "3", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--repeats=0"):
         main(["bench", "--engine", "vllm", "--repeats", "0", "--out", str(tmp_path)])
+
+
+def test_a_cluster_of_simulated_replicas_says_so_in_the_report():
+    from rollout_cluster.bench.report import run_summary
+    from rollout_cluster.bench.run import combine
+
+    run = {"engine": "vllm", "replica_engine": "sim", "replicas": 32, "sequences": 8, "generated_tokens": 9,
+           "lower_bound_s": 1.0, "balance_bound_s": 2.0, "results": {}, "profile": "h200-1.5b", "bound_note": "",
+           "workload": {}}
+    assert "replicas host simulated engines" in run_summary(run)
+    assert "simulated" not in run_summary({**run, "replica_engine": "vllm"})
+    assert combine([run, dict(run)], [0, 1])["replica_engine"] == "sim"

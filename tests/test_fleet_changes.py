@@ -20,11 +20,13 @@ class Fleet:
                                replica_timeout_s=60.0)
         self.held = {}  # replica -> works
         self.now = 0.0
+        self.weights = {}  # replica -> the weights version it reports (0 unless set)
 
     def pull(self, rid, leaving=False):
         self.now += 0.1
         done = [SeqProgress(w.seq_id, w.attempt, [4, 5, 6], None, "length") for w in self.held.pop(rid, [])]
-        report = Report(rid, f"{rid}-1", done, EngineStats(), ModelInfo(100, 64), 32, leaving=leaving)
+        report = Report(rid, f"{rid}-1", done, EngineStats(), ModelInfo(100, 64), 32,
+                        weights_version=self.weights.get(rid, 0), leaving=leaving)
         self.held[rid] = list(self.core.on_report(report, self.now).start)
         return self.held[rid]
 
@@ -50,12 +52,50 @@ def test_expected_fleet_size_follows_joins_and_leaves_not_deaths():
     for rid in ("b", "c"):
         fleet.pull(rid)
     assert fleet.core.expected_replicas == 3
-    fleet.core.remove_replica("c", fleet.now)  # died: Serve replaces it
+    fleet.pull("d")
+    assert fleet.core.expected_replicas == 4
+    fleet.core.remove_replica("d", fleet.now)  # a death takes back a join that raised the count
     assert fleet.core.expected_replicas == 3
-    fleet.pull("b", leaving=True)
-    assert fleet.core.expected_replicas == 2 and set(fleet.core.replicas) == {"a"}
-    fleet.pull("b", leaving=True)  # a goodbye said twice (or by a replica already declared dead)
-    assert fleet.core.expected_replicas == 2 and fleet.core.counters["replica_leaves"] == 1
+    fleet.pull("d2")  # ...and its replacement puts it back
+    assert fleet.core.expected_replicas == 4
+    fleet.pull("d2", leaving=True)
+    assert fleet.core.expected_replicas == 3 and set(fleet.core.replicas) == {"a", "b", "c"}
+    fleet.pull("d2", leaving=True)  # a goodbye said twice (or by a replica already declared dead)
+    assert fleet.core.expected_replicas == 3 and fleet.core.counters["replica_leaves"] == 1
+    fleet.pull("d2")  # a late pull of the replica that left: not a new replica
+    assert set(fleet.core.replicas) == {"a", "b", "c"} and fleet.core.expected_replicas == 3
+    fleet.core.remove_replica("c", fleet.now)  # takes back the last join that raised the count
+    assert fleet.core.expected_replicas == 2
+    fleet.core.remove_replica("b", fleet.now)  # no such join left: Serve replaces it, the count stands
+    assert fleet.core.expected_replicas == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_replacement_that_joins_before_the_dead_replica_times_out_does_not_strand_a_batch(policy):
+    fleet = fleet_after_a_batch(policy)
+    fleet.pull("c")  # b crashed; its replacement is up before the router declares b dead
+    assert fleet.core.expected_replicas == 3
+    fleet.core.remove_replica("b", fleet.now)  # b times out
+    assert fleet.core.expected_replicas == 2
+    fleet.run_batch(["a", "c"])  # chunked's first round waits for the expected fleet: not for ever
+
+
+def test_static_share_of_a_replica_without_the_current_weights_is_run_by_another():
+    """b failed to load the weights: it keeps pulling but is hidden from the policy, and its share
+    must not wait for it."""
+    fleet = fleet_after_a_batch("static")
+    fleet.core.weights_version = 1
+    fleet.weights = {"a": 1, "b": 0}
+    fleet.pull("a")
+    fleet.pull("b")
+    bid = fleet.core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=3), i // 2, i % 2) for i in range(8)],
+                            fleet.now)
+    assert len(fleet.pull("a")) == 4 and fleet.pull("b") == []
+    fleet.now += 31.0
+    assert len(fleet.pull("a")) == 4
+    fleet.pull("a")
+    done, _, finished = fleet.core.fetch(bid, 0)
+    assert finished and len(done) == 8
 
 
 def fleet_after_a_batch(policy: str) -> Fleet:

@@ -49,7 +49,9 @@ def results_table(results: dict) -> str:
 def run_summary(run: dict) -> str:
     """The lines above a table: what ran, and the bounds it is measured against."""
     w = run.get("workload", {})
-    lines = [f"engine **{run['engine']}**, {run['replicas']} replicas, {run['sequences']} sequences, "
+    engine = run["engine"] + (" (a live cluster whose replicas host simulated engines: engine.kind sim)"
+                              if run.get("replica_engine") == "sim" else "")
+    lines = [f"engine **{engine}**, {run['replicas']} replicas, {run['sequences']} sequences, "
              f"{run['generated_tokens']} generated tokens",
              f"lower bound {run['lower_bound_s']:.2f} s, balance bound {run['balance_bound_s']:.2f} s "
              f"(profile `{run.get('profile', '?')}`: {run.get('bound_note', '')})"]

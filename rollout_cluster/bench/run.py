@@ -179,7 +179,7 @@ def combine(runs: list, seeds: list) -> dict:
         return {**runs[0], "seed": seeds[0]}
     first = runs[0]
     mean = lambda key, rows: round(sum(r[key] for r in rows) / len(rows), 4)  # noqa: E731
-    out = {k: first[k] for k in ("engine", "replicas")}
+    out = {k: first[k] for k in ("engine", "replicas", "replica_engine") if k in first}
     for key in ("sequences", "generated_tokens", "lower_bound_s", "balance_bound_s"):
         out[key] = mean(key, runs)
     out["results"] = {}

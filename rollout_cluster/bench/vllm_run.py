@@ -163,6 +163,7 @@ def bench_on_cluster(client, cfg, args, policies: list, seeds: list, cost, note:
             check_fits(requests, model)
             b = bounds(requests, cost, cfg.replicas)
             run = header("vllm", cfg.replicas, desc, b, cost, note)
+            run["replica_engine"] = cfg.engine.kind  # "sim": the live cluster's replicas host simulated engines
             rows = {name: [] for name in policies}
             seed_traces = {name: [] for name in policies}
             for r in range(repeats):

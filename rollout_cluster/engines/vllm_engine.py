@@ -180,7 +180,11 @@ class VllmEngine(EngineAdapter):
         if not live:
             return
         self.aborted.update(live)
-        await self.engine.abort([f"{sid}#{att}" for sid, att in live])
+        try:
+            await self.engine.abort([f"{sid}#{att}" for sid, att in live])
+        except BaseException:  # cancelled (a replica shutting down) or failed: not aborted, may be retried
+            self.aborted.difference_update(live)
+            raise
 
     def drain(self) -> list:
         out, self.pending = self.pending, []

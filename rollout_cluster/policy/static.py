@@ -29,10 +29,14 @@ class StaticPolicy(Policy):
         self.assignment: dict = {}  # seq_id -> share index
         self.parts = 0
 
-    def _claim_share(self, replica_id: str, parts: int):
+    def _held(self, view: ClusterView) -> set:
+        """Shares held by replicas in the view (not by one that failed to load the current weights)."""
+        return {i for rid, i in self.share_of_replica.items() if rid in view.replicas}
+
+    def _claim_share(self, view: ClusterView, replica_id: str, parts: int):
         """The lowest share index no live replica holds (a replaced or removed replica's share
         goes to the next one to arrive), or None when every share has a replica."""
-        held = set(self.share_of_replica.values())
+        held = self._held(view)
         free = next((i for i in range(parts) if i not in held), None)
         if free is not None:
             self.share_of_replica[replica_id] = free
@@ -52,7 +56,7 @@ class StaticPolicy(Policy):
                     self.assignment[s.seq_id] = i
         mine = self.share_of_replica.get(replica_id)
         if mine is None:
-            mine = self._claim_share(replica_id, self.parts or parts)
+            mine = self._claim_share(view, replica_id, self.parts or parts)
         out = [s for s in fresh.values() if self.assignment.get(s.seq_id) == mine] if mine is not None else []
         if not out and fresh:
             out = self._orphan_share(view)
@@ -68,7 +72,7 @@ class StaticPolicy(Policy):
         ORPHAN_SHARE_S: its replica died or left and none came in its place (the expected fleet
         size can stay above the live fleet, for one, when a replacement joined before the dead
         replica timed out). SPMD would wait for ever; this waits a while, then runs it."""
-        held = set(self.share_of_replica.values())
+        held = self._held(view)
         for s in view.queue.fresh.values():
             i = self.assignment.get(s.seq_id)
             if i is not None and i not in held and view.now - s.submitted_t >= ORPHAN_SHARE_S:

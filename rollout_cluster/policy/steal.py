@@ -243,3 +243,4 @@ class StealPolicy(Policy):
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.finish_at.pop(replica_id, None)
+        self.last_attempt.pop(replica_id, None)

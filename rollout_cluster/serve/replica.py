@@ -140,7 +140,7 @@ class EngineReplica:
         try:  # the loop ends after the pull in flight (router.pull_wait_s), unless the router is gone
             await asyncio.wait_for(asyncio.shield(self.task), 2.0)
         except asyncio.TimeoutError:
-            self.task.cancel()  # its pull's deltas are still in self.unsent; its orders were never applied
+            self.task.cancel()  # its pull's deltas are still in self.unsent; whatever it holds is handed back below
         except Exception:
             pass  # the loop's error is logged; what it held is still handed back
         held = self.engine.held()
