@@ -166,11 +166,7 @@ class RouterCore:
                 self.queue.remove(seq)
                 self._finish(seq, "abort", now, None)
             elif seq.status is SeqStatus.RUNNING:
-                seq.status = SeqStatus.GIVING_UP
-                rep = self.replicas.get(seq.replica)
-                if rep is not None:
-                    rep.seqs.giving_up(seq)
-                self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
+                self._order_give_up(seq)
         return len(seqs)
 
     def update_weights(self, path: str, version: Optional[int] = None) -> int:
@@ -484,10 +480,14 @@ class RouterCore:
             if seq.status is not SeqStatus.RUNNING or seq.replica not in self.replicas:
                 self.counters["policy_errors"] += 1
                 continue
-            seq.status = SeqStatus.GIVING_UP
-            self.replicas[seq.replica].seqs.giving_up(seq)
             self.give_up_t[seq.seq_id] = (now, g.destination)
-            self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
+            self._order_give_up(seq)
+
+    def _order_give_up(self, seq: SeqState) -> None:
+        """Tell a running sequence's replica to give it up; its partials come back in a report."""
+        seq.status = SeqStatus.GIVING_UP
+        self.replicas[seq.replica].seqs.giving_up(seq)  # a RUNNING sequence's replica is live
+        self.outbox.setdefault(seq.replica, Orders()).give_up.append((seq.seq_id, seq.attempt))
 
     def _dispatch(self, seq: SeqState, replica_id: str, segment_cap: Optional[int]) -> None:
         req = seq.request

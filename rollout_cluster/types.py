@@ -5,6 +5,7 @@ event loop and the unit tests unchanged. Nothing here imports ray or vllm.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -118,6 +119,11 @@ class Migration:
     time_s: float  # seconds since the batch was submitted
 
 
+def _as_list(values):
+    """An array (the router's compact storage) as a list; anything else unchanged."""
+    return values.tolist() if isinstance(values, array) else values
+
+
 @dataclass
 class Completion:
     prompt_index: int
@@ -136,13 +142,7 @@ class Completion:
     def with_lists(self) -> "Completion":
         """This completion with plain lists: the router keeps finished tokens in compact arrays
         until they are fetched."""
-        if isinstance(self.token_ids, list) and (self.logprobs is None or isinstance(self.logprobs, list)):
-            return self
-        def as_list(v):
-            return v if isinstance(v, list) else v.tolist() if hasattr(v, "tolist") else list(v)
-
-        return replace(self, token_ids=as_list(self.token_ids),
-                       logprobs=None if self.logprobs is None else as_list(self.logprobs))
+        return replace(self, token_ids=_as_list(self.token_ids), logprobs=_as_list(self.logprobs))
 
     def to_json(self) -> dict:
         return {

@@ -100,7 +100,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     row["median_finish_s"] = round(percentile([c.finish_time_s for c in completions], 0.5), 4)
     row["router_rss_peak_mb"] = status.get("router_rss_peak_mb")  # over the router's life: this run and those before
     # The router's CPU: the share of one core it used during the batch, and pulls it answered a second.
-    if "router_cpu_s" in status and "router_cpu_s" in before and makespan > 0:
+    if makespan > 0:
         row["router_cpu_share"] = round((status["router_cpu_s"] - before["router_cpu_s"]) / makespan, 4)
     was = before["replicas"]
     pulls = sum(r["pulls"] - (was[rid]["pulls"] if rid in was else 0) for rid, r in status["replicas"].items())
