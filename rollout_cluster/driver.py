@@ -73,12 +73,23 @@ class RolloutClient:
         return client
 
     @classmethod
-    def connect(cls, app_name: str = "rollout", address: str = "auto", **kw) -> "RolloutClient":
+    def connect(cls, app_name: str = "rollout", address: str = "auto", wait_s: float = 0.0,
+                **kw) -> "RolloutClient":
+        """Join an app that runs (or, within `wait_s`, appears: `serve deploy` and a RayService
+        build the app after they return)."""
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address)
-        return cls(app_name, **kw)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return cls(app_name, **kw)
+            except KeyError:
+                if time.monotonic() >= deadline:
+                    raise KeyError(f"app_name={app_name!r}: no such Serve application with a Router "
+                                   f"after {wait_s:.0f} s (`serve status` lists the applications)") from None
+                time.sleep(0.5)
 
     def wait_ready(self, replicas: int, timeout_s: float = 600.0) -> dict:
         deadline = time.monotonic() + timeout_s

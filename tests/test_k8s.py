@@ -11,6 +11,7 @@ The CRDs missing is a failure, never a skip.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import re
@@ -172,6 +173,32 @@ def cluster_errors(spec: dict, cfg) -> list:
     return errs
 
 
+DEPLOYMENTS = {"Router", "EngineReplica", "Gateway"}  # what rollout_cluster.serve.app builds
+
+
+def engine_replicas(app: dict) -> int:
+    """The engine fleet's size: EngineReplica's num_replicas under `deployments:` (how the fleet
+    is scaled in place), else the builder's, args.replicas."""
+    for d in app.get("deployments", []):
+        if d.get("name") == "EngineReplica" and "num_replicas" in d:
+            return d["num_replicas"]
+    return load_config(app["args"]).replicas
+
+
+def deployment_errors(app: dict) -> list:
+    """Overrides under `deployments:` that Serve would refuse, or that would break the router."""
+    errs = []
+    for d in app.get("deployments", []):
+        if d.get("name") not in DEPLOYMENTS:
+            errs.append(f"deployments: {d.get('name')!r} is not one of {sorted(DEPLOYMENTS)}")
+        if d.get("name") == "Router" and d.get("num_replicas", 1) != 1:
+            errs.append(f"deployments: Router num_replicas={d['num_replicas']}: the router owns every "
+                        "sequence's state and must be a single replica")
+        if d.get("name") == "EngineReplica" and "autoscaling_config" in d and "num_replicas" in d:
+            errs.append("deployments: EngineReplica sets both num_replicas and autoscaling_config")
+    return errs
+
+
 def pinned_ray_version() -> str:
     m = re.search(r'"ray\[serve\]==([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
     assert m, "pyproject.toml no longer pins ray[serve]==X"
@@ -234,6 +261,22 @@ def test_drifted_serve_args_fail_config():
         load_config(args)
 
 
+def test_bad_deployment_overrides_fail():
+    app = copy.deepcopy(serve_apps(_service())[0])
+    app["deployments"] = [{"name": "EngineReplicas", "num_replicas": 8}, {"name": "Router", "num_replicas": 2}]
+    errs = deployment_errors(app)
+    assert any("'EngineReplicas' is not one of" in e for e in errs)
+    assert any("Router num_replicas=2" in e for e in errs)
+
+
+def test_scaling_past_the_gpus_fails():
+    doc = _service()
+    app = serve_apps(doc)[0]
+    app["deployments"] = [{"name": "EngineReplica", "num_replicas": 40}]
+    cfg = dataclasses.replace(load_config(app["args"]), replicas=engine_replicas(app))
+    assert any("hold 32 GPUs; the config needs 40" in e for e in cluster_errors(cluster_spec(doc), cfg))
+
+
 def test_too_few_gpus_fails():
     doc = _service()
     doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = 3
@@ -281,7 +324,18 @@ def test_import_path_resolves_to_build():
 def test_rayservice_cluster_fits_its_config():
     for doc in by_kind("RayService"):
         for app in serve_apps(doc):
-            assert cluster_errors(cluster_spec(doc), load_config(app["args"])) == []
+            cfg = dataclasses.replace(load_config(app["args"]), replicas=engine_replicas(app))
+            assert cluster_errors(cluster_spec(doc), cfg) == []
+
+
+def test_engine_fleet_is_scaled_in_place():
+    """The RayService names EngineReplica's num_replicas under `deployments:` (an edit there scales
+    in place; an edit to args restarts the app), equal to args.replicas, the router's initial count."""
+    for doc in by_kind("RayService"):
+        for app in serve_apps(doc):
+            assert deployment_errors(app) == []
+            assert any(d["name"] == "EngineReplica" and "num_replicas" in d for d in app.get("deployments", []))
+            assert engine_replicas(app) == load_config(app["args"]).replicas
 
 
 def test_rayjob_runs_the_rollout_job():

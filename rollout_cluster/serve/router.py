@@ -9,6 +9,7 @@ import asyncio
 import logging
 import resource
 import time
+import uuid
 
 from ray import serve
 
@@ -36,6 +37,8 @@ class Router:
         self.work_ready: dict = {}  # replica_id -> Event: set when its outbox or the queue gains work
         self.batch_progress: dict = {}  # batch_id -> Event
         self.submit_t: dict = {}  # batch_id -> router clock at submission, while tracing (trace alignment)
+        # Which router process this is: a restart (which loses every live batch) changes it.
+        self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
@@ -141,6 +144,8 @@ class Router:
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
             "weights": c.weights_status(),
             "expected_replicas": c.expected_replicas,
+            "router_id": self.router_id,
+            "router_uptime_s": round(time.monotonic() - self.started_t, 1),
             # the router process's peak resident memory (it holds every token of its live batches)
             "router_rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "router_cpu_s": time.process_time(),  # CPU seconds of the router's process so far

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,16 @@ def fresh_policy(client):
     yield client.set_policy
     client.wait_ready(2, 600)
     client.set_policy("pull")
+
+
+def collect(client, bid, n):
+    """Every completion of batch `bid` (n sequences) by its index; fails on one returned twice."""
+    results, cursor, done = [None] * n, 0, False
+    deadline = time.monotonic() + 600
+    while not done:
+        assert time.monotonic() < deadline
+        new, cursor, done = client.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=60)
+        for c in new:
+            assert results[c.index] is None  # never twice
+            results[c.index] = c
+    return results

@@ -6,6 +6,7 @@ import time
 import pytest
 import ray
 
+from e2e_support import collect
 from rollout_cluster.driver import expand
 from rollout_cluster.types import SamplingSpec
 
@@ -15,18 +16,6 @@ pytestmark = pytest.mark.e2e
 def engine_replica_actors():
     return [a for a in ray.util.list_named_actors(all_namespaces=True)
             if "EngineReplica" in a["name"]]
-
-
-def collect(client, bid, n):
-    results, cursor, done = [None] * n, 0, False
-    deadline = time.monotonic() + 600
-    while not done:
-        assert time.monotonic() < deadline
-        new, cursor, done = client.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=60)
-        for c in new:
-            assert results[c.index] is None  # never twice
-            results[c.index] = c
-    return results
 
 
 def batch_and_busiest_replica(client, first_token: int) -> tuple:

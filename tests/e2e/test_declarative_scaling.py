@@ -1,0 +1,96 @@
+"""Scaling the engine fleet the way KubeRay does it: a Serve config applied through the dashboard's
+REST API (`serve deploy`, which is what a RayService's serveConfigV2 becomes). Changing
+`num_replicas` under `deployments:` is an in-place update: the router keeps running, with every
+live batch, while replicas join or leave. (Changing the app's `args` would change its code version,
+and Serve would restart every deployment: see k8s/README.md.)"""
+import dataclasses
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from e2e_support import ROOT, VENV_BIN, collect, ray_env
+from rollout_cluster.config import to_dict
+from rollout_cluster.driver import RolloutClient, expand
+from rollout_cluster.types import SamplingSpec
+
+pytestmark = pytest.mark.e2e
+
+APP = "scaling"
+
+
+def serve_config(cluster_config, engine_replicas: int) -> dict:
+    cfg = dataclasses.replace(cluster_config, app_name=APP, replicas=1,
+                              metrics=dataclasses.replace(cluster_config.metrics, port=0))
+    args = to_dict(cfg)
+    args["engine"]["model"] = str(ROOT / "models" / "tiny-llama")
+    return {"applications": [{
+        "name": APP, "route_prefix": f"/{APP}", "import_path": "rollout_cluster.serve.app:build",
+        "args": args, "deployments": [{"name": "EngineReplica", "num_replicas": engine_replicas}]}]}
+
+
+def serve_deploy(path, config: dict) -> None:
+    path.write_text(yaml.safe_dump(config))
+    out = subprocess.run([str(VENV_BIN / "serve"), "deploy", str(path), "--address", "http://127.0.0.1:8265"],
+                         env=ray_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def batch(first_token: int, lengths: list) -> list:
+    prompts = [[first_token + i % 50, 7, 8] for i in range(len(lengths))]
+    return expand(prompts, [SamplingSpec(max_tokens=n, ignore_eos=True) for n in lengths])
+
+
+def wait_running_on(client, n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(r["running"] > 0 for r in client.status()["replicas"].values()) < n:
+        assert time.monotonic() < deadline, client.status()
+        time.sleep(0.2)
+
+
+def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster_config, tmp_path):
+    from ray import serve
+
+    cfg_file = tmp_path / "serve.yaml"
+    serve_deploy(cfg_file, serve_config(cluster_config, 1))
+    with pytest.raises(KeyError, match="app_name='no-such-app': no such Serve application"):
+        RolloutClient.connect("no-such-app", wait_s=1)
+    client = RolloutClient.connect(APP, wait_s=120)
+    try:
+        st = client.wait_ready(1, 600)
+        router_id = st["router_id"]
+        assert st["expected_replicas"] == 1
+
+        # Grow 1 -> 2 while a batch runs (more sequences than one replica's 64 slots).
+        lengths = [300] * 96
+        bid = client.submit(batch(100, lengths))
+        serve_deploy(cfg_file, serve_config(cluster_config, 2))
+        results = collect(client, bid, len(lengths))
+        assert [len(c.token_ids) for c in results] == lengths
+        st = client.wait_ready(2, 600)
+        assert st["router_id"] == router_id  # the same router, with its state: not restarted
+        assert st["expected_replicas"] == 2  # static's split and chunked's first round use it
+
+        # The new replica takes work like the first.
+        lengths = [100] * 128
+        results = collect(client, client.submit(batch(200, lengths)), len(lengths))
+        assert [len(c.token_ids) for c in results] == lengths
+        assert len({c.replicas[0] for c in results}) == 2
+
+        # Shrink 2 -> 1 while a batch runs on both: Serve stops one replica gracefully; it hands
+        # its sequences back with every token, and the other finishes them.
+        lengths = [700] * 64
+        bid = client.submit(batch(300, lengths))
+        wait_running_on(client, 2)
+        serve_deploy(cfg_file, serve_config(cluster_config, 1))
+        results = collect(client, bid, len(lengths))
+        assert [len(c.token_ids) for c in results] == lengths
+        assert all(c.finish_reason == "length" for c in results)
+        st = client.status()
+        assert st["router_id"] == router_id
+        assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
+        assert st["counters"]["replica_leaves"] == 1 and st["counters"]["replica_deaths"] == 0
+        assert any(len(set(c.replicas)) == 2 for c in results)  # resumed where it was handed back
+    finally:
+        serve.delete(APP)
