@@ -51,7 +51,9 @@ class ReplicaResources:
 
 @dataclass
 class RouterConfig:
-    pull_wait_s: float = 0.05  # long-poll: answer at once with orders, else after this
+    pull_wait_s: float = 0.05  # long-poll of a replica that runs sequences: orders at once, else after this
+    idle_pull_wait_s: float = 1.0  # long-poll of a replica that holds nothing: new work wakes it at once
+    report_interval_s: float = 0.2  # a replica that runs sequences reports this often, and at once when one ends
     replica_timeout_s: float = 60.0  # no pull for this long: the replica is dead, requeue its work
     max_ongoing_requests: int = 4096  # >> replicas + drivers: pulls must never queue
     submit_wait_for_replica_s: float = 600.0  # a submit with no live replica fails after this
@@ -123,6 +125,10 @@ class ClusterConfig:
             ("resources.num_gpus", self.resources.num_gpus >= 0, "must be >= 0"),
             ("router.pull_wait_s", 0 < self.router.pull_wait_s <= 5, "must be in (0, 5]"),
             ("router.replica_timeout_s", self.router.replica_timeout_s > 0, "must be > 0"),
+            ("router.idle_pull_wait_s", 0 < self.router.idle_pull_wait_s <= min(5.0, self.router.replica_timeout_s / 4),
+             f"must be in (0, min(5, router.replica_timeout_s / 4 = {self.router.replica_timeout_s / 4:g})]"),
+            ("router.report_interval_s", 0 < self.router.report_interval_s <= min(5.0, self.router.replica_timeout_s / 4),
+             f"must be in (0, min(5, router.replica_timeout_s / 4 = {self.router.replica_timeout_s / 4:g})]"),
             ("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8,
              "must exceed replicas + drivers, or pulls queue behind each other"),
             ("router.call_timeout_s", self.router.call_timeout_s > 0, "must be > 0"),

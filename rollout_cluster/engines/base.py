@@ -8,6 +8,7 @@ Contract:
   if a segment finished on its own first, its natural final report stands and the give-up is
   a no-op (the router reconciles by attempt).
 - `drain()` returns every delta produced since the last drain, in order, and never twice.
+- `ended` counts the final reports produced so far; it grows before drain() returns them.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class WeightsLoadBroken(RuntimeError):
 
 class EngineAdapter(ABC):
     capacity: int = 1  # sequences decoded at once (max_num_seqs)
+    ended: int = 0  # segments whose final report was produced so far (the replica reports at once when it grows)
 
     @abstractmethod
     async def start(self) -> ModelInfo: ...

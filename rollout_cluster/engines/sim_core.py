@@ -38,6 +38,7 @@ class SimEngineCore:
         self.waiting: deque = deque()
         self.running: list = []
         self.finals: list = []
+        self.ended = 0  # final reports produced so far
         self.preemptions = 0
         self.reprefilled_tokens = 0  # continuations' prompt tokens actually prefilled (not cached)
         self.context = 0  # KV tokens of running sequences
@@ -140,6 +141,7 @@ class SimEngineCore:
         lps = [-1.0] * n if self.emit_tokens and s.work.sampling.logprobs is not None else None
         self.finals.append(SeqProgress(s.work.seq_id, s.work.attempt, toks, lps, reason, num_tokens=n,
                                        offset=s.reported))
+        self.ended += 1
         s.reported = s.produced
 
     def drain(self) -> list:

@@ -56,6 +56,10 @@ class SimEngine(EngineAdapter):
     def drain(self) -> list:
         return self.core.drain()
 
+    @property
+    def ended(self) -> int:
+        return self.core.ended
+
     def held(self) -> list:
         c = self.core
         return [(s.work.seq_id, s.work.attempt) for group in (c.running, c.waiting) for s in group]

@@ -110,6 +110,7 @@ class VllmEngine(EngineAdapter):
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.aborted: set = set()
         self.pending: list = []
+        self.ended = 0
         self._last_drain = time.monotonic()
         self._step_ema = 0.0
         self._rate_ema = 0.0
@@ -152,6 +153,7 @@ class VllmEngine(EngineAdapter):
                 if out.finished:
                     reason = o.finish_reason or ("abort" if key in self.aborted else "stop")
                     final = reason
+                    self.ended += 1
                 self.context[key] = self.context.get(key, 0) + len(toks)
                 if toks or reason:
                     hit = -1
@@ -164,12 +166,15 @@ class VllmEngine(EngineAdapter):
                     produced += len(toks)
             if final is None:  # stream ended without a finished output: only an abort does that
                 self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
+                self.ended += 1
         except asyncio.CancelledError:
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
+            self.ended += 1
         except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
             log.warning("request %s failed: %s", rid, e)
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "error",
                                             error=f"engine: {type(e).__name__}: {e}"))
+            self.ended += 1
         finally:
             self.tasks.pop(key, None)
             self.context.pop(key, None)

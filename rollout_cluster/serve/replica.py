@@ -22,6 +22,7 @@ from ..types import Report
 log = logging.getLogger("ray.serve")
 HELD_EVERY_S = 2.0  # how often a report lists every attempt the engine holds (lost-reply recovery)
 HAND_BACK_S = 10.0  # at shutdown, the most time spent giving the router back what this replica holds
+PACE_TICK_S = 0.01  # how often a paced replica looks for a segment that ended
 
 
 def replica_rank() -> int:
@@ -55,6 +56,7 @@ class EngineReplica:
         first = True
         held_t = 0.0
         while not self.stopping:
+            ended = self.engine.ended  # before the drain: a segment ending after it shows as a change
             self.unsent += self.engine.drain()
             now = time.monotonic()
             held, aborting = None, []
@@ -86,6 +88,21 @@ class EngineReplica:
                 self.loop_error = e
                 log.exception("replica %s failed applying orders", self.replica_id)
                 raise
+            await self._pace(now, ended)
+
+    async def _pace(self, reported_t: float, ended: int) -> None:
+        """A replica that runs sequences reports every router.report_interval_s, and at once when a
+        segment ends (its slot can take work; a give-up's partials go back). Every pull costs the
+        router's process milliseconds of Ray Serve request handling, whatever it carries
+        (scripts/router_pull_cost.py), so a fleet of busy replicas must not pull back to back. A
+        replica that holds nothing pulls again at once: the router holds that pull until work
+        comes or router.idle_pull_wait_s passes."""
+        engine = self.engine
+        if not engine.held():  # (when the last one ends, `ended` changes: the pace ends too)
+            return
+        deadline = reported_t + self.cfg.router.report_interval_s
+        while not self.stopping and engine.ended == ended and time.monotonic() < deadline:
+            await asyncio.sleep(PACE_TICK_S)
 
     async def _control(self, cmd: str, arg) -> None:
         if cmd == "load_weights":

@@ -1,7 +1,8 @@
 """Router deployment: one replica, asyncio, the single owner of sequence state.
 
 Replicas long-poll `pull(report)`: orders go back at once when there are any, otherwise after
-`pull_wait_s` (or sooner when work arrives). Drivers call `submit` and long-poll `fetch`.
+`pull_wait_s`, or `idle_pull_wait_s` for a replica that holds nothing (sooner when work arrives).
+Drivers call `submit` and long-poll `fetch`.
 """
 from __future__ import annotations
 
@@ -61,10 +62,12 @@ class Router:
     async def pull(self, report: Report) -> Orders:
         now = time.monotonic()
         core = self.core
-        before = core.finished_count
+        before, queued = core.finished_count, len(core.queue)
         orders = core.on_report(report, now, timer=time.perf_counter)
         if core.finished_count != before:
             self._notify_batches()
+        if len(core.queue) > queued:  # requeued work (give-up partials): held pulls take it now
+            self._wake_all()
         if report.leaving:  # its work is back in the queue: the others take it now
             log.info("replica %s left; its sequences were requeued", report.replica_id)
             self.work_ready.pop(report.replica_id, None)
@@ -77,8 +80,10 @@ class Router:
         if not orders:
             ev = self.work_ready.setdefault(report.replica_id, asyncio.Event())
             ev.clear()
+            rep = core.replicas.get(report.replica_id)
+            wait = self.cfg.router.pull_wait_s if rep is not None and rep.seqs else self.cfg.router.idle_pull_wait_s
             try:
-                await asyncio.wait_for(ev.wait(), self.cfg.router.pull_wait_s)
+                await asyncio.wait_for(ev.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             orders = core.decide(report.replica_id, time.monotonic(), timer=time.perf_counter)
