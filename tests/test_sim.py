@@ -343,3 +343,20 @@ def test_host_slowdown_stretches_steps_only_while_another_replica_is_busy():
     assert alone < res.makespan_s < 1.25 * alone
     with pytest.raises(ValueError, match="host_slowdown=-0.1"):
         Simulation(make_policy(PolicyConfig(name="static"), COST), COST, 2, host_slowdown=-0.1)
+
+
+def test_engine_counts_ended_segments_before_they_are_drained():
+    """`ended` (EngineAdapter) grows with every final report, natural or aborted, before drain()
+    hands it over: a paced replica reports at once when it changes."""
+    core = SimEngineCore(COST)
+    core.submit(Work("short", 1, None, SPEC, stop_after=3, prompt_len=16))
+    core.submit(Work("long", 1, None, SPEC, stop_after=1000, prompt_len=16))
+    assert core.ended == 0
+    while core.ended == 0:
+        core.advance(limit_s=0.01)
+    assert core.ended == 1
+    core.abort([("long", 1)])
+    assert core.ended == 2
+    finals = sorted((p.seq_id, p.finish_reason) for p in core.drain() if p.finish_reason)
+    assert finals == [("long", "abort"), ("short", "length")]
+    assert core.ended == 2 and core.drain() == []

@@ -186,3 +186,38 @@ def test_replicas_step_time_reports_are_recorded_while_tracing(client, fresh_pol
     assert all(running >= 1 and context > 0 and 0 < step < 5.0 for running, context, step in samples)
     assert max(running for running, _, _ in samples) >= 4
     assert client.take_step_samples() == []  # taken, and not recorded with tracing off
+
+
+def test_replicas_pace_their_pulls(client, cluster_config):
+    """Every pull costs the router milliseconds of Ray Serve CPU, so replicas do not pull back to
+    back: the router holds an idle replica's pull up to router.idle_pull_wait_s, and a busy one
+    reports every router.report_interval_s (and at once when a segment ends). Unpaced, each
+    replica pulled about 20 times a second."""
+    import time
+
+    from e2e_support import collect
+
+    router = cluster_config.router
+
+    def pulls_over(seconds: float) -> dict:
+        before, t0 = client.status()["replicas"], time.monotonic()
+        time.sleep(seconds)
+        after, dt = client.status()["replicas"], time.monotonic() - t0
+        return {rid: (after[rid]["pulls"] - before[rid]["pulls"], dt) for rid in before if rid in after}
+
+    time.sleep(2 * router.idle_pull_wait_s)  # the previous test's last pulls are answered
+    idle = pulls_over(4.0)
+    assert len(idle) == 2
+    for rid, (n, dt) in idle.items():
+        assert n <= dt / router.idle_pull_wait_s + 2, (rid, n, dt)
+    # Busy: long sequences on both replicas, none of which ends within the window.
+    bid = client.submit(expand([[5, 6, 7 + i] for i in range(8)], SamplingSpec(max_tokens=3000, ignore_eos=True)))
+    deadline = time.monotonic() + 60
+    while sum(r["running"] > 0 for r in client.status()["replicas"].values()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    busy = pulls_over(3.0)
+    client.cancel(bid)
+    collect(client, bid, 8)
+    for rid, (n, dt) in busy.items():
+        assert dt / router.report_interval_s / 2 <= n <= dt / router.report_interval_s + 3, (rid, n, dt)
