@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .policy.base import Decision, Policy
@@ -79,7 +79,7 @@ class RouterCore:
         self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefilled_tokens": 0,
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
-                         "duplicate_reports": 0}
+                         "duplicate_reports": 0, "handed_back": 0, "recovered": 0}
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
@@ -280,6 +280,7 @@ class RouterCore:
                 self.metrics.decision(dt)
             self._apply_decision(decision, now)
         orders = self.outbox.pop(replica_id, None) or Orders()
+        orders.work_waiting = len(self.queue) > 0
         for work in orders.start:
             seq = self.seqs.get(work.seq_id)
             if seq is not None:
@@ -349,6 +350,9 @@ class RouterCore:
             if seq.cancelled:  # the driver gave up on it: never run it again
                 self._finish(seq, "abort", now, replica_id)
                 continue
+            seq.migrations.append(Migration(replica_id, None, seq.generated, now - seq.submitted_t, "replica_lost"))
+            self.counters["recovered"] += 1
+            self.give_up_t.pop(seq.seq_id, None)
             seq.status, seq.replica = SeqStatus.QUEUED, None
             self.queue.push(seq)
         self.queue.release_reserved(replica_id)
@@ -407,7 +411,8 @@ class RouterCore:
             seq.error = p.error or "engine error"
             self._finish(seq, "error", now, rep.replica_id)
         elif reason == "abort" or self._segment_cut(seq, reason):
-            self._requeue_after_segment(seq, rep.replica_id, now)
+            # An abort nobody ordered is a replica handing its work back before it stops.
+            self._requeue_after_segment(seq, rep.replica_id, now, "replica_left" if reason == "abort" else None)
         else:
             self._finish(seq, reason, now, rep.replica_id)
 
@@ -419,12 +424,17 @@ class RouterCore:
         return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
                 and (hidden is None or seq.generated < hidden))
 
-    def _requeue_after_segment(self, seq: SeqState, source: str, now: float) -> None:
+    def _requeue_after_segment(self, seq: SeqState, source: str, now: float, cause: Optional[str] = None) -> None:
+        """Queue the rest of `seq` after its segment on `source` ended short of the sequence's end:
+        a policy's give-up (a migration), a chunk cut, or `cause` (a replica leaving or lost)."""
         if seq.cancelled:
             self._finish(seq, "abort", now, source)
             return
         ordered = self.give_up_t.pop(seq.seq_id, None)
         destination = None
+        if ordered is None and cause is not None:
+            seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
+            self.counters["handed_back" if cause == "replica_left" else "recovered"] += 1
         if ordered is not None:
             t_ordered, destination = ordered
             seq.moves += 1
@@ -497,8 +507,7 @@ class RouterCore:
         if not seq.replicas or seq.replicas[-1] != replica_id:
             seq.replicas.append(replica_id)
         if seq.migrations and seq.migrations[-1].destination != replica_id:
-            m = seq.migrations[-1]
-            seq.migrations[-1] = Migration(m.source, replica_id, m.at_token, m.time_s)
+            seq.migrations[-1] = replace(seq.migrations[-1], destination=replica_id)
         stop_after = segment_cap
         if req.hidden_length is not None:
             left = max(1, req.hidden_length - seq.generated)

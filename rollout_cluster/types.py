@@ -113,10 +113,15 @@ class SequenceRequest:
 
 @dataclass(frozen=True)
 class Migration:
+    """A segment boundary where the sequence left `source` and continued with prompt + partial."""
     source: str
     destination: Optional[str]  # None until the continuation starts somewhere
     at_token: int
     time_s: float  # seconds since the batch was submitted
+    # "policy": the policy moved it. "replica_left": Serve stopped its replica, which handed it
+    # back with every token. "replica_lost": its replica died or restarted; it continued from its
+    # last reported tokens (what the replica made after its last report was generated again).
+    reason: str = "policy"
 
 
 def _as_list(values):
@@ -261,6 +266,8 @@ class Orders:
     give_up: list = field(default_factory=list)  # (seq_id, attempt)
     # ("load_weights", {"path", "version"}) | ("sleep", level) | ("wake", None); run before `start`
     control: list = field(default_factory=list)
+    # Work is queued at the router: a slot freed by an ending segment is worth reporting at once.
+    work_waiting: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.start or self.give_up or self.control)

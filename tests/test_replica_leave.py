@@ -38,6 +38,10 @@ def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():
     done, _, finished = core.fetch(bid, 0)
     assert finished and sorted(c.token_ids for c in done) == [[5, 2, 2, 2, 2, 2], [7, 8, 9, 1, 1, 1]]
     assert {tuple(c.replicas) for c in done} == {("a", "b")}
+    # each records where and why it left "a": handed back, at the token it had reached
+    assert sorted((m.source, m.destination, m.at_token, m.reason) for c in done for m in c.migrations) == [
+        ("a", "b", 1, "replica_left"), ("a", "b", 3, "replica_left")]
+    assert core.counters["handed_back"] == 2 and core.counters["recovered"] == 0
 
 
 def test_work_a_leaving_replica_did_not_report_is_requeued_from_its_last_tokens():
@@ -53,4 +57,7 @@ def test_work_a_leaving_replica_did_not_report_is_requeued_from_its_last_tokens(
     (again,) = core.on_report(report("b"), 0.3).start
     assert again.prompt_token_ids == [1, 2, 7, 8]
     core.on_report(report("b", [SeqProgress(work.seq_id, again.attempt, [3, 4], None, "length")]), 0.4)
-    assert core.fetch(bid, 0)[0][0].token_ids == [7, 8, 3, 4]
+    (done,) = core.fetch(bid, 0)[0]
+    assert done.token_ids == [7, 8, 3, 4]
+    assert [(m.source, m.destination, m.at_token, m.reason) for m in done.migrations] == [("a", "b", 2, "replica_lost")]
+    assert core.counters["handed_back"] == 0 and core.counters["recovered"] == 1

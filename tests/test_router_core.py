@@ -191,6 +191,9 @@ def test_dead_replica_work_resumes_from_last_reported_tokens():
     # the dead replica comes back with an old report: dropped
     core.on_report(Report("a", "i1", [SeqProgress(wa.seq_id, 1, [6], None, "length")], EngineStats(), None, 8), 7.1)
     assert core.counters["stale_reports"] == 1
+    assert [(m.source, m.destination, m.at_token, m.reason) for m in core.seqs[wa.seq_id].migrations] == [
+        ("a", "b", 2, "replica_lost")]
+    assert core.counters["recovered"] == 1 and core.counters["migrations"] == 0
 
 
 def test_restarted_replica_requeues_its_old_work():

@@ -90,7 +90,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
         reprefill += chunk_reprefill(requests, [len(c.token_ids) for c in completions], cfg.policy.chunk_tokens)
     row = policy_metrics(makespan, [c.finish_time_s for c in completions], generated,
                          utilization(trace, makespan, cfg.replicas),
-                         sum(len(c.migrations) for c in completions), reprefill,
+                         sum(m.reason == "policy" for c in completions for m in c.migrations), reprefill,
                          (status["decision_ms_mean"], status["decision_ms_p99"]), lower)
     # What the engines reported actually prefilling for continuations (vLLM's num_cached_tokens
     # taken out); unknown if continuations ran but none reported it.

@@ -48,6 +48,9 @@ def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_po
     assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if c.replicas[0] == leaving_id]
     assert resumed and all(len(c.replicas) == 2 for c in resumed)
+    # each says why it moved: handed back, at the token it had reached
+    assert all([(m.source, m.reason) for m in c.migrations] == [(leaving_id, "replica_left")] for c in resumed)
+    assert all(0 < c.migrations[0].at_token < len(c.token_ids) for c in resumed)
 
 
 def test_killed_replica_work_completes_elsewhere(client, fresh_policy):
@@ -59,4 +62,5 @@ def test_killed_replica_work_completes_elsewhere(client, fresh_policy):
     assert all(len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if victim_id in c.replicas and len(c.replicas) > 1]
     assert resumed, "the killed replica's sequences should have continued on the survivor"
+    assert all(any(m.source == victim_id and m.reason == "replica_lost" for m in c.migrations) for c in resumed)
     assert client.status()["counters"]["replica_deaths"] >= 1

@@ -1,0 +1,66 @@
+"""EngineReplica's report pacing, without Ray: a replica that runs sequences reports every
+router.report_interval_s, and earlier only when an ended segment matters now (work is queued for
+its slot, or a give-up's partials go back) or the replica has become idle. The real cluster's pull
+rates are checked in tests/e2e/test_cluster.py."""
+import asyncio
+import time
+
+from rollout_cluster.config import ClusterConfig, RouterConfig
+from rollout_cluster.serve.replica import EngineReplica
+
+INTERVAL = 1.0
+
+
+class FakeEngine:
+    def __init__(self, held: int):
+        self.ended = 0
+        self._held = held
+
+    def held(self) -> list:
+        return [("s", i) for i in range(self._held)]
+
+    def end_one(self) -> None:
+        self._held -= 1
+        self.ended += 1
+
+
+def replica(engine: FakeEngine):
+    r = object.__new__(EngineReplica.func_or_class)
+    r.cfg = ClusterConfig(router=RouterConfig(report_interval_s=INTERVAL))
+    r.engine, r.stopping = engine, False
+    return r
+
+
+def paced(held: int, urgent: bool, end_after_s=None) -> float:
+    """Seconds _pace waited; `end_after_s`: a segment ends that long after the report."""
+    engine = FakeEngine(held)
+    r = replica(engine)
+
+    async def go():
+        t0 = time.monotonic()
+        if end_after_s is not None:
+            asyncio.get_running_loop().call_later(end_after_s, engine.end_one)
+        await r._pace(t0, engine.ended, urgent)
+        return time.monotonic() - t0
+
+    return asyncio.run(go())
+
+
+def test_a_busy_replica_reports_once_per_interval():
+    assert INTERVAL * 0.95 <= paced(held=3, urgent=False) < INTERVAL * 1.5
+
+
+def test_an_ended_segment_is_reported_at_once_when_work_waits_for_its_slot():
+    assert paced(held=3, urgent=True, end_after_s=0.1) < INTERVAL / 2
+
+
+def test_an_ended_segment_waits_for_the_interval_when_nothing_needs_its_slot():
+    assert paced(held=3, urgent=False, end_after_s=0.1) >= INTERVAL * 0.95
+
+
+def test_a_replica_whose_last_segment_ended_pulls_at_once():
+    assert paced(held=1, urgent=False, end_after_s=0.1) < INTERVAL / 2
+
+
+def test_an_idle_replica_does_not_pace():
+    assert paced(held=0, urgent=False) < INTERVAL / 10
