@@ -24,8 +24,13 @@ class FakeEngine:
         self.ended += 1
 
 
+class BareReplica(EngineReplica.func_or_class):
+    def __del__(self):  # nothing to hand back: no router, no engine process
+        pass
+
+
 def replica(engine: FakeEngine):
-    r = object.__new__(EngineReplica.func_or_class)
+    r = object.__new__(BareReplica)
     r.cfg = ClusterConfig(router=RouterConfig(report_interval_s=INTERVAL))
     r.engine, r.stopping = engine, False
     return r
