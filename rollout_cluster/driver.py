@@ -81,11 +81,13 @@ class RolloutClient:
 
         if not ray.is_initialized():
             ray.init(address=address)
+        from ray.serve.exceptions import RayServeException
+
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 return cls(app_name, **kw)
-            except KeyError:
+            except (KeyError, RayServeException):  # no such app yet, or Serve itself not up yet
                 if time.monotonic() >= deadline:
                     raise KeyError(f"app_name={app_name!r}: no such Serve application with a Router "
                                    f"after {wait_s:.0f} s (`serve status` lists the applications)") from None

@@ -60,6 +60,8 @@ class RouterCore:
         self.policy = policy
         self.expected_replicas = expected_replicas
         self.surplus_joins = 0  # joins that raised expected_replicas since the last death or leave
+        self.last_fleet_change_t: Optional[float] = None  # the latest join or death (expire's clock)
+        self.requeues = 0  # sequences put back in the queue so far (the Serve router wakes held pulls)
         self.departed: dict = {}  # (replica_id, incarnation) of replicas that said goodbye (bounded, in order)
         self.replica_timeout_s = replica_timeout_s
         self.metrics = metrics or RouterMetrics()
@@ -302,6 +304,7 @@ class RouterCore:
         for seq in lost:
             del rep.seqs[seq.seq_id]
             self.counters["lost_orders"] += 1
+            self.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
             self._requeue_after_segment(seq, rep.replica_id, now)
         aborting = {(sid, attempt) for sid, attempt in aborting}
         for seq in rep.seqs.values():
@@ -324,6 +327,15 @@ class RouterCore:
         dead = [rid for rid, r in self.replicas.items() if now - r.last_pull_t > self.replica_timeout_s]
         for rid in dead:
             self.remove_replica(rid, now)
+        if self.last_fleet_change_t is None:
+            self.last_fleet_change_t = now
+        live = len(self.replicas)
+        if 0 < live < self.expected_replicas and now - self.last_fleet_change_t > self.replica_timeout_s:
+            # Fewer replicas than expected, and none joined or died for a replica timeout: the fleet
+            # is smaller than the count (a router restarted after an in-place scale-down, replicas
+            # that cannot be scheduled). Waiting for the rest would stall chunked's first round,
+            # static's missing shares and update_weights; a replica that joins later raises it again.
+            self.expected_replicas, self.surplus_joins = live, 0
         return dead
 
     def remove_replica(self, replica_id: str, now: float, leaving: bool = False) -> None:
@@ -344,6 +356,8 @@ class RouterCore:
             # replacement already joined (and raised the count), the count is one too high now.
             self.surplus_joins -= 1
             self.expected_replicas = max(1, self.expected_replicas - 1)
+        if not leaving:
+            self.last_fleet_change_t = now  # give its replacement a replica timeout to join
         self.outbox.pop(replica_id, None)
         self.weights_errors.pop(replica_id, None)
         for seq in list(rep.seqs.values()):
@@ -355,6 +369,7 @@ class RouterCore:
             self.give_up_t.pop(seq.seq_id, None)
             seq.status, seq.replica = SeqStatus.QUEUED, None
             self.queue.push(seq)
+            self.requeues += 1
         self.queue.release_reserved(replica_id)
         self.policy.on_replica_removed(replica_id)
 
@@ -367,6 +382,7 @@ class RouterCore:
         if rep is None:
             rep = ReplicaState(report.replica_id, report.incarnation, report.capacity, now, now)
             self.replicas[report.replica_id] = rep
+            self.last_fleet_change_t = now
             # More replicas than expected: the deployment was scaled up, or a replacement came
             # before its dead predecessor timed out (the next death takes that back).
             if len(self.replicas) > self.expected_replicas:
@@ -431,6 +447,8 @@ class RouterCore:
             self._finish(seq, "abort", now, source)
             return
         ordered = self.give_up_t.pop(seq.seq_id, None)
+        if seq.give_up_pull < 0:  # the order never reached the replica: it did not cause this end
+            ordered = None
         destination = None
         if ordered is None and cause is not None:
             seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
@@ -448,6 +466,7 @@ class RouterCore:
         if destination is not None and destination not in self.replicas:
             destination = None
         self.queue.push(seq, reserved_for=destination)
+        self.requeues += 1
 
     def _finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
         seq.status = SeqStatus.DONE
@@ -504,10 +523,13 @@ class RouterCore:
         seq.attempt += 1
         seq.status, seq.replica = SeqStatus.RUNNING, replica_id
         seq.segment_cap, seq.segment_start = segment_cap, seq.generated
+        seq.give_up_pull = -1
         if not seq.replicas or seq.replicas[-1] != replica_id:
             seq.replicas.append(replica_id)
-        if seq.migrations and seq.migrations[-1].destination != replica_id:
-            seq.migrations[-1] = replace(seq.migrations[-1], destination=replica_id)
+        last = seq.migrations[-1] if seq.migrations else None
+        if last is not None and last.destination != replica_id and last.at_token == seq.generated:
+            # the continuation starts here, not where the move meant it to (gone, or never reached)
+            seq.migrations[-1] = replace(last, destination=replica_id)
         stop_after = segment_cap
         if req.hidden_length is not None:
             left = max(1, req.hidden_length - seq.generated)

@@ -71,6 +71,43 @@ def test_expected_fleet_size_follows_joins_and_leaves_not_deaths():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_router_that_expects_more_replicas_than_come_settles_on_those_that_did(policy):
+    """A router restarted after an in-place scale-down (num_replicas under deployments: lowered,
+    args.replicas not) expects the old count. Once no replica has joined or died for a replica
+    timeout, it takes the fleet it has, so chunked's first round and static's shares do not wait
+    for ever; a replica that joins later raises the count again."""
+    fleet = Fleet(policy, expected=3)
+    timeout = fleet.core.replica_timeout_s
+    for rid in ("a", "b"):
+        fleet.pull(rid)
+    fleet.core.expire(fleet.now + timeout / 2)
+    assert fleet.core.expected_replicas == 3  # still within the timeout: the others may be starting
+    fleet.now += timeout + 1
+    for rid in ("a", "b"):
+        fleet.pull(rid)  # alive
+    fleet.core.expire(fleet.now)
+    assert fleet.core.expected_replicas == 2
+    fleet.run_batch(["a", "b"])
+    fleet.pull("c")
+    assert fleet.core.expected_replicas == 3
+
+
+def test_a_death_gives_its_replacement_a_replica_timeout_before_the_count_drops():
+    fleet = Fleet("pull", expected=2)
+    fleet.pull("a"), fleet.pull("b")
+    fleet.now += 1000
+    fleet.pull("a")
+    fleet.core.remove_replica("b", fleet.now)  # b died long after the last join
+    fleet.core.expire(fleet.now + 1)
+    assert fleet.core.expected_replicas == 2  # its replacement is expected
+    fleet.pull("a")
+    fleet.now += fleet.core.replica_timeout_s + 1
+    fleet.pull("a")
+    fleet.core.expire(fleet.now)
+    assert fleet.core.expected_replicas == 1  # none came
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_replacement_that_joins_before_the_dead_replica_times_out_does_not_strand_a_batch(policy):
     fleet = fleet_after_a_batch(policy)
     fleet.pull("c")  # b crashed; its replacement is up before the router declares b dead

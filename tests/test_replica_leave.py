@@ -61,3 +61,44 @@ def test_work_a_leaving_replica_did_not_report_is_requeued_from_its_last_tokens(
     assert done.token_ids == [7, 8, 3, 4]
     assert [(m.source, m.destination, m.at_token, m.reason) for m in done.migrations] == [("a", "b", 2, "replica_lost")]
     assert core.counters["handed_back"] == 0 and core.counters["recovered"] == 1
+
+
+def test_a_give_up_the_leaving_replica_never_received_is_not_counted_as_the_policys_move():
+    """The policy ordered a give-up, but the replica left before it pulled the order: the move
+    is the hand-back's, not the policy's (no migration counted, no re-prefill charged to it)."""
+    from rollout_cluster.policy.base import Decision, GiveUp
+
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2, replica_timeout_s=60.0)
+    core.on_report(report("a", model=ModelInfo(100, 64)), 0.0)
+    core.on_report(report("b"), 0.0)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
+    (work,) = core.decide("a", 0.1).start
+    core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [7], offset=0)]), 0.2)
+    core._apply_decision(Decision(give_up=[GiveUp(core.seqs[work.seq_id], destination="b")]), 0.3)  # in a's outbox
+    core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [8], None, "abort", offset=1)], leaving=True), 0.4)
+    assert core.counters["migrations"] == 0 and core.counters["handed_back"] == 1
+    assert core.counters["reprefill_tokens"] == 0
+    (again,) = core.on_report(report("b"), 0.5).start
+    core.on_report(report("b", [SeqProgress(work.seq_id, again.attempt, [1] * 4, None, "length")]), 0.6)
+    (done,) = core.fetch(bid, 0)[0]
+    assert [(m.source, m.destination, m.at_token, m.reason) for m in done.migrations] == [("a", "b", 2, "replica_left")]
+
+
+def test_a_later_segment_cut_does_not_rewrite_where_a_hand_back_went():
+    """chunked cuts segments: after a hand-back from a to b, b's segment ends at the chunk cap (not a
+    move) and the rest runs on c. The hand-back's record still says a -> b."""
+    core = RouterCore(make_policy(PolicyConfig(name="chunked", chunk_tokens=2), COST), expected_replicas=1,
+                      replica_timeout_s=60.0)
+    core.on_report(report("a", model=ModelInfo(100, 64)), 0.0)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
+    (work,) = core.decide("a", 0.1).start
+    core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [7], offset=0)]), 0.2)
+    core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=1)], leaving=True), 0.3)
+    (on_b,) = core.on_report(report("b"), 0.4).start
+    # b's segment ends at the chunk cap, in b's last report (it is being scaled down): c runs the rest
+    core.on_report(report("b", [SeqProgress(work.seq_id, on_b.attempt, [8, 9], None, "length")], leaving=True), 0.5)
+    (on_c,) = core.on_report(report("c"), 0.6).start
+    core.on_report(report("c", [SeqProgress(work.seq_id, on_c.attempt, [1, 2, 3], None, "length")]), 0.7)
+    (done,) = core.fetch(bid, 0)[0]
+    assert done.token_ids == [7, 8, 9, 1, 2, 3] and done.replicas == ["a", "b", "c"]
+    assert [(m.source, m.destination, m.at_token, m.reason) for m in done.migrations] == [("a", "b", 1, "replica_left")]

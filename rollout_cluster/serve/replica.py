@@ -157,8 +157,10 @@ class EngineReplica:
     async def _hand_back(self) -> None:
         """Stop pulling, give up every sequence, wait for their partials, send them in a last
         report marked `leaving`."""
-        try:  # the loop ends after the pull in flight (router.pull_wait_s), unless the router is gone
-            await asyncio.wait_for(asyncio.shield(self.task), 2.0)
+        router = self.cfg.router
+        wait = min(HAND_BACK_S / 2, max(router.pull_wait_s, router.idle_pull_wait_s, router.report_interval_s) + 1.0)
+        try:  # the loop ends after the pull in flight (held up to idle_pull_wait_s), unless the router is gone
+            await asyncio.wait_for(asyncio.shield(self.task), wait)
         except asyncio.TimeoutError:
             self.task.cancel()  # its pull's deltas are still in self.unsent; whatever it holds is handed back below
         except Exception:

@@ -62,11 +62,11 @@ class Router:
     async def pull(self, report: Report) -> Orders:
         now = time.monotonic()
         core = self.core
-        before, queued = core.finished_count, len(core.queue)
+        before, requeues = core.finished_count, core.requeues
         orders = core.on_report(report, now, timer=time.perf_counter)
         if core.finished_count != before:
             self._notify_batches()
-        if len(core.queue) > queued:  # requeued work (give-up partials): held pulls take it now
+        if core.requeues != requeues:  # requeued work (give-up partials): held pulls take it now
             self._wake_all()
         if report.leaving:  # its work is back in the queue: the others take it now
             log.info("replica %s left; its sequences were requeued", report.replica_id)
@@ -81,7 +81,8 @@ class Router:
             ev = self.work_ready.setdefault(report.replica_id, asyncio.Event())
             ev.clear()
             rep = core.replicas.get(report.replica_id)
-            wait = self.cfg.router.pull_wait_s if rep is not None and rep.seqs else self.cfg.router.idle_pull_wait_s
+            busy = (rep is not None and rep.seqs) or report.weights_loading  # (a load's end is news)
+            wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_s
             try:
                 await asyncio.wait_for(ev.wait(), wait)
             except asyncio.TimeoutError:
