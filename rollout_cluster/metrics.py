@@ -20,6 +20,11 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.decision_s = Histogram("rollout_router_decision_seconds", "Policy decision time per pull", registry=r,
                                     buckets=(1e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1))
         self.replicas = Gauge("rollout_replicas_alive", "Engine replicas pulling", registry=r)
+        self.expected = Gauge("rollout_replicas_expected", "Engine replicas the router expects (static's shares, "
+                              "chunked's first round)", registry=r)
+        self.resumed_total = Counter("rollout_sequences_resumed_total", "Sequences continued elsewhere because their "
+                                     "replica left (replica_left) or was lost (replica_lost)", ["source", "reason"],
+                                     registry=r)
         self.port = port
         if port:
             start_http_server(port, registry=r)
@@ -37,8 +42,12 @@ class PrometheusRouterMetrics(RouterMetrics):
     def finished(self, replica_id: str, reason: str) -> None:
         self.finished_total.labels(replica_id, reason).inc()
 
+    def resumed(self, source: str, reason: str) -> None:
+        self.resumed_total.labels(source, reason).inc()
+
     def gauges(self, core: RouterCore) -> None:
         self.queued.set(len(core.queue))
         self.replicas.set(len(core.replicas))
+        self.expected.set(core.expected_replicas)
         for rid, rep in core.replicas.items():
             self.running.labels(rid).set(len(rep.seqs))

@@ -41,6 +41,7 @@ class RouterMetrics:
     def migration(self, source: str, reprefill_tokens: int) -> None: ...
     def give_up_latency(self, seconds: float) -> None: ...
     def finished(self, replica_id: str, reason: str) -> None: ...
+    def resumed(self, source: str, reason: str) -> None: ...  # a replica left or was lost mid-sequence
     def gauges(self, core: "RouterCore") -> None: ...
 
 
@@ -366,6 +367,7 @@ class RouterCore:
                 continue
             seq.migrations.append(Migration(replica_id, None, seq.generated, now - seq.submitted_t, "replica_lost"))
             self.counters["recovered"] += 1
+            self.metrics.resumed(replica_id, "replica_lost")
             self.give_up_t.pop(seq.seq_id, None)
             seq.status, seq.replica = SeqStatus.QUEUED, None
             self.queue.push(seq)
@@ -453,6 +455,7 @@ class RouterCore:
         if ordered is None and cause is not None:
             seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
             self.counters["handed_back" if cause == "replica_left" else "recovered"] += 1
+            self.metrics.resumed(source, cause)
         if ordered is not None:
             t_ordered, destination = ordered
             seq.moves += 1

@@ -15,7 +15,11 @@ def report(rid, progress=(), model=None, leaving=False):
 
 
 def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():
-    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2, replica_timeout_s=60.0)
+    from rollout_cluster.metrics import PrometheusRouterMetrics
+
+    metrics = PrometheusRouterMetrics(port=0)
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2, replica_timeout_s=60.0,
+                      metrics=metrics)
     core.on_report(report("a", model=ModelInfo(100, 64)), 0.0)
     bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), i, 0) for i in range(2)], 0.0)
     works = core.decide("a", 0.0).start
@@ -42,6 +46,11 @@ def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():
     assert sorted((m.source, m.destination, m.at_token, m.reason) for c in done for m in c.migrations) == [
         ("a", "b", 1, "replica_left"), ("a", "b", 3, "replica_left")]
     assert core.counters["handed_back"] == 2 and core.counters["recovered"] == 0
+    sample = metrics.registry.get_sample_value
+    assert sample("rollout_sequences_resumed_total", {"source": "a", "reason": "replica_left"}) == 2
+    assert sample("rollout_migrations_total", {"source": "a"}) is None  # not the policy's moves
+    metrics.gauges(core)
+    assert sample("rollout_replicas_expected") == core.expected_replicas == 1
 
 
 def test_work_a_leaving_replica_did_not_report_is_requeued_from_its_last_tokens():
