@@ -352,26 +352,18 @@ class RouterCore:
             self.departed[(replica_id, rep.incarnation)] = None
             while len(self.departed) > DEPARTED_KEPT:
                 self.departed.pop(next(iter(self.departed)))
-        elif self.surplus_joins > 0:
-            # A dead replica is replaced, so its death alone changes nothing; but if its
-            # replacement already joined (and raised the count), the count is one too high now.
-            self.surplus_joins -= 1
-            self.expected_replicas = max(1, self.expected_replicas - 1)
-        if not leaving:
+        else:
             self.last_fleet_change_t = now  # give its replacement a replica timeout to join
+            if self.surplus_joins > 0:
+                # A dead replica is replaced, so its death alone changes nothing; but if its
+                # replacement already joined (and raised the count), the count is one too high now.
+                self.surplus_joins -= 1
+                self.expected_replicas = max(1, self.expected_replicas - 1)
         self.outbox.pop(replica_id, None)
         self.weights_errors.pop(replica_id, None)
         for seq in list(rep.seqs.values()):
-            if seq.cancelled:  # the driver gave up on it: never run it again
-                self._finish(seq, "abort", now, replica_id)
-                continue
-            seq.migrations.append(Migration(replica_id, None, seq.generated, now - seq.submitted_t, "replica_lost"))
-            self.counters["recovered"] += 1
-            self.metrics.resumed(replica_id, "replica_lost")
-            self.give_up_t.pop(seq.seq_id, None)
-            seq.status, seq.replica = SeqStatus.QUEUED, None
-            self.queue.push(seq)
-            self.requeues += 1
+            self.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
+            self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
         self.queue.release_reserved(replica_id)
         self.policy.on_replica_removed(replica_id)
 

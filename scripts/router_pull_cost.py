@@ -2,7 +2,7 @@
 host simulated engines (engine.kind: sim) pull from the Router while idle and while a batch runs;
 the router's own process CPU time (its status' router_cpu_s) is divided by the pulls it served.
 
-    python scripts/router_pull_cost.py [--replicas 1,4] [--seconds 20] [--config configs/local-sim.yaml]
+    python scripts/router_pull_cost.py [--replicas 1,4,8] [--seconds 15] [--pull-wait-s 0.05] [--idle-pull-wait-s 1.0]
 
 Prints one JSON line per (replicas, phase): pulls/s, router CPU share, CPU ms per pull. It starts a
 local Ray cluster of its own (ray.init()), so stop any other first.
@@ -10,6 +10,7 @@ local Ray cluster of its own (ray.init()), so stop any other first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -45,7 +46,7 @@ def main() -> None:
     for n in [int(x) for x in a.replicas.split(",")]:
         router = RouterConfig(pull_wait_s=a.pull_wait_s, replica_timeout_s=60)
         if a.idle_pull_wait_s is not None:
-            router.idle_pull_wait_s = a.idle_pull_wait_s
+            router = dataclasses.replace(router, idle_pull_wait_s=a.idle_pull_wait_s)
         cfg = ClusterConfig(app_name=f"pullcost{n}", replicas=n,
                             engine=EngineConfig(kind="sim", model="sim", max_model_len=20480, max_num_seqs=256,
                                                 sim_profile="h200-1.5b"),

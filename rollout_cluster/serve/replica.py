@@ -158,7 +158,7 @@ class EngineReplica:
         """Stop pulling, give up every sequence, wait for their partials, send them in a last
         report marked `leaving`."""
         router = self.cfg.router
-        wait = min(HAND_BACK_S / 2, max(router.pull_wait_s, router.idle_pull_wait_s, router.report_interval_s) + 1.0)
+        wait = min(HAND_BACK_S / 2, max(router.pull_wait_s, router.idle_pull_wait_s) + 1.0)
         try:  # the loop ends after the pull in flight (held up to idle_pull_wait_s), unless the router is gone
             await asyncio.wait_for(asyncio.shield(self.task), wait)
         except asyncio.TimeoutError:

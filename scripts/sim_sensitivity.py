@@ -1,0 +1,72 @@
+"""Seed-scale simulator runs of two protocol choices (docs/benchmarks.md, sections 1 and 5):
+
+- `--ends`: replicas report an ended segment at once always (the simulator's default), or only
+  when work is queued or the end is a give-up's abort (what paced replicas do; `when-queued`).
+- `--migration-overhead`: what steal prices a migration's latency at (MIGRATION_OVERHEAD_S).
+
+    python scripts/sim_sensitivity.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
+    python scripts/sim_sensitivity.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
+
+Prints one JSON line per run: profile, pull interval, ends, overhead, policy, makespan, migrations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
+from rollout_cluster.config import PolicyConfig
+from rollout_cluster.engines.cost_model import load_profile
+from rollout_cluster.policy import make_policy
+from rollout_cluster.policy import steal
+from rollout_cluster.sim.simulator import Simulation
+
+
+class EndsWhenQueued(Simulation):
+    """A replica's ended segment waits for its next pull unless work is queued or it was aborted."""
+
+    def _advance(self, rid: str, until: float) -> None:
+        e = self.engines[rid]
+        t = self.clock[rid]
+        urgent = False
+        while t < until and e.busy:
+            f = self.slowdown[rid] = self._slowdown(rid)
+            dt = e.advance(limit_s=(until - t) / f) * f
+            self.busy[rid] += dt
+            t += dt
+            urgent = bool(e.finals) and (len(self.core.queue) > 0 or any(p.finish_reason == "abort" for p in e.finals))
+            if urgent:
+                break
+        self.clock[rid] = t if urgent else max(t, until)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="a100-80g-7b")
+    ap.add_argument("--pull-interval", type=float, default=0.5)
+    ap.add_argument("--ends", default="always", help="always,when-queued")
+    ap.add_argument("--migration-overhead", default=str(steal.MIGRATION_OVERHEAD_S))
+    ap.add_argument("--policies", default="least-loaded,steal")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    reqs = rl_longtail(LongtailSpec(prompts=512, samples=16, median=1500, sigma_prompt=0.9, sigma_sample=0.5,
+                                    max_tokens=16384, seed=a.seed), vocab_size=32000)
+    cost = load_profile(a.profile, 256)
+    sims = {"always": Simulation, "when-queued": EndsWhenQueued}
+    for ends in a.ends.split(","):
+        if ends not in sims:
+            raise SystemExit(f"--ends={ends!r}: must be one of {sorted(sims)}")
+        for overhead in (float(x) for x in a.migration_overhead.split(",")):
+            steal.MIGRATION_OVERHEAD_S = overhead
+            for policy in a.policies.split(","):
+                sim = sims[ends](make_policy(PolicyConfig(name=policy), cost), cost, 32,
+                                 pull_interval_s=a.pull_interval, trace=False)
+                res = sim.run(reqs)
+                print(json.dumps({"profile": a.profile, "pull_interval_s": a.pull_interval, "ends": ends,
+                                  "migration_overhead_s": overhead, "policy": policy,
+                                  "makespan_s": round(res.makespan_s, 2),
+                                  "migrations": res.counters["migrations"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
