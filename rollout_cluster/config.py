@@ -74,6 +74,7 @@ class PolicyConfig:
     max_moves_per_decision: int = 32
     max_reprefill_frac: float = 0.05  # steal: re-prefilled tokens stay below this fraction of generated tokens
     spread_groups: bool = True  # steal: place a group's samples on different replicas (their lengths correlate)
+    spread_chunk: int = 2  # steal, spreading: a group's samples go to a replica this many at a time (fewer prompt prefills)
     tail_isolation: bool = False  # steal: estimate remaining work from group siblings (measured: docs/benchmarks.md)
     scripted_at_tokens: list = field(default_factory=list)  # scripted: migrate at these token counts
 
@@ -134,6 +135,7 @@ class ClusterConfig:
             ("router.call_timeout_s", self.router.call_timeout_s > 0, "must be > 0"),
             ("policy.name", self.policy.name in POLICY_NAMES, f"must be one of {sorted(POLICY_NAMES)}"),
             ("policy.chunk_tokens", self.policy.chunk_tokens >= 1, "must be >= 1"),
+            ("policy.spread_chunk", self.policy.spread_chunk >= 1, "must be >= 1"),
             ("policy.min_move_interval_s", self.policy.min_move_interval_s >= 0, "must be >= 0"),
             ("policy.min_gain_s", self.policy.min_gain_s >= 0, "must be >= 0"),
             ("policy.min_gain_frac", 0 <= self.policy.min_gain_frac < 1, "must be in [0, 1)"),

@@ -42,6 +42,7 @@ def test_paths_in_a_nested_configs_folder_resolve_against_the_project(tmp_path):
     ({"engine": {"kind": "tpu"}}, "engine.kind='tpu'"),
     ({"sampling": {"max_tokens": -5}}, "sampling.max_tokens=-5"),
     ({"policy": {"name": "random"}}, "policy.name='random'"),
+    ({"policy": {"spread_chunk": 0}}, "policy.spread_chunk=0: must be >= 1"),
     ({"router": {"max_ongoing_requests": 5}, "replicas": 2}, "router.max_ongoing_requests=5"),
     ({"engine": {"enable_prefix_caching": "yes"}}, "engine.enable_prefix_caching='yes'"),
     ({"engine": 3}, "engine=3: must be a mapping"),

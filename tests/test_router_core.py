@@ -239,15 +239,20 @@ def test_cancel_finishes_queued_at_once_and_running_on_confirmation():
     assert not core.decide("a", 0.4).start
 
 
-def test_steal_spreads_a_group_over_replicas_and_pull_keeps_it_together():
-    reqs = longtail_requests(prompts=4, samples=4)
-    for policy, expect_spread in (("steal", True), ("pull", False)):
-        _, res = simulate(policy, reqs, replicas=4)
-        by_group = {}
-        for c in res.completions:
-            by_group.setdefault(c.prompt_index, set()).add(c.replicas[0])
-        spread = sum(len(r) for r in by_group.values()) / len(by_group)
-        assert (spread >= 3) if expect_spread else (spread <= 1.5), (policy, by_group)
+@pytest.mark.parametrize("policy, pc, per_replica", [
+    ("steal", {"spread_chunk": 1}, 1),  # one sample of a group per replica
+    ("steal", {"spread_chunk": 2}, 2),  # two at a time: the group's prompt is prefilled on 4 replicas, not 8
+    ("steal", {"spread_chunk": 8}, 8),  # chunk = group size: group-affine placement
+    ("pull", {}, 8),
+])
+def test_steal_spreads_a_group_over_replicas_chunk_at_a_time(policy, pc, per_replica):
+    reqs = longtail_requests(prompts=8, samples=8)  # 64 sequences, 8 per replica: all start at t=0
+    _, res = simulate(policy, reqs, replicas=8, **pc)
+    by_group = {}
+    for c in res.completions:
+        by_group.setdefault(c.prompt_index, Counter())[c.replicas[0]] += 1
+    for g, on in by_group.items():
+        assert sorted(on.values()) == [per_replica] * (8 // per_replica), (policy, pc, g, on)
 
 
 def test_steal_keeps_reprefill_within_budget_at_scale():

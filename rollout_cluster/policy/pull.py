@@ -7,6 +7,8 @@ queue head. The queue is in group order, so a contiguous take keeps groups toget
 """
 from __future__ import annotations
 
+from itertools import islice
+
 from .base import Assign, Decision, Policy
 from ..state import ClusterView
 
@@ -37,11 +39,12 @@ def take_for(view: ClusterView, replica_id: str, limit: int) -> list:
     return out
 
 
-def take_spread(view: ClusterView, replica_id: str, limit: int) -> list:
-    """Like `take_for`, but fresh work is taken one sample per group in turn, so the samples of
-    a group land on different replicas. Lengths correlate within a group: spreading a group
-    spreads its (unknown) long tail instead of stacking it on one replica, at the price of
-    the shared prompt's prefix-cache hits."""
+def take_spread(view: ClusterView, replica_id: str, limit: int, chunk: int = 1) -> list:
+    """Like `take_for`, but fresh work is taken `chunk` samples per group in turn, so the samples
+    of a group land on different replicas. Lengths correlate within a group: spreading a group
+    spreads its (unknown) long tail instead of stacking it on one replica, at the price of the
+    shared prompt's prefix-cache hits: every replica a group lands on prefills its prompt once.
+    `chunk` trades the two (docs/benchmarks.md measures 1, 2 and 4)."""
     q = view.queue
     out = take_for(view, replica_id, 0) if q.reserved.get(replica_id) else []
     for seq in q.continuations.values():
@@ -52,10 +55,10 @@ def take_spread(view: ClusterView, replica_id: str, limit: int) -> list:
     while lanes and len(out) < limit:
         alive = []
         for lane in lanes:
-            seq = next(lane, None)
-            if seq is None:
+            got = list(islice(lane, min(chunk, limit - len(out))))
+            if not got:
                 continue
-            out.append(seq)
+            out += got
             alive.append(lane)
             if len(out) >= limit:
                 break

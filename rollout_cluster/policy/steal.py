@@ -122,8 +122,11 @@ class StealPolicy(Policy):
     # --- decision --------------------------------------------------------------------
     def decide(self, view: ClusterView, replica_id: str) -> Decision:
         rep = view.replicas[replica_id]
-        take = take_spread if self.cfg.spread_groups else take_for
-        starts = take(view, replica_id, fair_take(view, replica_id))
+        limit = fair_take(view, replica_id)
+        if self.cfg.spread_groups:
+            starts = take_spread(view, replica_id, limit, self.cfg.spread_chunk)
+        else:
+            starts = take_for(view, replica_id, limit)
         decision = Decision(assign=[Assign(s, replica_id) for s in starts])
         now = view.now
         # Orders become the router's count once partials arrive; stop counting them twice.
