@@ -3,17 +3,22 @@
 - `--ends`: replicas report an ended segment at once always (the simulator's default), or only
   when work is queued or the end is a give-up's abort (what paced replicas do; `when-queued`).
 - `--migration-overhead`: what steal prices a migration's latency at (MIGRATION_OVERHEAD_S).
+- `--spread-chunk`: how many samples of a group steal places on a replica at a time
+  (`policy.spread_chunk`; 1 spreads the most, and pays the shared prompt's prefill the most).
 
     python scripts/sim_sensitivity.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
     python scripts/sim_sensitivity.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
+    python scripts/sim_sensitivity.py --profile a100-80g-7b --policies steal --spread-chunk 1,2,4 --seeds 0,1,2,3,4,5
 
-Prints one JSON line per run: profile, pull interval, ends, overhead, policy, makespan, migrations.
+Prints one JSON line per run: seed, profile, pull interval, ends, overhead, spread chunk, policy,
+makespan, its ratio to the balance bound, migrations.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
+from rollout_cluster.bench.bounds import balance_bound
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
@@ -47,25 +52,30 @@ def main() -> None:
     ap.add_argument("--ends", default="always", help="always,when-queued")
     ap.add_argument("--migration-overhead", default=str(steal.MIGRATION_OVERHEAD_S))
     ap.add_argument("--policies", default="least-loaded,steal")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spread-chunk", default=str(PolicyConfig.spread_chunk))
+    ap.add_argument("--seeds", default="0")
     a = ap.parse_args()
-    reqs = rl_longtail(LongtailSpec(prompts=512, samples=16, median=1500, sigma_prompt=0.9, sigma_sample=0.5,
-                                    max_tokens=16384, seed=a.seed), vocab_size=32000)
     cost = load_profile(a.profile, 256)
     sims = {"always": Simulation, "when-queued": EndsWhenQueued}
-    for ends in a.ends.split(","):
-        if ends not in sims:
-            raise SystemExit(f"--ends={ends!r}: must be one of {sorted(sims)}")
-        for overhead in (float(x) for x in a.migration_overhead.split(",")):
-            steal.MIGRATION_OVERHEAD_S = overhead
-            for policy in a.policies.split(","):
-                sim = sims[ends](make_policy(PolicyConfig(name=policy), cost), cost, 32,
-                                 pull_interval_s=a.pull_interval, trace=False)
-                res = sim.run(reqs)
-                print(json.dumps({"profile": a.profile, "pull_interval_s": a.pull_interval, "ends": ends,
-                                  "migration_overhead_s": overhead, "policy": policy,
-                                  "makespan_s": round(res.makespan_s, 2),
-                                  "migrations": res.counters["migrations"]}), flush=True)
+    for seed in (int(x) for x in a.seeds.split(",")):
+        reqs = rl_longtail(LongtailSpec(prompts=512, samples=16, median=1500, sigma_prompt=0.9, sigma_sample=0.5,
+                                        max_tokens=16384, seed=seed), vocab_size=32000)
+        balance = balance_bound(reqs, cost, 32)
+        for ends in a.ends.split(","):
+            if ends not in sims:
+                raise SystemExit(f"--ends={ends!r}: must be one of {sorted(sims)}")
+            for overhead in (float(x) for x in a.migration_overhead.split(",")):
+                steal.MIGRATION_OVERHEAD_S = overhead
+                for chunk in (int(x) for x in a.spread_chunk.split(",")):
+                    for policy in a.policies.split(","):
+                        pc = PolicyConfig(name=policy, spread_chunk=chunk)
+                        sim = sims[ends](make_policy(pc, cost), cost, 32, pull_interval_s=a.pull_interval, trace=False)
+                        res = sim.run(reqs)
+                        print(json.dumps({"seed": seed, "profile": a.profile, "pull_interval_s": a.pull_interval,
+                                          "ends": ends, "migration_overhead_s": overhead, "spread_chunk": chunk,
+                                          "policy": policy, "makespan_s": round(res.makespan_s, 2),
+                                          "to_balance_bound": round(res.makespan_s / balance, 3),
+                                          "migrations": res.counters["migrations"]}), flush=True)
 
 
 if __name__ == "__main__":
