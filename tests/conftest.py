@@ -4,12 +4,22 @@ from pathlib import Path
 
 import pytest
 
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
-@pytest.fixture(scope="session")
-def headroom():
-    """scripts/isolation_headroom.py as a module (it is a script, not part of the package)."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "isolation_headroom.py"
-    spec = importlib.util.spec_from_file_location("isolation_headroom", script)
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def headroom():
+    return load_script("isolation_headroom")
+
+
+@pytest.fixture(scope="session")
+def balance_gap():
+    return load_script("balance_gap")
