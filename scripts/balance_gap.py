@@ -31,15 +31,10 @@ class OracleSteal(StealPolicy):
     """steal with the true remaining length of every sequence in place of its estimate."""
 
     def _load(self, view, rep, typical, starts=(), running_only=False):
-        seqs, _, _, _ = rep.seqs.columns(running_only)
-        seqs = list(seqs) + list(starts)
-        if not seqs:
-            return Load(np.zeros(0), np.zeros(0), seqs, self.cost)
-        g = np.array([s.generated for s in seqs], dtype=np.float64)
-        prompt = np.array([s.request.prompt_len for s in seqs], dtype=np.float64)
-        cap = np.array([s.request.sampling.max_tokens for s in seqs], dtype=np.float64)
-        true = np.array([s.request.hidden_length or s.request.sampling.max_tokens for s in seqs], dtype=np.float64)
-        return Load(np.maximum(1.0, np.minimum(true, cap) - g), g + prompt, seqs, self.cost)
+        load = super()._load(view, rep, typical, starts, running_only)  # the same rows and contexts
+        true = np.array([min(s.request.hidden_length or s.max_tokens, s.max_tokens) - s.generated
+                         for s in load.seqs], dtype=np.float64)
+        return Load(np.maximum(1.0, true), load.ctx, load.seqs, self.cost)
 
 
 class StepClockEngine(FastEngineCore):
