@@ -114,13 +114,17 @@ class WorkQueue:
         self.continuations: "OrderedDict[str, SeqState]" = OrderedDict()
         self.reserved: "dict[str, OrderedDict[str, SeqState]]" = {}
         self.fresh_by_group: "dict[tuple, OrderedDict[str, SeqState]]" = {}
+        self._reserved_for: "dict[str, str]" = {}  # seq_id -> the replica whose lane holds it
 
-    def __len__(self) -> int:
-        return len(self.fresh) + len(self.continuations) + sum(len(r) for r in self.reserved.values())
+    def __len__(self) -> int:  # every pull asks: O(1)
+        return len(self.fresh) + len(self.continuations) + len(self._reserved_for)
 
     def push(self, seq: SeqState, reserved_for: Optional[str] = None) -> None:
         if reserved_for is not None:
+            if seq.seq_id in self._reserved_for:  # re-reserved elsewhere: one lane holds it
+                self.remove(seq)
             self.reserved.setdefault(reserved_for, OrderedDict())[seq.seq_id] = seq
+            self._reserved_for[seq.seq_id] = reserved_for
         elif seq.generated > 0 or seq.attempt > 0:
             self.continuations[seq.seq_id] = seq
         else:
@@ -138,13 +142,17 @@ class WorkQueue:
             return
         if self.continuations.pop(sid, None) is not None:
             return
-        for lane in self.reserved.values():
-            if lane.pop(sid, None) is not None:
-                return
+        rid = self._reserved_for.pop(sid, None)
+        if rid is not None:
+            lane = self.reserved[rid]
+            lane.pop(sid, None)
+            if not lane:
+                del self.reserved[rid]
 
     def release_reserved(self, replica_id: str) -> None:
         """The destination is gone: its reserved continuations go back to the shared lane."""
         for seq in self.reserved.pop(replica_id, {}).values():
+            del self._reserved_for[seq.seq_id]
             self.continuations[seq.seq_id] = seq
 
     def unreserved(self):
