@@ -23,3 +23,8 @@ def headroom():
 @pytest.fixture(scope="session")
 def balance_gap():
     return load_script("balance_gap")
+
+
+@pytest.fixture(scope="session")
+def length_hints():
+    return load_script("length_hints")

@@ -60,20 +60,31 @@ def rl_longtail(spec: LongtailSpec = LongtailSpec(), vocab_size: Optional[int] =
     `ids_salt` draws other ids for the same lengths: runs that follow each other on one engine
     then find nothing of the previous run in the prefix cache.
     """
-    spec.validate()
-    rng = random.Random(spec.seed)
     ids_rng = random.Random(f"rl-longtail-ids-{spec.seed}{ids_salt}")
     sampling = SamplingSpec(max_tokens=spec.max_tokens, ignore_eos=True)
     out = []
+    for p, _, plen, lengths in _longtail_draws(spec):
+        ids = random_prompt(ids_rng, plen, vocab_size) if vocab_size else None
+        out += [SequenceRequest(ids, sampling, p, j, hidden_length=n, prompt_len=plen) for j, n in enumerate(lengths)]
+    return out
+
+
+def prompt_difficulties(spec: LongtailSpec = LongtailSpec()) -> list:
+    """Each prompt's difficulty (the median of its length distribution) in the batch that
+    `rl_longtail(spec)` draws. Benchmarks only: what a perfect per-prompt history would know."""
+    return [difficulty for _, difficulty, _, _ in _longtail_draws(spec)]
+
+
+def _longtail_draws(spec: LongtailSpec):
+    """(prompt index, difficulty, prompt length, sample lengths) per prompt, in draw order."""
+    spec.validate()
+    rng = random.Random(spec.seed)
     for p in range(spec.prompts):
         difficulty = rng.lognormvariate(math.log(spec.median), spec.sigma_prompt)
         plen = rng.randint(spec.prompt_min, spec.prompt_max)
-        ids = random_prompt(ids_rng, plen, vocab_size) if vocab_size else None
-        for j in range(spec.samples):
-            x = rng.lognormvariate(math.log(difficulty), spec.sigma_sample)
-            length = int(min(spec.max_tokens, max(MIN_LENGTH, x)))
-            out.append(SequenceRequest(ids, sampling, p, j, hidden_length=length, prompt_len=plen))
-    return out
+        lengths = [int(min(spec.max_tokens, max(MIN_LENGTH, rng.lognormvariate(math.log(difficulty), spec.sigma_sample))))
+                   for _ in range(spec.samples)]
+        yield p, difficulty, plen, lengths
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list:
