@@ -79,8 +79,9 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
         assert len({c.replicas[0] for c in results}) == 2
 
         # Shrink 2 -> 1 while a batch runs on both: Serve stops one replica gracefully; it hands
-        # its sequences back with every token, and the other finishes them.
-        lengths = [700] * 64
+        # its sequences back with every token, and the other finishes them. The batch must outlast
+        # the `serve deploy` CLI (seconds on a busy 2-core machine): 700 tokens once did not.
+        lengths = [1600] * 64
         bid = client.submit(batch(300, lengths))
         wait_running_on(client, 2)
         serve_deploy(cfg_file, serve_config(cluster_config, 1))
