@@ -54,6 +54,7 @@ class RouterConfig:
     pull_wait_s: float = 0.05  # long-poll of a replica that runs sequences: orders at once, else after this
     idle_pull_wait_s: float = 1.0  # long-poll of a replica that holds nothing: new work wakes it at once
     report_interval_s: float = 0.2  # a replica that runs sequences reports this often, and at once when one ends
+    max_pulls_per_s: float = 160.0  # busy replicas' reports stay under this many a second: the interval grows with the fleet
     replica_timeout_s: float = 60.0  # no pull for this long: the replica is dead, requeue its work
     max_ongoing_requests: int = 4096  # >> replicas + drivers: pulls must never queue
     submit_wait_for_replica_s: float = 600.0  # a submit with no live replica fails after this
@@ -61,6 +62,13 @@ class RouterConfig:
     # (2-core CPU cluster, docs/benchmarks.md: steal's decision p99 43 -> 2.2 ms, no makespan gain).
     niceness: Optional[int] = None  # the router's threads run at this niceness (null: keep Ray's 15)
     call_timeout_s: float = 120.0  # bound on every driver -> router call
+
+    def report_interval_for(self, replicas: int) -> float:
+        """The report interval a fleet of `replicas` live replicas is told to use: report_interval_s,
+        or replicas / max_pulls_per_s when that is longer, at most min(5, replica_timeout_s / 4)
+        (a slower report would look like a dead replica)."""
+        ceiling = max(self.report_interval_s, min(5.0, self.replica_timeout_s / 4))
+        return min(ceiling, max(self.report_interval_s, replicas / self.max_pulls_per_s))
 
 
 @dataclass
@@ -130,6 +138,7 @@ class ClusterConfig:
              f"must be in (0, min(5, router.replica_timeout_s / 4 = {self.router.replica_timeout_s / 4:g})]"),
             ("router.report_interval_s", 0 < self.router.report_interval_s <= min(5.0, self.router.replica_timeout_s / 4),
              f"must be in (0, min(5, router.replica_timeout_s / 4 = {self.router.replica_timeout_s / 4:g})]"),
+            ("router.max_pulls_per_s", self.router.max_pulls_per_s > 0, "must be > 0"),
             ("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8,
              "must exceed replicas + drivers, or pulls queue behind each other"),
             ("router.call_timeout_s", self.router.call_timeout_s > 0, "must be > 0"),

@@ -268,6 +268,8 @@ class Orders:
     control: list = field(default_factory=list)
     # Work is queued at the router: a slot freed by an ending segment is worth reporting at once.
     work_waiting: bool = False
+    # How often to report while running sequences (RouterConfig.report_interval_for the fleet); 0: the config's.
+    report_interval_s: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.start or self.give_up or self.control)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_cluster.config import ConfigError, load_config
+from rollout_cluster.config import ConfigError, RouterConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +43,7 @@ def test_paths_in_a_nested_configs_folder_resolve_against_the_project(tmp_path):
     ({"sampling": {"max_tokens": -5}}, "sampling.max_tokens=-5"),
     ({"policy": {"name": "random"}}, "policy.name='random'"),
     ({"policy": {"spread_chunk": 0}}, "policy.spread_chunk=0: must be >= 1"),
+    ({"router": {"max_pulls_per_s": 0}}, "router.max_pulls_per_s=0.0: must be > 0"),
     ({"router": {"max_ongoing_requests": 5}, "replicas": 2}, "router.max_ongoing_requests=5"),
     ({"engine": {"enable_prefix_caching": "yes"}}, "engine.enable_prefix_caching='yes'"),
     ({"engine": 3}, "engine=3: must be a mapping"),
@@ -65,3 +66,14 @@ def test_bad_yaml_file(tmp_path):
 def test_int_accepted_for_float():
     cfg = load_config({"router": {"pull_wait_s": 1}})
     assert cfg.router.pull_wait_s == 1.0
+
+
+@pytest.mark.parametrize("replicas, expected", [(1, 0.2), (32, 0.2), (64, 0.4), (256, 1.6), (10_000, 5.0)])
+def test_report_interval_grows_with_the_fleet_past_the_pull_budget(replicas, expected):
+    assert RouterConfig(report_interval_s=0.2, max_pulls_per_s=160).report_interval_for(replicas) == pytest.approx(expected)
+
+
+def test_report_interval_stays_under_a_quarter_of_the_replica_timeout():
+    router = RouterConfig(report_interval_s=0.5, max_pulls_per_s=10, replica_timeout_s=8.0)
+    assert router.report_interval_for(10) == pytest.approx(1.0)
+    assert router.report_interval_for(1000) == pytest.approx(2.0)  # a slower report would look dead

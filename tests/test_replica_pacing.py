@@ -36,8 +36,9 @@ def replica(engine: FakeEngine):
     return r
 
 
-def paced(held: int, urgent: bool, end_after_s=None) -> float:
-    """Seconds _pace waited; `end_after_s`: a segment ends that long after the report."""
+def paced(held: int, urgent: bool, end_after_s=None, interval_s: float = 0.0) -> float:
+    """Seconds _pace waited; `end_after_s`: a segment ends that long after the report;
+    `interval_s`: the interval the router's orders named (0: the config's)."""
     engine = FakeEngine(held)
     r = replica(engine)
 
@@ -45,7 +46,7 @@ def paced(held: int, urgent: bool, end_after_s=None) -> float:
         t0 = time.monotonic()
         if end_after_s is not None:
             asyncio.get_running_loop().call_later(end_after_s, engine.end_one)
-        await r._pace(t0, engine.ended, urgent)
+        await r._pace(t0, engine.ended, urgent, interval_s)
         return time.monotonic() - t0
 
     return asyncio.run(go())
@@ -69,3 +70,8 @@ def test_a_replica_whose_last_segment_ended_pulls_at_once():
 
 def test_an_idle_replica_does_not_pace():
     assert paced(held=0, urgent=False) < INTERVAL / 10
+
+
+def test_the_interval_the_router_names_replaces_the_configs():
+    assert INTERVAL * 0.3 * 0.95 <= paced(held=3, urgent=False, interval_s=INTERVAL * 0.3) < INTERVAL * 0.6
+    assert INTERVAL * 1.5 * 0.95 <= paced(held=3, urgent=False, interval_s=INTERVAL * 1.5) < INTERVAL * 3

@@ -89,19 +89,20 @@ class EngineReplica:
                 log.exception("replica %s failed applying orders", self.replica_id)
                 raise
             urgent = orders.work_waiting or bool(orders.give_up) or bool(self.engine.aborting())
-            await self._pace(now, ended, urgent)
+            await self._pace(now, ended, urgent, orders.report_interval_s)
 
-    async def _pace(self, reported_t: float, ended: int, urgent: bool) -> None:
+    async def _pace(self, reported_t: float, ended: int, urgent: bool, interval_s: float = 0.0) -> None:
         """A replica that runs sequences reports every router.report_interval_s; and at once when a
         segment ends if that matters now (`urgent`): work is queued for the freed slot, or a
         give-up's partials go back. Every pull costs the router's process milliseconds of Ray Serve
         request handling, whatever it carries (scripts/router_pull_cost.py), so a fleet of busy
-        replicas must not pull back to back. A replica that holds nothing pulls again at once: the
-        router holds that pull until work comes or router.idle_pull_wait_s passes."""
+        replicas must not pull back to back; the router lengthens the interval (`interval_s`) as
+        the fleet grows past router.max_pulls_per_s. A replica that holds nothing pulls again at
+        once: the router holds that pull until work comes or router.idle_pull_wait_s passes."""
         engine = self.engine
         if not engine.held():  # (when the last one ends, `ended` changes: the pace ends too)
             return
-        deadline = reported_t + self.cfg.router.report_interval_s
+        deadline = reported_t + (interval_s or self.cfg.router.report_interval_s)
         while not self.stopping and time.monotonic() < deadline:
             if engine.ended != ended and (urgent or not engine.held()):
                 return  # (an idle replica pulls at once: the router holds that pull)

@@ -88,6 +88,7 @@ class Router:
             except asyncio.TimeoutError:
                 pass
             orders = core.decide(report.replica_id, time.monotonic(), timer=time.perf_counter)
+        orders.report_interval_s = self.cfg.router.report_interval_for(len(core.replicas))
         return orders
 
     async def submit(self, requests: list, wait_for_replica_s: float | None = None) -> str:
