@@ -54,7 +54,7 @@ class RouterConfig:
     pull_wait_s: float = 0.05  # long-poll of a replica that runs sequences: orders at once, else after this
     idle_pull_wait_s: float = 1.0  # long-poll of a replica that holds nothing: new work wakes it at once
     report_interval_s: float = 0.2  # a replica that runs sequences reports this often, and at once when one ends
-    max_pulls_per_s: float = 160.0  # busy replicas' reports stay under this many a second: the interval grows with the fleet
+    max_pulls_per_s: float = 160.0  # busy replicas' periodic reports stay near this many a second: their interval grows with the fleet
     replica_timeout_s: float = 60.0  # no pull for this long: the replica is dead, requeue its work
     max_ongoing_requests: int = 4096  # >> replicas + drivers: pulls must never queue
     submit_wait_for_replica_s: float = 600.0  # a submit with no live replica fails after this

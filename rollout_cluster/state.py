@@ -120,9 +120,8 @@ class WorkQueue:
         return len(self.fresh) + len(self.continuations) + len(self._reserved_for)
 
     def push(self, seq: SeqState, reserved_for: Optional[str] = None) -> None:
+        self.remove(seq)  # one lane holds a sequence (re-reserved elsewhere, or requeued): O(1)
         if reserved_for is not None:
-            if seq.seq_id in self._reserved_for:  # re-reserved elsewhere: one lane holds it
-                self.remove(seq)
             self.reserved.setdefault(reserved_for, OrderedDict())[seq.seq_id] = seq
             self._reserved_for[seq.seq_id] = reserved_for
         elif seq.generated > 0 or seq.attempt > 0:
@@ -152,7 +151,7 @@ class WorkQueue:
     def release_reserved(self, replica_id: str) -> None:
         """The destination is gone: its reserved continuations go back to the shared lane."""
         for seq in self.reserved.pop(replica_id, {}).values():
-            del self._reserved_for[seq.seq_id]
+            self._reserved_for.pop(seq.seq_id, None)
             self.continuations[seq.seq_id] = seq
 
     def unreserved(self):

@@ -15,13 +15,15 @@ Variants (each against the same batch):
   placed at t=0 alone on `--tail-replicas` replicas (isolation from the start), the rest of
   the batch on the other replicas.
 
-Also prints, per seed, the additive cost model's account of the balance bound: with at least R
+Also prints, per seed: how many sequences run to the cap and from how many prompts, how well
+the hints correlate with the log lengths, the additive cost model's account of the balance bound: with at least R
 sequences at the longest length, every replica of the fluid schedule runs that many steps,
 so the bound is close to a * L_max + (the batch's own decode costs) / R; and the makespan, in that
 model, of a greedy placement that knows every length (`greedy_placement`).
 
     python scripts/length_hints.py --seeds 0,1,2,3,4,5 --variants steal,hint
     python scripts/length_hints.py --seeds 0,1,2 --variants hint-two-class --tail-groups 8 --tail-replicas 6
+    python scripts/length_hints.py --seeds 0,1,2,3,4,5 --variants ""   # the per-seed lines only
 """
 from __future__ import annotations
 
@@ -109,7 +111,13 @@ class TwoClassHintSteal(HintSteal):
         for i in range(0, max((len(lane) for lane in lanes), default=0), 2):
             for lane in lanes:
                 out += lane[i:i + 2][:free - len(out)]
-        return Decision(assign=[Assign(s, replica_id) for s in out[:free]]) if out else super().decide(view, replica_id)
+        if out:
+            return Decision(assign=[Assign(s, replica_id) for s in out[:free]])
+        # Nothing unplanned left: steal's own pass (it refreshes this replica's finish estimate),
+        # minus any planned work it would take (that is the tail replicas' alone).
+        decision = super().decide(view, replica_id)
+        decision.assign = [a for a in decision.assign if a.seq.seq_id not in self.plan]
+        return decision
 
 
 def additive_balance(reqs, cost: CostModel, replicas: int) -> float:
@@ -152,11 +160,17 @@ def main() -> None:
         hints = prompt_hints(spec, a.history, a.drift)
         balance = balance_bound(reqs, cost, 32)
         lower = bounds(reqs, cost, 32)["lower_bound_s"]
+        lengths = np.array([r.hidden_length for r in reqs], dtype=np.float64)
+        prompt_of = np.array([r.prompt_index for r in reqs])
+        at_cap = lengths >= spec.max_tokens
         print(json.dumps({"seed": seed, "balance_bound_s": round(balance, 2), "lower_bound_s": round(lower, 2),
+                          "at_cap": int(at_cap.sum()), "prompts_with_one_at_cap": len(set(prompt_of[at_cap])),
+                          "log_corr_hint_length": round(float(np.corrcoef(
+                              np.log(lengths), np.log(np.array(hints))[prompt_of])[0, 1]), 3),
                           "additive_balance_s": round(additive_balance(reqs, cost, 32), 2),
                           "greedy_placement_s": round(greedy_placement(reqs, cost, 32, cost.max_num_seqs)[0], 2)}),
               flush=True)
-        for variant in a.variants.split(","):
+        for variant in filter(None, a.variants.split(",")):
             cfg = PolicyConfig(name="steal")
             policy = {"steal": lambda: StealPolicy(cfg, cost), "hint": lambda: HintSteal(cfg, cost, hints),
                       "hint-two-class": lambda: TwoClassHintSteal(cfg, cost, hints, a.tail_groups, a.tail_replicas),

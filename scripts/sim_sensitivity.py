@@ -5,17 +5,21 @@
 - `--migration-overhead`: what steal prices a migration's latency at (MIGRATION_OVERHEAD_S).
 - `--spread-chunk`: how many samples of a group steal places on a replica at a time
   (`policy.spread_chunk`; 1 spreads the most, and pays the shared prompt's prefill the most).
+- `--min-gain-frac`: the fraction of the victim's predicted finish a steal must save
+  (`policy.min_gain_frac`).
 
     python scripts/sim_sensitivity.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
     python scripts/sim_sensitivity.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
     python scripts/sim_sensitivity.py --profile a100-80g-7b --policies steal --spread-chunk 1,2,4 --seeds 0,1,2,3,4,5
+    python scripts/sim_sensitivity.py --policies steal --min-gain-frac 0.02,0.04,0.06,0.09,0.12 --seeds 0,1,2,3,4,5
 
-Prints one JSON line per run: seed, profile, pull interval, ends, overhead, spread chunk, policy,
-makespan, its ratio to the balance bound, migrations.
+Prints one JSON line per run: seed, profile, pull interval, ends, overhead, spread chunk, min gain
+fraction, policy, makespan, its ratio to the balance bound, migrations.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 from rollout_cluster.bench.bounds import balance_bound
@@ -53,6 +57,7 @@ def main() -> None:
     ap.add_argument("--migration-overhead", default=str(steal.MIGRATION_OVERHEAD_S))
     ap.add_argument("--policies", default="least-loaded,steal")
     ap.add_argument("--spread-chunk", default=str(PolicyConfig.spread_chunk))
+    ap.add_argument("--min-gain-frac", default=str(PolicyConfig.min_gain_frac))
     ap.add_argument("--seeds", default="0")
     a = ap.parse_args()
     cost = load_profile(a.profile, 256)
@@ -66,14 +71,15 @@ def main() -> None:
                 raise SystemExit(f"--ends={ends!r}: must be one of {sorted(sims)}")
             for overhead in (float(x) for x in a.migration_overhead.split(",")):
                 steal.MIGRATION_OVERHEAD_S = overhead
-                for chunk in (int(x) for x in a.spread_chunk.split(",")):
+                for chunk, gain in itertools.product((int(x) for x in a.spread_chunk.split(",")),
+                                                     [float(x) for x in a.min_gain_frac.split(",")]):
                     for policy in a.policies.split(","):
-                        pc = PolicyConfig(name=policy, spread_chunk=chunk)
+                        pc = PolicyConfig(name=policy, spread_chunk=chunk, min_gain_frac=gain)
                         sim = sims[ends](make_policy(pc, cost), cost, 32, pull_interval_s=a.pull_interval, trace=False)
                         res = sim.run(reqs)
                         print(json.dumps({"seed": seed, "profile": a.profile, "pull_interval_s": a.pull_interval,
                                           "ends": ends, "migration_overhead_s": overhead, "spread_chunk": chunk,
-                                          "policy": policy, "makespan_s": round(res.makespan_s, 2),
+                                          "min_gain_frac": gain, "policy": policy, "makespan_s": round(res.makespan_s, 2),
                                           "to_balance_bound": round(res.makespan_s / balance, 3),
                                           "migrations": res.counters["migrations"]}), flush=True)
 

@@ -92,3 +92,14 @@ def test_greedy_placement_fills_within_capacity_and_is_priced_by_the_additive_mo
     assert makespan == pytest.approx(max(per_replica))
     round_robin = np.arange(len(reqs)) % 4
     assert makespan < max(cost.a * lengths[round_robin == r].max() + own[round_robin == r].sum() for r in range(4))
+
+
+def test_rl_longtail_draws_the_stream_every_recorded_result_came_from():
+    """The lengths, prompts and ids of seed 0 as generated before the generator was shared with
+    prompt_difficulties: every number in docs/results depends on this stream."""
+    spec = LongtailSpec(prompts=3, samples=4, seed=0)
+    reqs = rl_longtail(spec, vocab_size=32000)
+    assert [r.hidden_length for r in reqs] == [1096, 413, 960, 1397, 2432, 984, 5383, 3877, 8801, 6175, 5620, 1891]
+    assert [r.prompt_len for r in reqs[::4]] == [779, 357, 817]
+    assert reqs[0].prompt_token_ids[:4] == [8901, 2254, 6059, 13164]
+    assert prompt_difficulties(spec) == pytest.approx([1271.228, 1803.817, 3216.116], abs=1e-3)
