@@ -54,7 +54,7 @@ class RouterConfig:
     pull_wait_s: float = 0.05  # long-poll of a replica that runs sequences: orders at once, else after this
     idle_pull_wait_s: float = 1.0  # long-poll of a replica that holds nothing: new work wakes it at once
     report_interval_s: float = 0.2  # a replica that runs sequences reports this often, and at once when one ends
-    max_pulls_per_s: float = 160.0  # busy replicas' periodic reports stay near this many a second: their interval grows with the fleet
+    max_pulls_per_s: float = 160.0  # periodic reports and idle long-polls stay near this many a second: their interval grows with the fleet
     replica_timeout_s: float = 60.0  # no pull for this long: the replica is dead, requeue its work
     max_ongoing_requests: int = 4096  # >> replicas + drivers: pulls must never queue
     submit_wait_for_replica_s: float = 600.0  # a submit with no live replica fails after this
@@ -67,8 +67,18 @@ class RouterConfig:
         """The report interval a fleet of `replicas` live replicas is told to use: report_interval_s,
         or replicas / max_pulls_per_s when that is longer, at most min(5, replica_timeout_s / 4)
         (a slower report would look like a dead replica)."""
-        ceiling = max(self.report_interval_s, min(5.0, self.replica_timeout_s / 4))
-        return min(ceiling, max(self.report_interval_s, replicas / self.max_pulls_per_s))
+        return self._per_fleet(self.report_interval_s, replicas)
+
+    def idle_pull_wait_for(self, replicas: int) -> float:
+        """How long the router holds an idle replica's pull in a fleet of `replicas`: the same rule
+        from idle_pull_wait_s. Holding longer costs no latency (new work wakes a held pull), and
+        a fleet idle between RL steps then pulls max_pulls_per_s times a second, not once a
+        second per replica."""
+        return self._per_fleet(self.idle_pull_wait_s, replicas)
+
+    def _per_fleet(self, base_s: float, replicas: int) -> float:
+        ceiling = max(base_s, min(5.0, self.replica_timeout_s / 4))
+        return min(ceiling, max(base_s, replicas / self.max_pulls_per_s))
 
 
 @dataclass

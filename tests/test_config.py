@@ -77,3 +77,8 @@ def test_report_interval_stays_under_a_quarter_of_the_replica_timeout():
     router = RouterConfig(report_interval_s=0.5, max_pulls_per_s=10, replica_timeout_s=8.0)
     assert router.report_interval_for(10) == pytest.approx(1.0)
     assert router.report_interval_for(1000) == pytest.approx(2.0)  # a slower report would look dead
+
+
+@pytest.mark.parametrize("replicas, expected", [(2, 1.0), (160, 1.0), (320, 2.0), (10_000, 5.0)])
+def test_idle_pulls_are_held_longer_past_the_pull_budget(replicas, expected):
+    assert RouterConfig(idle_pull_wait_s=1.0, max_pulls_per_s=160).idle_pull_wait_for(replicas) == pytest.approx(expected)

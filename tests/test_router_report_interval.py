@@ -1,8 +1,10 @@
 """The Serve router names the report interval in every answer to a pull: router.report_interval_s,
-lengthened as the fleet grows past router.max_pulls_per_s, so that the router's pull load stays
-bounded whatever the fleet size (each pull costs it milliseconds: docs/benchmarks.md, section 5).
-The router class runs here without Serve: its pull is a plain coroutine."""
+lengthened as the fleet grows past router.max_pulls_per_s, and holds an idle replica's pull by the
+same rule, so that the router's pull load stays bounded whatever the fleet size (each pull costs
+it milliseconds: docs/benchmarks.md, section 5). The router class runs here without Serve: its
+pull is a plain coroutine."""
 import asyncio
+import time
 
 import pytest
 
@@ -32,3 +34,35 @@ def test_pull_answers_name_an_interval_that_follows_the_live_fleet():
     joined, after_leave = asyncio.run(go())
     assert joined == pytest.approx([0.5, 1.0, 1.5, 2.0])  # n live replicas / 2 pulls a second
     assert after_leave == pytest.approx(1.5)
+
+
+def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_it():
+    from rollout_cluster.types import SamplingSpec, SequenceRequest
+
+    cfg = ClusterConfig(replicas=2, engine=EngineConfig(kind="sim"),
+                        router=RouterConfig(max_pulls_per_s=10.0, idle_pull_wait_s=0.05))
+
+    async def held_s(router, rid):
+        t0 = time.monotonic()
+        await router.pull(report(rid))
+        return time.monotonic() - t0
+
+    async def go():
+        router = Router.func_or_class(to_dict(cfg))
+        try:
+            alone = await held_s(router, "r0")  # 1 replica: 0.1 s
+            for rid in ("r1", "r2", "r3"):
+                await router.pull(report(rid))
+            four = await held_s(router, "r0")  # 4 replicas: 0.4 s
+            pending = asyncio.ensure_future(held_s(router, "r1"))
+            await asyncio.sleep(0.05)
+            await router.submit([SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=4), 0, 0)])
+            woken = await pending
+            return alone, four, woken
+        finally:
+            router._reaper.cancel()
+
+    alone, four, woken = asyncio.run(go())
+    assert 0.09 <= alone < 0.3
+    assert 0.38 <= four < 0.8
+    assert woken < 0.3  # the submit woke the held pull

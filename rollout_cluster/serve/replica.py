@@ -98,7 +98,8 @@ class EngineReplica:
         request handling, whatever it carries (scripts/router_pull_cost.py), so a fleet of busy
         replicas must not pull back to back; the router lengthens the interval (`interval_s`) once
         the fleet passes max_pulls_per_s x report_interval_s replicas (32 by default). A replica that holds nothing pulls again at
-        once: the router holds that pull until work comes or router.idle_pull_wait_s passes."""
+        once: the router holds that pull until work comes or router.idle_pull_wait_s passes
+        (longer in a large fleet: RouterConfig.idle_pull_wait_for)."""
         engine = self.engine
         if not engine.held():  # (when the last one ends, `ended` changes: the pace ends too)
             return
@@ -160,7 +161,9 @@ class EngineReplica:
         report marked `leaving`."""
         router = self.cfg.router
         wait = min(HAND_BACK_S / 2, max(router.pull_wait_s, router.idle_pull_wait_s) + 1.0)
-        try:  # the loop ends after the pull in flight (held up to idle_pull_wait_s), unless the router is gone
+        # The loop ends after the pull in flight (held up to idle_pull_wait_s, longer in a large
+        # fleet: then the wait runs out and the task is cancelled), unless the router is gone.
+        try:
             await asyncio.wait_for(asyncio.shield(self.task), wait)
         except asyncio.TimeoutError:
             self.task.cancel()  # its pull's deltas are still in self.unsent; whatever it holds is handed back below

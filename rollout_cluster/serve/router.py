@@ -1,7 +1,8 @@
 """Router deployment: one replica, asyncio, the single owner of sequence state.
 
 Replicas long-poll `pull(report)`: orders go back at once when there are any, otherwise after
-`pull_wait_s`, or `idle_pull_wait_s` for a replica that holds nothing (sooner when work arrives).
+`pull_wait_s`, or `idle_pull_wait_s` for a replica that holds nothing (sooner when work arrives;
+longer in a fleet past `max_pulls_per_s`). Every answer names the report interval for the fleet.
 Drivers call `submit` and long-poll `fetch`.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Router:
             ev.clear()
             rep = core.replicas.get(report.replica_id)
             busy = (rep is not None and rep.seqs) or report.weights_loading  # (a load's end is news)
-            wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_s
+            wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_for(len(core.replicas))
             try:
                 await asyncio.wait_for(ev.wait(), wait)
             except asyncio.TimeoutError:
