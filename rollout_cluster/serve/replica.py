@@ -97,9 +97,9 @@ class EngineReplica:
         give-up's partials go back. Every pull costs the router's process milliseconds of Ray Serve
         request handling, whatever it carries (scripts/router_pull_cost.py), so a fleet of busy
         replicas must not pull back to back; the router lengthens the interval (`interval_s`) once
-        the fleet passes max_pulls_per_s x report_interval_s replicas (32 by default). A replica that holds nothing pulls again at
-        once: the router holds that pull until work comes or router.idle_pull_wait_s passes
-        (longer in a large fleet: RouterConfig.idle_pull_wait_for)."""
+        the fleet passes max_pulls_per_s x report_interval_s replicas (32 by default). A replica
+        that holds nothing pulls again at once: the router holds that pull until work comes or
+        router.idle_pull_wait_s passes (longer in a large fleet: RouterConfig.idle_pull_wait_for)."""
         engine = self.engine
         if not engine.held():  # (when the last one ends, `ended` changes: the pace ends too)
             return
