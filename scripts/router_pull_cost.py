@@ -3,6 +3,7 @@ host simulated engines (engine.kind: sim) pull from the Router while idle and wh
 the router's own process CPU time (its status' router_cpu_s) is divided by the pulls it served.
 
     python scripts/router_pull_cost.py [--replicas 1,4,8] [--seconds 15] [--pull-wait-s 0.05] [--idle-pull-wait-s 1.0]
+        [--max-pulls-per-s 160,20,4]   # router.max_pulls_per_s: one app per value and fleet size
 
 Prints one JSON line per (replicas, phase): pulls/s, router CPU share, CPU ms per pull. It starts a
 local Ray cluster of its own (ray.init()), so stop any other first.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 
@@ -39,27 +41,31 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--pull-wait-s", type=float, default=0.05)
     ap.add_argument("--idle-pull-wait-s", type=float, default=None)
+    ap.add_argument("--max-pulls-per-s", default=str(RouterConfig.max_pulls_per_s))
     a = ap.parse_args()
     import ray
 
     ray.init(num_cpus=8)
-    for n in [int(x) for x in a.replicas.split(",")]:
-        router = RouterConfig(pull_wait_s=a.pull_wait_s, replica_timeout_s=60)
+    for n, budget in itertools.product([int(x) for x in a.replicas.split(",")],
+                                       [float(x) for x in a.max_pulls_per_s.split(",")]):
+        router = RouterConfig(pull_wait_s=a.pull_wait_s, replica_timeout_s=60, max_pulls_per_s=budget)
         if a.idle_pull_wait_s is not None:
             router = dataclasses.replace(router, idle_pull_wait_s=a.idle_pull_wait_s)
-        cfg = ClusterConfig(app_name=f"pullcost{n}", replicas=n,
+        cfg = ClusterConfig(app_name=f"pullcost{n}-{budget:g}", replicas=n,
                             engine=EngineConfig(kind="sim", model="sim", max_model_len=20480, max_num_seqs=256,
                                                 sim_profile="h200-1.5b"),
                             resources=ReplicaResources(num_cpus=0.05, num_gpus=0), router=router,
                             policy=PolicyConfig(name="pull"), metrics=MetricsConfig(port=0)).validate()
         client = RolloutClient.start(cfg, address="auto")
         time.sleep(3.0)
-        print(json.dumps({"replicas": n, "phase": "idle", **measure(client, a.seconds)}), flush=True)
+        row = {"replicas": n, "max_pulls_per_s": budget, "report_interval_s": router.report_interval_for(n),
+               "idle_pull_wait_s": router.idle_pull_wait_for(n)}
+        print(json.dumps({**row, "phase": "idle", **measure(client, a.seconds)}), flush=True)
         # Busy: 64 sequences a replica, longer than the measurement.
         reqs = expand([[1, 2, 3]] * (64 * n), SamplingSpec(max_tokens=16000, ignore_eos=True))
         bid = client.submit(reqs)
         time.sleep(2.0)
-        print(json.dumps({"replicas": n, "phase": "busy", **measure(client, a.seconds)}), flush=True)
+        print(json.dumps({**row, "phase": "busy", **measure(client, a.seconds)}), flush=True)
         client.cancel(bid)
         client.shutdown()
     ray.shutdown()
