@@ -77,8 +77,7 @@ def main() -> None:
     a = ap.parse_args()
     cost = load_profile(a.profile, 256)
     for seed in (int(x) for x in a.seeds.split(",")):
-        reqs = rl_longtail(LongtailSpec(prompts=512, samples=16, median=1500, sigma_prompt=0.9, sigma_sample=0.5,
-                                        max_tokens=16384, seed=seed), vocab_size=32000)
+        reqs = rl_longtail(LongtailSpec(seed=seed), vocab_size=32000)  # the seed scale
         balance = balance_bound(reqs, cost, 32)
         fluid = list(fluid_schedule(reqs, cost, 32))
         for chunk in (int(x) for x in a.spread_chunk.split(",")):

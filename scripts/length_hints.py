@@ -120,18 +120,22 @@ class TwoClassHintSteal(HintSteal):
         return decision
 
 
+def lengths_and_own(reqs, cost: CostModel) -> tuple:
+    """Each sequence's true length and its own decode cost (estimate.own_costs from its prompt)."""
+    lengths = np.array([min(r.hidden_length, r.sampling.max_tokens) for r in reqs], dtype=np.float64)
+    return lengths, own_costs(lengths, np.array([r.prompt_len for r in reqs], dtype=np.float64), cost)
+
+
 def additive_balance(reqs, cost: CostModel, replicas: int) -> float:
     """a * L_max + the batch's own decode costs / R (module docstring)."""
-    lengths = np.array([min(r.hidden_length, r.sampling.max_tokens) for r in reqs], dtype=np.float64)
-    prompts = np.array([r.prompt_len for r in reqs], dtype=np.float64)
-    return float(cost.a * lengths.max() + own_costs(lengths, prompts, cost).sum() / replicas)
+    lengths, own = lengths_and_own(reqs, cost)
+    return float(cost.a * lengths.max() + own.sum() / replicas)
 
 
 def greedy_placement(reqs, cost: CostModel, replicas: int, capacity: int) -> tuple:
     """With the true lengths: each sequence, longest first, to the replica (with a free slot)
     whose a * (longest) + own costs grows least. Returns (that maximum, replica of each sequence)."""
-    lengths = np.array([min(r.hidden_length, r.sampling.max_tokens) for r in reqs], dtype=np.float64)
-    own = own_costs(lengths, np.array([r.prompt_len for r in reqs], dtype=np.float64), cost)
+    lengths, own = lengths_and_own(reqs, cost)
     longest, owns, count = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas, dtype=int)
     where = np.zeros(len(reqs), dtype=int)
     for i in np.argsort(-lengths, kind="stable"):
@@ -154,13 +158,12 @@ def main() -> None:
     a = ap.parse_args()
     cost = load_profile(a.profile, 256)
     for seed in (int(x) for x in a.seeds.split(",")):
-        spec = LongtailSpec(prompts=512, samples=16, median=1500, sigma_prompt=0.9, sigma_sample=0.5,
-                            max_tokens=16384, seed=seed)
+        spec = LongtailSpec(seed=seed)  # the seed scale
         reqs = rl_longtail(spec)
         hints = prompt_hints(spec, a.history, a.drift)
         balance = balance_bound(reqs, cost, 32)
         lower = bounds(reqs, cost, 32)["lower_bound_s"]
-        lengths = np.array([r.hidden_length for r in reqs], dtype=np.float64)
+        lengths, _ = lengths_and_own(reqs, cost)
         prompt_of = np.array([r.prompt_index for r in reqs])
         at_cap = lengths >= spec.max_tokens
         print(json.dumps({"seed": seed, "balance_bound_s": round(balance, 2), "lower_bound_s": round(lower, 2),
