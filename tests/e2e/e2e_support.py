@@ -1,5 +1,4 @@
-"""One real cluster for every e2e test: `ray start --head` (token auth on, as Ray 2.60 sets it),
-the Serve app of configs/local-cpu.yaml with 2 vLLM-CPU replicas, and a RolloutClient."""
+"""One real cluster for every e2e test: `ray start --head` with token auth on, the Serve app of configs/local-cpu.yaml with 2 vLLM-CPU replicas, and a RolloutClient."""
 import dataclasses
 import os
 import shutil
@@ -27,6 +26,11 @@ def ray_env() -> dict:
 def ray_head():
     env = ray_env()
     subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
+    # With RAY_AUTH_MODE=token, `ray start` refuses to run without a token: on a fresh machine
+    # (no ~/.ray/auth_token) make one first, as the README's steps do.
+    token = subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert token.returncode == 0, token.stdout + token.stderr
     out = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", "--num-cpus", "4", "--dashboard-host", "127.0.0.1",
                           "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

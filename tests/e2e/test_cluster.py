@@ -135,6 +135,21 @@ def test_ray_job_submit(client, tmp_path):
     assert version >= 1 and {line["weights_version"] for line in lines if line["finish_reason"] != "error"} == {version}
 
 
+def test_the_job_api_refuses_a_request_without_the_token(ray_head):
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    url = "http://127.0.0.1:8265/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=30)
+    assert refused.value.code in (401, 403)
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    authed = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(authed, timeout=30) as ok:
+        assert ok.status == 200 and isinstance(json.loads(ok.read()), list)
+
+
 def test_engine_processes_do_not_inherit_rays_worker_niceness(client):
     """Ray starts workers at nice 15; the replica resets its engine to engine.niceness (0) before
     vLLM spawns, which needs root (CI) or CAP_SYS_NICE. Without it, the engines stay at 15."""
@@ -216,8 +231,10 @@ def test_replicas_pace_their_pulls(client, cluster_config):
     while sum(r["running"] > 0 for r in client.status()["replicas"].values()) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    busy = pulls_over(3.0)
+    busy = pulls_over(5.0)
     client.cancel(bid)
     collect(client, bid, 8)
     for rid, (n, dt) in busy.items():
-        assert dt / router.report_interval_s / 2 <= n <= dt / router.report_interval_s + 3, (rid, n, dt)
+        # Lower bound loose (a loaded 2-core machine stretches each cycle), yet a replica that
+        # stopped reporting fails it; the upper bound catches unpaced pulling.
+        assert dt / router.report_interval_s / 4 <= n <= dt / router.report_interval_s + 3, (rid, n, dt)
