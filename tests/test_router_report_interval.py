@@ -40,7 +40,7 @@ def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_
     from rollout_cluster.types import SamplingSpec, SequenceRequest
 
     cfg = ClusterConfig(replicas=2, engine=EngineConfig(kind="sim"),
-                        router=RouterConfig(max_pulls_per_s=10.0, idle_pull_wait_s=0.05))
+                        router=RouterConfig(max_pulls_per_s=4.0, idle_pull_wait_s=0.05))
 
     async def held_s(router, rid):
         t0 = time.monotonic()
@@ -50,10 +50,10 @@ def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_
     async def go():
         router = Router.func_or_class(to_dict(cfg))
         try:
-            alone = await held_s(router, "r0")  # 1 replica: 0.1 s
+            alone = await held_s(router, "r0")  # 1 replica: 0.25 s
             for rid in ("r1", "r2", "r3"):
                 await router.pull(report(rid))
-            four = await held_s(router, "r0")  # 4 replicas: 0.4 s
+            four = await held_s(router, "r0")  # 4 replicas: 1.0 s
             pending = asyncio.ensure_future(held_s(router, "r1"))
             await asyncio.sleep(0.05)
             await router.submit([SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=4), 0, 0)])
@@ -63,6 +63,7 @@ def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_
             router._reaper.cancel()
 
     alone, four, woken = asyncio.run(go())
-    assert 0.09 <= alone < 0.3
-    assert 0.38 <= four < 0.8
-    assert woken < 0.3  # the submit woke the held pull
+    # Upper bounds loose: these may run beside the e2e cluster's engines on a 2-core machine.
+    assert 0.24 <= alone < 0.7
+    assert 0.95 <= four < 1.6
+    assert woken < 0.5  # the submit woke the held pull (held, it would take 1.0 s)

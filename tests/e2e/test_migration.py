@@ -13,7 +13,9 @@ from e2e_support import METRICS_PORT
 pytestmark = pytest.mark.e2e
 
 PROMPTS = [[17, 230, 31, 47, 5], [101, 102, 103], [1500, 7, 9, 11, 13, 15, 17, 19]]
-GREEDY = SamplingSpec(max_tokens=160, temperature=0.0, ignore_eos=True, logprobs=0)
+# 300 tokens: the last ordered move (at 100) lands long before the natural finish, even when the
+# report that crosses a threshold comes one report interval late.
+GREEDY = SamplingSpec(max_tokens=300, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_greedy_migrated_tokens_equal_unmigrated(client, fresh_policy, unmigrate
 
 def test_sampled_migrations_complete_exactly_once(client, fresh_policy):
     fresh_policy("scripted", scripted_at_tokens=[10, 45])
-    lengths = [30, 70, 120, 200]
+    lengths = [30, 200, 300, 400]
     specs = [SamplingSpec(n=4, max_tokens=m, temperature=1.0, top_p=0.95, ignore_eos=True, logprobs=0, seed=s)
              for s, m in enumerate(lengths)]
     prompts = [[40 + i, 41, 42, 43] for i in range(len(lengths))]
@@ -52,9 +54,8 @@ def test_sampled_migrations_complete_exactly_once(client, fresh_policy):
     for c in results:
         assert len(c.token_ids) == lengths[c.prompt_index] and c.finish_reason == "length"
         assert len(c.logprobs) == len(c.token_ids) and all(math.isfinite(x) and x <= 0 for x in c.logprobs)
-    moved = [c for c in results if c.migrations]
-    assert len(moved) >= 12  # all but the shortest prompts' samples moved at least once
-    assert all(len(c.migrations) == 2 for c in results if c.prompt_index >= 2)
+    assert all(len(c.migrations) == 2 for c in results if c.prompt_index >= 1)
+    assert all(len(c.migrations) <= 1 for c in results if c.prompt_index == 0)  # 30 tokens: one move at most
 
 
 def test_give_up_racing_the_natural_finish(client, fresh_policy):
@@ -89,9 +90,13 @@ def scrape() -> dict:
 def test_metrics_endpoint_moves(client, fresh_policy):
     before = scrape()
     fresh_policy("scripted", scripted_at_tokens=[15])
-    client.generate([[90, 91, 92]] * 6, SamplingSpec(max_tokens=60, ignore_eos=True), timeout_s=600)
+    # 400 tokens: the give-up at token 15 lands long before the natural finish even when the first
+    # report arrives late (60 tokens once raced the finish and moved only 3 of 6).
+    results = client.generate([[90, 91, 92]] * 6, SamplingSpec(max_tokens=400, ignore_eos=True), timeout_s=600)
     after = scrape()
-    assert after["rollout_migrations_total"] >= before.get("rollout_migrations_total", 0) + 6
+    moved = sum(len(c.migrations) for c in results)
+    assert moved == 6 and all(len(c.token_ids) == 400 for c in results)
+    assert after["rollout_migrations_total"] == before.get("rollout_migrations_total", 0) + moved
     assert after["rollout_reprefill_tokens_total"] >= before.get("rollout_reprefill_tokens_total", 0) + 6 * 18
     assert after["rollout_sequences_finished_total"] >= before.get("rollout_sequences_finished_total", 0) + 6
     assert after["rollout_router_decision_seconds_count"] > before.get("rollout_router_decision_seconds_count", 0)

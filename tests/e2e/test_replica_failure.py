@@ -21,7 +21,9 @@ def engine_replica_actors():
 def batch_and_busiest_replica(client, first_token: int) -> tuple:
     """(batch id, lengths, busiest replica's id, its actor): a batch of long sequences submitted
     and running on both replicas for a second."""
-    lengths = [600] * 8 + [300] * 8
+    # Long enough that none ends before Serve's graceful shutdown (a 2 s drain loop first) hands
+    # the leaving replica's work back: a sequence that finished there would never have moved.
+    lengths = [1500] * 8 + [1000] * 8
     prompts = [[first_token + i, 51, 52] for i in range(len(lengths))]
     requests = expand(prompts, [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
     bid = client.submit(requests)
@@ -48,6 +50,7 @@ def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_po
     assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if c.replicas[0] == leaving_id]
     assert resumed and all(len(c.replicas) == 2 for c in resumed)
+    assert all(c.replicas[0] != leaving_id and not c.migrations for c in results if c not in resumed)
     # each says why it moved: handed back, at the token it had reached
     assert all([(m.source, m.reason) for m in c.migrations] == [(leaving_id, "replica_left")] for c in resumed)
     assert all(0 <= c.migrations[0].at_token < len(c.token_ids) for c in resumed)
