@@ -28,3 +28,8 @@ def balance_gap():
 @pytest.fixture(scope="session")
 def length_hints():
     return load_script("length_hints")
+
+
+@pytest.fixture(scope="session")
+def fleet_scale_plot():
+    return load_script("fleet_scale_plot")
