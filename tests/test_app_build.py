@@ -31,8 +31,12 @@ def test_build_from_inline_mapping_and_bad_args_fail_clearly():
         build({"replicas": 0})
 
 
-def test_tensor_parallel_replicas_get_a_placement_group():
+def test_a_tensor_parallel_replica_holds_one_gpu_per_rank():
     cfg = load_config({"engine": {"tensor_parallel_size": 4}, "resources": {"num_gpus": 1, "num_cpus": 2}})
     opts = replica_options(cfg)
-    assert opts["placement_group_bundles"] == [{"CPU": 2.0}] + [{"GPU": 1}] * 4
-    assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["ray_actor_options"]["num_gpus"] == 0
+    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 4.0}
+    assert "placement_group_bundles" not in opts
+    more = load_config({"engine": {"tensor_parallel_size": 2}, "resources": {"num_gpus": 3}})
+    assert replica_options(more)["ray_actor_options"]["num_gpus"] == 3.0
+    cpu = load_config({"engine": {"tensor_parallel_size": 2}, "resources": {"num_gpus": 0}})
+    assert replica_options(cpu)["ray_actor_options"]["num_gpus"] == 0.0

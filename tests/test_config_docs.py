@@ -41,7 +41,7 @@ EXTRA_MEANINGS = {
     "engine.dtype": "vLLM dtype (auto, bfloat16, float16, float32)",
     "engine.max_model_len": "context limit per sequence (prompt + output)",
     "engine.max_num_batched_tokens": "vLLM scheduler: tokens per step; set always (AsyncLLM defaults to 2048)",
-    "engine.tensor_parallel_size": "GPUs per replica; > 1 places the engine's workers in the replica's placement group",
+    "engine.tensor_parallel_size": "GPUs per replica's engine; > 1: one worker process per rank, on the replica's GPUs (one node)",
     "engine.gpu_memory_utilization": "fraction of GPU memory vLLM may take (weights + KV cache)",
     "engine.enable_prefix_caching": "vLLM prefix caching; makes a migrated sequence's re-prefill cheaper for its siblings",
     "engine.enforce_eager": "disable CUDA graphs (faster start, slower decode)",

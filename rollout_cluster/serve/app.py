@@ -72,17 +72,20 @@ QUIET = {"enable_access_log": False}  # pulls run 20 times a second per replica
 
 
 def replica_options(cfg: ClusterConfig) -> dict:
-    tp = cfg.engine.tensor_parallel_size
     opts = {"num_replicas": cfg.replicas, "max_ongoing_requests": 16, "logging_config": QUIET,
             "health_check_period_s": 10, "health_check_timeout_s": 60, "graceful_shutdown_timeout_s": 20}
-    if tp > 1 and cfg.resources.num_gpus > 0:
-        # vLLM's Ray executor places TP workers into the replica's placement group.
-        opts["ray_actor_options"] = {"num_cpus": cfg.resources.num_cpus, "num_gpus": 0}
-        opts["placement_group_bundles"] = [{"CPU": cfg.resources.num_cpus}] + [{"GPU": 1}] * tp
-        opts["placement_group_strategy"] = "STRICT_PACK"
-    else:
-        opts["ray_actor_options"] = {"num_cpus": cfg.resources.num_cpus, "num_gpus": cfg.resources.num_gpus}
+    opts["ray_actor_options"] = {"num_cpus": cfg.resources.num_cpus, "num_gpus": replica_gpus(cfg)}
     return opts
+
+
+def replica_gpus(cfg: ClusterConfig) -> float:
+    """A replica's Ray GPUs: resources.num_gpus, and at least one per tensor-parallel rank. The
+    replica's actor holds them all, so they sit on one node and its CUDA_VISIBLE_DEVICES names
+    them; vLLM's multiprocessing executor runs one worker process per rank on them. (A placement
+    group of one-GPU bundles would leave the actor seeing no GPU: vLLM then refuses to build the
+    engine, and its Ray executor, started from the engine's own process, does not find the group.)"""
+    gpus = cfg.resources.num_gpus
+    return max(gpus, float(cfg.engine.tensor_parallel_size)) if gpus > 0 else 0.0
 
 
 def build_app(cfg: ClusterConfig):

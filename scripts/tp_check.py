@@ -1,0 +1,86 @@
+"""Tensor parallelism through the whole stack, on a machine with at least `--tp` GPUs: one Serve
+replica whose vLLM engine spans `--tp` GPUs, a mixed-length batch through the router, a weights
+reload on every rank (update_weights), and the batch again. Run on the lent H200 x2 by
+`bash scripts/gpu_validate.sh tp` (docs/benchmarks.md, section 4).
+
+    python scripts/tp_check.py --tp 2 --out OUT
+
+Writes OUT/tp_check.json: each GPU's memory before and after the engine started (every rank
+allocates its own KV cache, so every GPU must fill), the batches' lengths and timings, and how many
+greedy sequences came out identical before and after the reload of the same checkpoint.
+Exits 1 if a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+
+def gpu_memory_mib() -> list:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--model", default="models/tiny-llama-tp")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    from rollout_cluster import RolloutClient, SamplingSpec
+    from rollout_cluster.demo import demo_batch
+    from rollout_cluster.model_maker import make_model
+
+    make_model(a.model, hidden=256, heads=4)  # heads and KV heads divisible by the TP size
+    cfg = {"app_name": "tp", "replicas": 1,
+           "engine": {"kind": "vllm", "model": a.model, "dtype": "bfloat16", "max_model_len": 4096,
+                      "max_num_seqs": 64, "max_num_batched_tokens": 4096, "tensor_parallel_size": a.tp,
+                      "gpu_memory_utilization": 0.3, "enforce_eager": True},
+           "resources": {"num_cpus": 1, "num_gpus": 1},
+           "router": {"replica_timeout_s": 120}, "policy": {"name": "pull"}}
+    report = {"tp": a.tp, "gpu_mib_before": gpu_memory_mib()}
+    t0 = time.monotonic()
+    client = RolloutClient.start(cfg, wait_ready_s=600)
+    report["start_s"] = round(time.monotonic() - t0, 1)
+    report["gpu_mib_after_start"] = gpu_memory_mib()
+    ids, specs = demo_batch(prompts=16, samples=4, seed=1, max_len=600)
+    greedy = [SamplingSpec(n=s.n, max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0) for s in specs]
+    checks = {}
+
+    def batch(name: str) -> list:
+        t = time.monotonic()
+        results = client.generate(ids, greedy, timeout_s=600)
+        report[f"{name}_s"] = round(time.monotonic() - t, 2)
+        expected = [s.max_tokens for s in greedy for _ in range(s.n)]
+        checks[f"{name}: every length exact"] = [len(c.token_ids) for c in results] == expected
+        checks[f"{name}: logprobs finite"] = all(len(c.logprobs) == len(c.token_ids) and
+                                                 all(math.isfinite(x) and x <= 0 for x in c.logprobs)
+                                                 for c in results)
+        return results
+
+    first = batch("batch_1")
+    version = client.update_weights(a.model)
+    report["weights_version"] = version
+    second = batch("batch_2_after_reload")
+    same = sum(x.token_ids == y.token_ids for x, y in zip(first, second))
+    report["greedy_identical_after_reload"] = f"{same} of {len(first)}"
+    checks["reload: the version tags the second batch"] = {c.weights_version for c in second} == {version}
+    before, after = report["gpu_mib_before"], report["gpu_mib_after_start"]
+    grown = [b2 - b1 for b1, b2 in zip(before, after)]
+    checks[f"the engine filled {a.tp} GPUs"] = sum(g > 10_000 for g in grown) >= a.tp
+    report["checks"] = checks
+    client.shutdown()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "tp_check.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    raise SystemExit(0 if all(checks.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
