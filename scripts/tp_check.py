@@ -6,8 +6,9 @@ reload on every rank (update_weights), and the batch again. Run on the lent H200
     python scripts/tp_check.py --tp 2 --out OUT
 
 Writes OUT/tp_check.json: each GPU's memory before and after the engine started (every rank
-allocates its own KV cache, so every GPU must fill), the batches' lengths and timings, and how many
-greedy sequences came out identical before and after the reload of the same checkpoint.
+allocates its own KV cache, so every GPU must fill), the batches' lengths and timings, how long
+update_weights took, and how many greedy sequences came out identical before and after the reload
+of the same checkpoint.
 Exits 1 if a check fails.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--model", default="models/tiny-llama-tp")
+    ap.add_argument("--size", default="256,2,4,2048",
+                    help="hidden,layers,heads,vocab of the random Llama made in --model (2048,24,16,32000: 1.1B)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -37,14 +40,18 @@ def main() -> None:
     from rollout_cluster.demo import demo_batch
     from rollout_cluster.model_maker import make_model
 
-    make_model(a.model, hidden=256, heads=4)  # heads and KV heads divisible by the TP size
+    hidden, layers, heads, vocab = (int(x) for x in a.size.split(","))
+    t0 = time.monotonic()
+    # heads and KV heads divisible by the TP size
+    make_model(a.model, hidden=hidden, layers=layers, heads=heads, vocab=vocab, dtype="bfloat16")
+    made_s = time.monotonic() - t0
     cfg = {"app_name": "tp", "replicas": 1,
            "engine": {"kind": "vllm", "model": a.model, "dtype": "bfloat16", "max_model_len": 4096,
                       "max_num_seqs": 64, "max_num_batched_tokens": 4096, "tensor_parallel_size": a.tp,
                       "gpu_memory_utilization": 0.3, "enforce_eager": True},
            "resources": {"num_cpus": 1, "num_gpus": 1},
            "router": {"replica_timeout_s": 120}, "policy": {"name": "pull"}}
-    report = {"tp": a.tp, "gpu_mib_before": gpu_memory_mib()}
+    report = {"tp": a.tp, "size": a.size, "make_model_s": round(made_s, 1), "gpu_mib_before": gpu_memory_mib()}
     t0 = time.monotonic()
     client = RolloutClient.start(cfg, wait_ready_s=600)
     report["start_s"] = round(time.monotonic() - t0, 1)
@@ -65,7 +72,9 @@ def main() -> None:
         return results
 
     first = batch("batch_1")
+    t = time.monotonic()
     version = client.update_weights(a.model)
+    report["update_weights_s"] = round(time.monotonic() - t, 2)
     report["weights_version"] = version
     second = batch("batch_2_after_reload")
     same = sum(x.token_ids == y.token_ids for x, y in zip(first, second))

@@ -180,5 +180,11 @@ class EngineReplica:
                         self.engine.capacity, self.weights_version, leaving=True)
         # With nothing to hand back the goodbye only saves the router a timeout; when the whole
         # application is being deleted the router may be gone already: do not wait long for it.
-        await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S / 2 if report.progress else 1.0)
+        try:
+            await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S / 2 if report.progress else 1.0)
+        except Exception as e:
+            if report.progress:
+                raise
+            log.info("replica %s held no work; its goodbye did not reach the router (%r)", self.replica_id, e)
+            return
         log.info("replica %s handed back %d sequences", self.replica_id, len(held))
