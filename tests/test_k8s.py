@@ -141,8 +141,10 @@ def quantity(q) -> float:
 def cluster_errors(spec: dict, cfg) -> list:
     """What keeps this cluster from hosting `cfg`: GPUs, CPUs, /dev/shm, head without GPUs."""
     errs = []
-    tp, gpus_per_replica = cfg.engine.tensor_parallel_size, cfg.resources.num_gpus
-    need_gpus = cfg.replicas * max(tp if gpus_per_replica > 0 else 0, gpus_per_replica)
+    from rollout_cluster.serve.app import replica_gpus
+
+    tp, gpus_per_replica = cfg.engine.tensor_parallel_size, replica_gpus(cfg)
+    need_gpus = cfg.replicas * gpus_per_replica
     head = spec["headGroupSpec"]
     if head.get("rayStartParams", {}).get("num-gpus") != "0":
         errs.append("head rayStartParams num-gpus must be \"0\": replicas belong on the GPU workers")
@@ -157,9 +159,9 @@ def cluster_errors(spec: dict, cfg) -> list:
             errs.append(f"group {g['groupName']}: num-gpus {declared} != {GPU} limit {per_pod:g}")
         if g.get("minReplicas", 0) > g.get("replicas", 0) or g.get("replicas", 0) > g.get("maxReplicas", 0):
             errs.append(f"group {g['groupName']}: replicas outside [minReplicas, maxReplicas]")
-        have_gpus += pods * per_pod
         if per_pod and gpus_per_replica:
-            fits = per_pod // (tp if tp > 1 else gpus_per_replica)
+            fits = per_pod // gpus_per_replica  # a replica's GPUs are one actor's: all in one pod
+            have_gpus += pods * fits * gpus_per_replica
             if fits * cfg.resources.num_cpus > quantity(limits.get("cpu", 0)):
                 errs.append(f"group {g['groupName']}: {fits:g} replicas x {cfg.resources.num_cpus:g} CPUs "
                             f"exceed the pod's cpu limit {limits.get('cpu')}")
@@ -169,7 +171,7 @@ def cluster_errors(spec: dict, cfg) -> list:
             errs.append(f"group {g['groupName']}: no memory-backed emptyDir mounted at /dev/shm")
     if have_gpus < need_gpus:
         errs.append(f"worker groups hold {have_gpus:g} GPUs; the config needs {need_gpus:g} "
-                    f"(replicas={cfg.replicas} x tensor_parallel_size={tp})")
+                    f"(replicas={cfg.replicas} x {gpus_per_replica:g} GPUs each, tensor_parallel_size={tp})")
     return errs
 
 
@@ -282,6 +284,18 @@ def test_too_few_gpus_fails():
     doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = 3
     cfg = load_config(serve_apps(doc)[0]["args"])
     assert any("hold 24 GPUs; the config needs 32" in e for e in cluster_errors(cluster_spec(doc), cfg))
+
+
+@pytest.mark.parametrize("tp, replicas, enough", [(2, 16, True), (2, 17, False), (3, 8, True), (3, 9, False),
+                                                  (16, 1, False)])
+def test_tensor_parallel_replicas_must_fit_in_one_pod(tp, replicas, enough):
+    """4 pods x 8 GPUs: tp 2 fits 16 replicas; tp 3 only 2 a pod (8 of them; 8 GPUs stranded);
+    tp 16 none, as a replica's GPUs belong to one actor on one node."""
+    doc = _service()
+    cfg = dataclasses.replace(load_config(serve_apps(doc)[0]["args"]), replicas=replicas)
+    cfg.engine = dataclasses.replace(cfg.engine, tensor_parallel_size=tp)
+    short = [e for e in cluster_errors(cluster_spec(doc), cfg) if "the config needs" in e]
+    assert (short == []) == enough, short
 
 
 # ---- tests: contents ------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ application being deleted) is routine, not a warning."""
 import asyncio
 import logging
 
+import pytest
+
 from rollout_cluster.config import ClusterConfig
 from rollout_cluster.serve.replica import EngineReplica
 from rollout_cluster.types import EngineStats, SeqProgress
@@ -57,20 +59,29 @@ def shut_down(engine) -> None:
     asyncio.run(go())
 
 
+@pytest.fixture(autouse=True)
+def serve_log(caplog):
+    """Ray stops its loggers' records at "ray" (no propagation to the root, where caplog listens)."""
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(caplog.handler)
+    level, logger.level = logger.level, logging.INFO
+    yield
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+
+
 def warnings_of(caplog):
     return [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
 
 
 def test_an_empty_goodbye_to_a_router_that_is_gone_is_not_a_warning(caplog):
     engine = Engine()
-    with caplog.at_level(logging.INFO, logger="ray.serve"):
-        shut_down(engine)
+    shut_down(engine)
     assert engine.shut and warnings_of(caplog) == []
     assert any("held no work" in rec.getMessage() for rec in caplog.records)
 
 
 def test_tokens_that_could_not_be_handed_back_are_a_warning(caplog):
     engine = Engine([SeqProgress(3, 0, [5, 6], None, "abort", offset=0)])
-    with caplog.at_level(logging.INFO, logger="ray.serve"):
-        shut_down(engine)
+    shut_down(engine)
     assert engine.shut and any("could not hand its work back" in w for w in warnings_of(caplog))

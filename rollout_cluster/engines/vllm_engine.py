@@ -37,6 +37,10 @@ def engine_args(cfg: EngineConfig, model: str):
     extra = {}
     if "stream_interval" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:  # not in every vLLM
         extra["stream_interval"] = cfg.stream_interval
+    if cfg.tensor_parallel_size > 1 and not is_cpu_build():
+        # The ranks run on the replica actor's own GPUs (serve/app.py, replica_gpus). Said
+        # explicitly: in a placement group vLLM would pick its Ray executor instead.
+        extra["distributed_executor_backend"] = "mp"
     return AsyncEngineArgs(**extra,
         model=model,
         load_format=cfg.load_format,

@@ -81,9 +81,10 @@ def replica_options(cfg: ClusterConfig) -> dict:
 def replica_gpus(cfg: ClusterConfig) -> float:
     """A replica's Ray GPUs: resources.num_gpus, and at least one per tensor-parallel rank. The
     replica's actor holds them all, so they sit on one node and its CUDA_VISIBLE_DEVICES names
-    them; vLLM's multiprocessing executor runs one worker process per rank on them. (A placement
-    group of one-GPU bundles would leave the actor seeing no GPU: vLLM then refuses to build the
-    engine, and its Ray executor, started from the engine's own process, does not find the group.)"""
+    them; vLLM's multiprocessing executor runs one worker process per rank on them. (In a placement
+    group of one-GPU bundles, vLLM picks its Ray executor, which starts in the engine's own
+    process: that connects to Ray as a new driver, outside the group, and asks for GPUs the group
+    already holds. Ray Serve LLM passes the group to vLLM explicitly for that reason.)"""
     gpus = cfg.resources.num_gpus
     return max(gpus, float(cfg.engine.tensor_parallel_size)) if gpus > 0 else 0.0
 

@@ -50,7 +50,7 @@ def test_replica_shut_down_by_serve_hands_its_work_back_at_once(client, fresh_po
     assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
     resumed = [c for c in results if c.replicas[0] == leaving_id]
     assert resumed and all(len(c.replicas) == 2 for c in resumed)
-    assert all(c.replicas[0] != leaving_id and not c.migrations for c in results if c not in resumed)
+    assert all(not c.migrations for c in results if c not in resumed)  # the other replica's stayed
     # each says why it moved: handed back, at the token it had reached
     assert all([(m.source, m.reason) for m in c.migrations] == [(leaving_id, "replica_left")] for c in resumed)
     assert all(0 <= c.migrations[0].at_token < len(c.token_ids) for c in resumed)
