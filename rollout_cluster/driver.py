@@ -40,6 +40,42 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
     return out
 
 
+def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
+    """serve.run without its unbounded wait: deploy the application, then wait at most timeout_s
+    for Serve to call it RUNNING (every replica constructed: engines loaded). A replica that no
+    node can host (more GPUs than any node has, say) would leave serve.run waiting forever;
+    here it raises TimeoutError, and a constructor that keeps failing raises RuntimeError, each
+    naming what Serve reports and what a replica asks for. The application is then removed."""
+    from ray import serve
+    from ray.serve.api import _run
+    from ray.serve.schema import ApplicationStatus
+
+    from .serve.app import replica_options
+
+    name = cfg.app_name
+    _run(app, _blocking=False, name=name, route_prefix=f"/{name}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(name)
+        state = status.status if status else None
+        if state == ApplicationStatus.RUNNING:
+            return
+        failed = state == ApplicationStatus.DEPLOY_FAILED
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    reports = [f"{d}: {getattr(ds.status, 'value', ds.status)} {ds.message}".strip()
+               for d, ds in (status.deployments.items() if status else ()) if ds.status != "HEALTHY" or ds.message]
+    asks = replica_options(cfg)["ray_actor_options"]
+    serve.delete(name)
+    what = "failed to deploy" if failed else f"was not running after {timeout_s:.0f} s (wait_ready_s)"
+    detail = "; ".join(reports) or (status.message if status else "no status")
+    error = RuntimeError if failed else TimeoutError
+    raise error(f"Serve application {name!r} {what}, and was removed. Each EngineReplica asks for "
+                f"num_cpus={asks['num_cpus']:g} num_gpus={asks['num_gpus']:g} (resources.*, "
+                f"engine.tensor_parallel_size; a replica's GPUs must be on one node). Serve says: {detail}")
+
+
 class RolloutClient:
     def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
                  config: Optional[ClusterConfig] = None, owns_cluster: bool = False):
@@ -67,9 +103,10 @@ class RolloutClient:
             env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
             ray.init(address=address, runtime_env=env, **ray_init)
         serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+        t0 = time.monotonic()
+        deploy(build_app(cfg), cfg, wait_ready_s)
         client = cls(cfg.app_name, config=cfg, owns_cluster=address is None)
-        client.wait_ready(cfg.replicas, wait_ready_s)
+        client.wait_ready(cfg.replicas, max(1.0, wait_ready_s - (time.monotonic() - t0)))
         return client
 
     @classmethod

@@ -19,6 +19,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-app", action="store_true", help="leave an app this job deployed running afterwards")
     ap.add_argument("--redeploy", action="store_true", help="redeploy even if an app of that name is running")
     ap.add_argument("--timeout-s", type=float, default=None)
+    ap.add_argument("--ready-timeout-s", type=float, default=600.0,
+                    help="an app this job deploys must be running within this (replicas Ray cannot place fail it)")
     ap.add_argument("--weights", default=None,
                     help="load this checkpoint directory into every replica first (update_weights)")
     a = ap.parse_args(argv)
@@ -26,7 +28,7 @@ def main(argv=None) -> int:
     from ray import serve
 
     from ..config import load_config
-    from ..driver import RolloutClient
+    from ..driver import RolloutClient, deploy
     from ..jsonl_io import run_jsonl
     from ..serve.app import build_app
 
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
     running = _app_running(cfg.app_name)
     deployed = a.redeploy or not running
     if deployed:
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+        deploy(build_app(cfg), cfg, a.ready_timeout_s)
     else:  # a long-lived rollout service: use it, never tear it down
         print(f"using the running application {cfg.app_name!r}")
     client = RolloutClient(cfg.app_name, config=cfg)

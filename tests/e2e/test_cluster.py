@@ -150,6 +150,46 @@ def test_the_job_api_refuses_a_request_without_the_token(ray_head):
         assert ok.status == 200 and isinstance(json.loads(ok.read()), list)
 
 
+def test_an_app_no_node_can_host_fails_within_the_wait_and_is_removed(client, cluster_config):
+    """A replica asking for a GPU on this CPU-only cluster: serve.run would wait forever."""
+    import dataclasses
+    import time
+
+    from ray import serve
+
+    from rollout_cluster.driver import RolloutClient
+
+    cfg = dataclasses.replace(cluster_config, app_name="unplaceable", replicas=1,
+                              resources=dataclasses.replace(cluster_config.resources, num_gpus=1),
+                              metrics=dataclasses.replace(cluster_config.metrics, port=0))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"'unplaceable' was not running after 15 s .* num_gpus=1 "):
+        RolloutClient.start(cfg, address="auto", wait_ready_s=15)
+    assert time.monotonic() - t0 < 120  # the wait, and Serve's removal of the pending replica
+    assert "unplaceable" not in serve.status().applications
+    assert len(client.status()["replicas"]) == 2  # the running app is untouched
+
+
+def test_an_app_whose_engine_cannot_start_fails_with_the_cause_and_is_removed(client, cluster_config, tmp_path):
+    import dataclasses
+
+    from ray import serve
+
+    from rollout_cluster.driver import RolloutClient
+
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                 "hidden_size": "oops"}))
+    cfg = dataclasses.replace(cluster_config, app_name="broken", replicas=1,
+                              engine=dataclasses.replace(cluster_config.engine, model=str(bad)),
+                              metrics=dataclasses.replace(cluster_config.metrics, port=0))
+    with pytest.raises(RuntimeError, match=r"(?s)'broken' failed to deploy.*DEPLOY_FAILED.*oops"):
+        RolloutClient.start(cfg, address="auto", wait_ready_s=600)
+    assert "broken" not in serve.status().applications
+    assert len(client.status()["replicas"]) == 2
+
+
 def test_engine_processes_do_not_inherit_rays_worker_niceness(client):
     """Ray starts workers at nice 15; the replica resets its engine to engine.niceness (0) before
     vLLM spawns, which needs root (CI) or CAP_SYS_NICE. Without it, the engines stay at 15."""
