@@ -49,6 +49,12 @@ class ReplicaResources:
     num_gpus: float = 0.0
 
 
+# A replica reports an urgent segment end (work queued for the slot, a give-up's partials) no
+# sooner than this fraction of the report interval after its last report: it pulls at most twice
+# an interval, and a fleet past router.max_pulls_per_s stays within twice that while work is queued.
+URGENT_REPORT_GAP_FRAC = 0.5
+
+
 @dataclass
 class RouterConfig:
     pull_wait_s: float = 0.05  # long-poll of a replica that runs sequences: orders at once, else after this
@@ -62,6 +68,7 @@ class RouterConfig:
     # (2-core CPU cluster, docs/benchmarks.md: steal's decision p99 43 -> 2.2 ms, no makespan gain).
     niceness: Optional[int] = None  # the router's threads run at this niceness (null: keep Ray's 15)
     call_timeout_s: float = 120.0  # bound on every driver -> router call
+    abandoned_batch_s: float = 900.0  # a batch no driver fetched from for this long (its driver died) is cancelled and dropped; 0: never
 
     def report_interval_for(self, replicas: int) -> float:
         """The report interval a fleet of `replicas` live replicas is told to use: report_interval_s,
@@ -99,11 +106,17 @@ class PolicyConfig:
 
 @dataclass
 class SamplingDefaults:
-    """Defaults for batches submitted without a SamplingSpec (CLI lines override them)."""
+    """Defaults for what a request leaves out: a JSONL line's missing fields (`rollout-cluster
+    generate`, the Ray job, POST /<app>/generate), and `RolloutClient.generate` / `stream` called
+    without `sampling`. A field the line or the SamplingSpec sets wins."""
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+
+    def spec_fields(self) -> dict:
+        """The SamplingSpec fields these set."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p}
 
 
 @dataclass
@@ -152,6 +165,8 @@ class ClusterConfig:
             ("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8,
              "must exceed replicas + drivers, or pulls queue behind each other"),
             ("router.call_timeout_s", self.router.call_timeout_s > 0, "must be > 0"),
+            ("router.abandoned_batch_s", self.router.abandoned_batch_s == 0 or self.router.abandoned_batch_s >= 10,
+             "must be 0 (never) or >= 10: drivers fetch about once a second"),
             ("policy.name", self.policy.name in POLICY_NAMES, f"must be one of {sorted(POLICY_NAMES)}"),
             ("policy.chunk_tokens", self.policy.chunk_tokens >= 1, "must be >= 1"),
             ("policy.spread_chunk", self.policy.spread_chunk >= 1, "must be >= 1"),

@@ -87,6 +87,7 @@ class RolloutClient:
         self.owns_cluster = owns_cluster
         self.router = serve.get_deployment_handle("Router", app_name)
         self.call_timeout_s = config.router.call_timeout_s if config else 120.0
+        self._sampling_defaults = None  # the running app's, asked of its router once (sampling_defaults)
 
     # ---- lifecycle ------------------------------------------------------------------------
     @classmethod
@@ -142,6 +143,17 @@ class RolloutClient:
 
     def status(self) -> dict:
         return self.router.status.remote().result(timeout_s=self.call_timeout_s)
+
+    def sampling_defaults(self) -> dict:
+        """The app's `sampling` section as SamplingSpec fields: what generate/stream use when called
+        without `sampling`, and what a JSONL line leaves out. Asked of the router once: the running
+        app's config is the one that counts (a job may attach to an app deployed with another)."""
+        if self._sampling_defaults is None:
+            self._sampling_defaults = self.status().get("sampling_defaults", {})
+        return self._sampling_defaults
+
+    def default_sampling(self) -> SamplingSpec:
+        return SamplingSpec(**self.sampling_defaults())
 
     def update_weights(self, path: str, version: Optional[int] = None, timeout_s: float = 600.0) -> int:
         """Load the checkpoint in `path` (a directory every replica's node can read, same
@@ -208,11 +220,12 @@ class RolloutClient:
         return self.router.submit.remote(requests, wait_for_replica_s).result(
             timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
 
-    def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]] = SamplingSpec(),
+    def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                  progress: bool = False, timeout_s: Optional[float] = None,
                  hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None) -> list:
-        """One Completion per (prompt, sample), in input order."""
-        requests = expand(prompts, sampling, hidden_lengths)
+        """One Completion per (prompt, sample), in input order. Without `sampling`, the app's
+        `sampling` section (sampling_defaults) applies to every prompt."""
+        requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths)
         return self.run_requests(requests, progress, timeout_s, wait_for_replica_s)
 
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
@@ -237,9 +250,14 @@ class RolloutClient:
             bar.close()
         return results
 
-    async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]] = SamplingSpec(),
+    async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                      timeout_s: Optional[float] = None) -> AsyncIterator[Completion]:
-        """Completions as they finish (not in input order)."""
+        """Completions as they finish (not in input order). Without `sampling`, as generate."""
+        if sampling is None:
+            if self._sampling_defaults is None:
+                status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
+                self._sampling_defaults = status.get("sampling_defaults", {})
+            sampling = SamplingSpec(**self._sampling_defaults)
         requests = expand(prompts, sampling)
         bid = await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s)
         async for c in completions(self.router, bid, len(requests), timeout_s or self.timeout_s, self.call_timeout_s):

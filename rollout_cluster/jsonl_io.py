@@ -2,7 +2,7 @@
 
 Input, one JSON object a line: {"prompt_token_ids": [..], "n": 1, "max_tokens": 128, "temperature": 1.0,
 "top_p": 1.0, "ignore_eos": false, "logprobs": null, "stop_token_ids": [], "seed": null}; all but
-prompt_token_ids optional. Output, one line per (line, sample) in input order: {"prompt_index",
+prompt_token_ids optional (max_tokens, temperature and top_p default to the config's `sampling`). Output, one line per (line, sample) in input order: {"prompt_index",
 "sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
 "finish_time_s", "weights_version"}. The app's HTTP route POST /<app>/generate takes and returns the same.
 A bad line yields one output line with finish_reason "error" naming the field; the rest still run.
@@ -19,8 +19,9 @@ SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
 LINE_FIELDS = {"prompt_token_ids"} | SPEC_FIELDS
 
 
-def parse_line(text: str, index: int) -> tuple:
-    """(prompt_token_ids, SamplingSpec); raises InputError naming the field."""
+def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
+    """(prompt_token_ids, SamplingSpec); raises InputError naming the field. `defaults`: SamplingSpec
+    fields for what the line leaves out (the config's `sampling` section)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -38,7 +39,8 @@ def parse_line(text: str, index: int) -> tuple:
     bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
     if bad is not None:
         raise InputError("prompt_token_ids", bad, "every token id must be an integer")
-    kw = {k: v for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed")}
+    kw = dict(defaults or {})
+    kw.update((k, v) for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed"))
     kw.pop("prompt_token_ids", None)
     if "stop_token_ids" in kw:
         if not isinstance(kw["stop_token_ids"], list):
@@ -49,15 +51,16 @@ def parse_line(text: str, index: int) -> tuple:
     return ids, spec
 
 
-def read_requests(lines: list) -> tuple:
-    """(requests, errors): requests expanded prompt-major; errors maps line index -> message."""
+def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
+    """(requests, errors): requests expanded prompt-major; errors maps line index -> message.
+    `defaults`: as for parse_line."""
     requests, errors = [], {}
     for i, line in enumerate(lines):
         if not line.strip():
             errors[i] = "line is empty: expected a JSON object"
             continue
         try:
-            ids, spec = parse_line(line, i)
+            ids, spec = parse_line(line, i, defaults)
         except InputError as e:
             errors[i] = str(e)
             continue
@@ -97,7 +100,7 @@ def read_jsonl_lines(path: str) -> list:
 def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
               timeout_s: Optional[float] = None) -> dict:
     lines = read_jsonl_lines(input_path)
-    requests, errors = read_requests(lines)
+    requests, errors = read_requests(lines, client.sampling_defaults())
     completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s) if requests else []
     records = merge_results(len(lines), requests, completions, errors)
     write_jsonl(output_path, records)

@@ -11,6 +11,7 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.registry = r = CollectorRegistry()
         self.queued = Gauge("rollout_sequences_queued", "Sequences waiting in the router's queue", registry=r)
         self.running = Gauge("rollout_sequences_running", "Sequences running, per replica", ["replica"], registry=r)
+        self._running_labels: set = set()
         self.finished_total = Counter("rollout_sequences_finished_total", "Sequences finished, per replica and reason",
                                       ["replica", "reason"], registry=r)
         self.migrations = Counter("rollout_migrations_total", "Sequences moved between replicas", ["source"], registry=r)
@@ -25,6 +26,11 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.resumed_total = Counter("rollout_sequences_resumed_total", "Sequences continued elsewhere because their "
                                      "replica left (replica_left) or was lost (replica_lost)", ["source", "reason"],
                                      registry=r)
+        self.abandoned_total = Counter("rollout_batches_abandoned_total", "Batches cancelled and dropped because no "
+                                       "driver fetched from them for router.abandoned_batch_s", registry=r)
+        self.weights_version = Gauge("rollout_weights_version", "The weights version batches run on", registry=r)
+        self.weights_failed = Gauge("rollout_replicas_weights_failed", "Replicas whose load of the current "
+                                    "weights failed (they get no work)", registry=r)
         self.port = port
         if port:
             start_http_server(port, registry=r)
@@ -45,9 +51,17 @@ class PrometheusRouterMetrics(RouterMetrics):
     def resumed(self, source: str, reason: str) -> None:
         self.resumed_total.labels(source, reason).inc()
 
+    def batches_abandoned(self, n: int) -> None:
+        self.abandoned_total.inc(n)
+
     def gauges(self, core: RouterCore) -> None:
         self.queued.set(len(core.queue))
+        self.weights_version.set(core.weights_version)
+        self.weights_failed.set(len(core.weights_errors))
         self.replicas.set(len(core.replicas))
         self.expected.set(core.expected_replicas)
         for rid, rep in core.replicas.items():
             self.running.labels(rid).set(len(rep.seqs))
+        for rid in self._running_labels - set(core.replicas):  # gone: sum() must not count it
+            self.running.remove(rid)
+        self._running_labels = set(core.replicas)

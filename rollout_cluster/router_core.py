@@ -14,7 +14,7 @@ from typing import Optional
 
 from .policy.base import Decision, Policy
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
-from .types import Completion, InputError, Migration, ModelInfo, Orders, Report, SequenceRequest, Work
+from .types import Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SequenceRequest, Work
 
 
 # A long-lived router serves batch after batch: its statistics keep a bounded recent window.
@@ -22,6 +22,8 @@ STEP_SAMPLES_KEPT = 100_000
 DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
 DEPARTED_KEPT = 4096  # replicas remembered as gone after their goodbye
+DROPPED_KEPT = 1024  # abandoned batches remembered, to tell a late fetch why its batch is gone
+CANCELLED_UNFETCHED_S = 60.0  # a cancelled batch (driver timed out) not fetched for this long is dropped
 
 
 def _append_bounded(values: list, value, keep: int) -> None:
@@ -43,6 +45,7 @@ class RouterMetrics:
     def finished(self, replica_id: str, reason: str) -> None: ...
     def resumed(self, source: str, reason: str) -> None: ...  # a replica left or was lost mid-sequence
     def gauges(self, core: "RouterCore") -> None: ...
+    def batches_abandoned(self, n: int) -> None: ...
 
 
 @dataclass
@@ -53,17 +56,24 @@ class BatchState:
     results: list  # Completion or None, by index
     order: list = field(default_factory=list)  # indices in finishing order
     weights_version: int = 0
+    fetched_t: float = 0.0  # the latest fetch (or the submission): drop_abandoned's clock
+    cancelled: bool = False  # cancel() was called: the driver may fetch the aborts, or be gone
 
 
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
-                 metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False):
+                 metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
+                 id_prefix: str = ""):
         self.policy = policy
+        # Batch ids are "<id_prefix>b<n>". The Serve router passes its own id: after a restart,
+        # replicas may still run the old router's sequences, whose ids must not match new ones.
+        self.id_prefix = id_prefix
         self.expected_replicas = expected_replicas
         self.surplus_joins = 0  # joins that raised expected_replicas since the last death or leave
         self.last_fleet_change_t: Optional[float] = None  # the latest join or death (expire's clock)
         self.requeues = 0  # sequences put back in the queue so far (the Serve router wakes held pulls)
         self.departed: dict = {}  # (replica_id, incarnation) of replicas that said goodbye (bounded, in order)
+        self.dropped: dict = {}  # batch_id -> why it was dropped unfetched (bounded, in order)
         self.replica_timeout_s = replica_timeout_s
         self.metrics = metrics or RouterMetrics()
         self.record_tokens = record_tokens
@@ -82,7 +92,8 @@ class RouterCore:
         self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefilled_tokens": 0,
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
-                         "duplicate_reports": 0, "handed_back": 0, "recovered": 0}
+                         "duplicate_reports": 0, "handed_back": 0, "recovered": 0,
+                         "orphans_given_up": 0}
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
@@ -104,8 +115,12 @@ class RouterCore:
         if self.weights_errors and all(r.weights_version != self.weights_version for r in self.replicas.values()):
             raise NoLiveReplicaError(f"no replica holds weights version {self.weights_version} "
                                      f"({self.weights_path!r}): {'; '.join(sorted(self.weights_errors.values()))}")
-        bid = batch_id or f"b{next(self._ids)}"
-        batch = BatchState(bid, len(requests), now, [None] * len(requests), weights_version=self.weights_version)
+        bad = next((i for i, r in enumerate(requests) if not isinstance(r, SequenceRequest)), None)
+        if bad is not None:  # refused whole, before anything is registered
+            raise InputError(f"requests[{bad}]", requests[bad], "must be a SequenceRequest")
+        bid = batch_id or f"{self.id_prefix}b{next(self._ids)}"
+        batch = BatchState(bid, len(requests), now, [None] * len(requests), weights_version=self.weights_version,
+                           fetched_t=now)
         self.batches[bid] = batch
         group_sizes: dict = {}
         for r in requests:
@@ -125,8 +140,8 @@ class RouterCore:
 
     def _validate(self, req: SequenceRequest) -> Optional[str]:
         try:
-            if isinstance(req, InputError):
-                raise req
+            if not isinstance(req.sampling, SamplingSpec):
+                raise InputError("sampling", req.sampling, "must be a SamplingSpec")
             req.sampling.validate()
             ids = req.prompt_token_ids
             if ids is not None:
@@ -149,13 +164,19 @@ class RouterCore:
                                      f"prompt ({req.prompt_len}) + max_tokens exceeds max_model_len={m.max_model_len}")
         except InputError as e:
             return str(e)
+        except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
+            return f"invalid request: {type(e).__name__}: {e}"
         return None
 
-    def fetch(self, batch_id: str, cursor: int) -> tuple:
+    def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple:
         """(completions finished since `cursor`, new cursor, batch done)."""
         batch = self.batches.get(batch_id)
         if batch is None:
+            if batch_id in self.dropped:
+                raise KeyError(f"batch_id={batch_id!r}: {self.dropped[batch_id]}")
             raise KeyError(f"batch_id={batch_id!r}: unknown batch (finished and collected, or never submitted)")
+        if now is not None:
+            batch.fetched_t = now
         new = [batch.results[i].with_lists() for i in batch.order[cursor:]]
         return new, len(batch.order), len(batch.order) == batch.size
 
@@ -163,6 +184,8 @@ class RouterCore:
         """Stop a batch (the driver timed out or gave up): queued sequences finish as "abort"
         at once, running ones when their replica confirms the give-up. Returns how many."""
         seqs = [s for s in self.seqs.values() if s.batch_id == batch_id]
+        if batch_id in self.batches:
+            self.batches[batch_id].cancelled = True
         for seq in seqs:
             seq.cancelled = True
             if seq.status is SeqStatus.QUEUED:
@@ -171,6 +194,33 @@ class RouterCore:
             elif seq.status is SeqStatus.RUNNING:
                 self._order_give_up(seq)
         return len(seqs)
+
+    def drop_abandoned(self, now: float, idle_s: float) -> list:
+        """Cancel and forget every batch nobody fetched from for `idle_s` seconds: its driver died
+        (a trainer that crashed mid-step). Its running sequences are given up, its queued ones never
+        start, and its tokens leave the router's memory. A batch already cancelled (its driver timed
+        out and raised) goes after CANCELLED_UNFETCHED_S if that is shorter. Returns the dropped ids."""
+        if idle_s <= 0:
+            return []
+        cancelled_s = min(idle_s, CANCELLED_UNFETCHED_S)
+        gone = [bid for bid, b in self.batches.items() if now - b.fetched_t > (cancelled_s if b.cancelled else idle_s)]
+        for bid in gone:
+            batch = self.batches[bid]
+            finished, unfetched = len(batch.order), now - batch.fetched_t
+            self.cancel(bid, now)
+            self.release(bid)
+            self.dropped[bid] = (f"dropped {now - batch.submitted_t:.0f} s after submission: no fetch for "
+                                 f"{unfetched:.0f} s (router.abandoned_batch_s); {finished} of {batch.size} "
+                                 "sequences had finished")
+            self.metrics.batches_abandoned(1)
+            while len(self.dropped) > DROPPED_KEPT:
+                del self.dropped[next(iter(self.dropped))]
+        return gone
+
+    def batches_status(self, now: float) -> dict:
+        """batch_id -> size, finished, seconds since submission and since the latest fetch."""
+        return {bid: {"size": b.size, "finished": len(b.order), "age_s": round(now - b.submitted_t, 1),
+                      "unfetched_s": round(now - b.fetched_t, 1)} for bid, b in self.batches.items()}
 
     def update_weights(self, path: str, version: Optional[int] = None) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
@@ -186,6 +236,12 @@ class RouterCore:
             batches = sorted({s.batch_id for s in self.seqs.values()})
             raise RuntimeError(f"update_weights: {len(self.seqs)} sequences of batch(es) {', '.join(batches)} are "
                                "unfinished; weights change between batches (wait for them, or cancel)")
+        loading = sorted(rid for rid, r in self.replicas.items() if self.weights_path is not None
+                         and r.weights_version != self.weights_version and rid not in self.weights_errors)
+        if loading:  # two loads at once on a replica: the second's could land while work runs
+            raise RuntimeError(f"update_weights: version {self.weights_version} ({self.weights_path!r}) is still "
+                               f"loading on {len(loading)} replica(s) ({', '.join(loading[:4])}); wait until "
+                               "status()['weights'] shows it held or failed everywhere")
         self.weights_version, self.weights_path = version, path
         self.weights_errors.clear()
         for rep in self.replicas.values():
@@ -308,6 +364,17 @@ class RouterCore:
             self.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
             self._requeue_after_segment(seq, rep.replica_id, now)
         aborting = {(sid, attempt) for sid, attempt in aborting}
+        # Attempts the replica runs that the router does not know: a restarted router's predecessor
+        # sent them (or this replica was declared dead and its work requeued). Their tokens would be
+        # ignored; give them up to free the slots. Only when two listings in a row show them: a
+        # final report can be drained while its attempt is still listed.
+        known = {(s.seq_id, s.attempt) for s in rep.seqs.values()}
+        unknown = frozenset(k for k in have if k not in known and k not in aborting)
+        orphans = sorted(unknown & rep.unknown_held)
+        rep.unknown_held = unknown.difference(orphans)
+        if orphans:
+            self.counters["orphans_given_up"] += len(orphans)
+            self.outbox.setdefault(rep.replica_id, Orders()).give_up.extend(orphans)
         for seq in rep.seqs.values():
             key = (seq.seq_id, seq.attempt)
             if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
@@ -470,7 +537,8 @@ class RouterCore:
         self.give_up_t.pop(seq.seq_id, None)
         batch = self.batches.get(seq.batch_id)
         req = seq.request
-        logprobs = seq.logprobs if req.sampling.logprobs is not None else None
+        wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
+        logprobs = seq.logprobs if wants_logprobs else None  # (an invalid request may have no spec)
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
                           now - seq.submitted_t, batch.weights_version if batch else self.weights_version)

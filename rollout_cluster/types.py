@@ -64,7 +64,7 @@ class SamplingSpec:
             raise InputError("ignore_eos", self.ignore_eos, "must be true or false")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise InputError("logprobs", self.logprobs, "must be null or an integer >= 0")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InputError("stop_token_ids", self.stop_token_ids, "must be a list of integers >= 0")
         if self.seed is not None and not is_int(self.seed):
             raise InputError("seed", self.seed, "must be null or an integer")

@@ -1,7 +1,8 @@
 """Seed-scale simulator runs of two protocol choices (docs/benchmarks.md, sections 1 and 5):
 
 - `--ends`: replicas report an ended segment at once always (the simulator's default), or only
-  when work is queued or the end is a give-up's abort (what paced replicas do; `when-queued`).
+  when work is queued or the end is a give-up's abort (`when-queued`), and then not before half
+  the interval since the last report (`paced`: what replicas do, config.URGENT_REPORT_GAP_FRAC).
 - `--migration-overhead`: what steal prices a migration's latency at (MIGRATION_OVERHEAD_S).
 - `--spread-chunk`: how many samples of a group steal places on a replica at a time
   (`policy.spread_chunk`; 1 spreads the most, and pays the shared prompt's prefill the most).
@@ -19,41 +20,25 @@ fraction, policy, makespan, its ratio to the balance bound, migrations.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
 from rollout_cluster.bench.bounds import balance_bound
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
-from rollout_cluster.config import PolicyConfig
+from rollout_cluster.config import URGENT_REPORT_GAP_FRAC, PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.policy import steal
+from rollout_cluster.sim.paced import PacedSimulation
 from rollout_cluster.sim.simulator import Simulation
-
-
-class EndsWhenQueued(Simulation):
-    """A replica's ended segment waits for its next pull unless work is queued or it was aborted."""
-
-    def _advance(self, rid: str, until: float) -> None:
-        e = self.engines[rid]
-        t = self.clock[rid]
-        urgent = False
-        while t < until and e.busy:
-            f = self.slowdown[rid] = self._slowdown(rid)
-            dt = e.advance(limit_s=(until - t) / f) * f
-            self.busy[rid] += dt
-            t += dt
-            urgent = bool(e.finals) and (len(self.core.queue) > 0 or any(p.finish_reason == "abort" for p in e.finals))
-            if urgent:
-                break
-        self.clock[rid] = t if urgent else max(t, until)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="a100-80g-7b")
     ap.add_argument("--pull-interval", type=float, default=0.5)
-    ap.add_argument("--ends", default="always", help="always,when-queued")
+    ap.add_argument("--ends", default="always", help="always,when-queued,paced")
     ap.add_argument("--migration-overhead", default=str(steal.MIGRATION_OVERHEAD_S))
     ap.add_argument("--policies", default="least-loaded,steal")
     ap.add_argument("--spread-chunk", default=str(PolicyConfig.spread_chunk))
@@ -61,7 +46,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     a = ap.parse_args()
     cost = load_profile(a.profile, 256)
-    sims = {"always": Simulation, "when-queued": EndsWhenQueued}
+    sims = {"always": Simulation, "when-queued": PacedSimulation,
+            "paced": functools.partial(PacedSimulation, urgent_gap_frac=URGENT_REPORT_GAP_FRAC)}
     for ends in a.ends.split(","):
         if ends not in sims:
             raise SystemExit(f"--ends={ends!r}: must be one of {sorted(sims)}")

@@ -33,3 +33,8 @@ def length_hints():
 @pytest.fixture(scope="session")
 def fleet_scale_plot():
     return load_script("fleet_scale_plot")
+
+
+@pytest.fixture(scope="session")
+def pull_budget():
+    return load_script("pull_budget")

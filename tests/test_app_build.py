@@ -22,6 +22,7 @@ def test_build_from_yaml_path_binds_router_replicas_and_gateway():
     assert d["Router"].num_replicas == 1 and d["Router"].max_ongoing_requests == 4096
     assert d["EngineReplica"].num_replicas == 32
     assert d["EngineReplica"].ray_actor_options["num_gpus"] == 1
+    assert d["Gateway"].max_ongoing_requests == 4096  # an HTTP batch holds its slot until it is done
 
 
 def test_build_from_inline_mapping_and_bad_args_fail_clearly():

@@ -35,3 +35,19 @@ def test_lines_expand_to_samples_and_bad_lines_name_the_field():
     assert len(out) == 11 and out[-1]["prompt_index"] == 9
     assert set(out[0]) == {"prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "error",
                            "replicas", "migrations", "finish_time_s", "weights_version"}
+
+
+def test_the_configs_sampling_section_fills_what_a_line_leaves_out():
+    from rollout_cluster.config import SamplingDefaults
+
+    defaults = SamplingDefaults(max_tokens=24, temperature=0.7, top_p=0.9).spec_fields()
+    lines = [json.dumps({"prompt_token_ids": [1, 2]}),
+             json.dumps({"prompt_token_ids": [3], "max_tokens": 5, "temperature": 0.0, "top_p": 1.0}),
+             json.dumps({"prompt_token_ids": [4], "max_tokens": None}),  # null: the default, as if left out
+             json.dumps({"prompt_token_ids": [5], "min_tokens": 30})]  # checked against the default's 24
+    reqs, errors = read_requests(lines, defaults)
+    got = [(r.sampling.max_tokens, r.sampling.temperature, r.sampling.top_p) for r in reqs]
+    assert got == [(24, 0.7, 0.9), (5, 0.0, 1.0), (24, 0.7, 0.9)]
+    assert errors[3].startswith("min_tokens=30")
+    plain, _ = read_requests(lines[:1])  # no config: SamplingSpec's own defaults
+    assert plain[0].sampling.max_tokens == 128

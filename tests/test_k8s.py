@@ -359,7 +359,10 @@ def test_rayjob_runs_the_rollout_job():
         assert importlib.util.find_spec(argv[2]) is not None
         opts = dict(zip(argv[3::2], argv[4::2]))
         assert opts == {"--config": "configs/a100x32.yaml", "--input": "/data/prompts.jsonl",
-                        "--output": "/data/results.jsonl"}
+                        "--output": "/data/results.jsonl", "--ready-timeout-s": "1800"}
+        # 32 engines download a 7B model and start (154 s on an H200 alone): the default 600 s
+        # wait for readiness would fail the job and, with backoffLimit 0, the batch
+        assert float(opts["--ready-timeout-s"]) >= 1200
         assert doc["spec"]["shutdownAfterJobFinishes"] is True
         cfg = load_config(job_config_path(doc))
         assert cluster_errors(cluster_spec(doc), cfg) == []

@@ -24,6 +24,8 @@ def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():
     bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), i, 0) for i in range(2)], 0.0)
     works = core.decide("a", 0.0).start
     assert len(works) == 2
+    metrics.gauges(core)
+    assert metrics.registry.get_sample_value("rollout_sequences_running", {"replica": "a"}) == 2
     first, second = works
     core.on_report(report("a", [SeqProgress(first.seq_id, first.attempt, [7], offset=0)]), 0.1)
     # shutting down: it gave both up; the final report has every token since the last one
@@ -51,6 +53,9 @@ def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():
     assert sample("rollout_migrations_total", {"source": "a"}) is None  # not the policy's moves
     metrics.gauges(core)
     assert sample("rollout_replicas_expected") == core.expected_replicas == 1
+    # the replica that left is no longer a series (a sum over replicas would count it forever)
+    assert sample("rollout_sequences_running", {"replica": "a"}) is None
+    assert sample("rollout_sequences_running", {"replica": "b"}) == 0
 
 
 def test_work_a_leaving_replica_did_not_report_is_requeued_from_its_last_tokens():

@@ -1,11 +1,11 @@
 """EngineReplica's report pacing, without Ray: a replica that runs sequences reports every
 router.report_interval_s, and earlier only when an ended segment matters now (work is queued for
-its slot, or a give-up's partials go back) or the replica has become idle. The real cluster's pull
-rates are checked in tests/e2e/test_cluster.py."""
+its slot, or a give-up's partials go back; not before half the interval) or the replica has
+become idle. The real cluster's pull rates are checked in tests/e2e/test_cluster.py."""
 import asyncio
 import time
 
-from rollout_cluster.config import ClusterConfig, RouterConfig
+from rollout_cluster.config import URGENT_REPORT_GAP_FRAC, ClusterConfig, RouterConfig
 from rollout_cluster.serve.replica import EngineReplica
 
 INTERVAL = 1.0
@@ -57,7 +57,18 @@ def test_a_busy_replica_reports_once_per_interval():
 
 
 def test_an_ended_segment_is_reported_at_once_when_work_waits_for_its_slot():
-    assert paced(held=3, urgent=True, end_after_s=0.1) < INTERVAL / 2
+    # past URGENT_REPORT_GAP_FRAC of the interval since the last report: at once
+    assert INTERVAL * 0.7 <= paced(held=3, urgent=True, end_after_s=INTERVAL * 0.7) < INTERVAL * 0.9
+
+
+def test_an_urgent_end_soon_after_a_report_waits_for_the_gap():
+    # a replica pulls at most twice an interval, however often its segments end
+    assert URGENT_REPORT_GAP_FRAC == 0.5
+    assert INTERVAL * 0.5 <= paced(held=3, urgent=True, end_after_s=0.1) < INTERVAL * 0.75
+
+
+def test_an_urgent_end_in_a_large_fleet_waits_for_half_the_interval_it_names():
+    assert INTERVAL * 1.0 <= paced(held=3, urgent=True, end_after_s=0.1, interval_s=INTERVAL * 2) < INTERVAL * 1.5
 
 
 def test_an_ended_segment_waits_for_the_interval_when_nothing_needs_its_slot():

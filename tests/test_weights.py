@@ -194,3 +194,13 @@ def test_a_dead_replicas_cancelled_sequences_end_as_abort_instead_of_running_aga
     done, _, finished = core.fetch(bid, 0)
     assert len(work) == 1 and finished and all(c.finish_reason == "abort" for c in done)
     core.update_weights("/ckpt/step1")  # nothing left unfinished
+
+
+def test_a_second_update_while_the_first_still_loads_is_refused_until_it_settles():
+    core = core_with()
+    ordered(core, "/ckpt/step1", "a", "b")
+    pull(core, "a", 0.2, version=1)  # a holds it; b is still loading
+    with pytest.raises(RuntimeError, match=r"version 1 \('/ckpt/step1'\) is still loading on 1 replica\(s\) \(b\)"):
+        core.update_weights("/ckpt/step2")
+    pull(core, "b", 0.3, error="replica b: disk gone", error_version=1)  # b settles: it failed
+    assert core.update_weights("/ckpt/step2") == 2  # a failed replica does not block the next update

@@ -9,6 +9,9 @@ Contract:
   a no-op (the router reconciles by attempt).
 - `drain()` returns every delta produced since the last drain, in order, and never twice.
 - `ended` counts the final reports produced so far; it grows before drain() returns them.
+- `dead` is set when the engine itself has died (vLLM's EngineCore process crashed: GPU fault,
+  out of memory). Its segments then get no final report: they continue elsewhere from the tokens
+  already reported, and the replica leaves and is restarted (serve/replica.py).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ class WeightsLoadBroken(RuntimeError):
 class EngineAdapter(ABC):
     capacity: int = 1  # sequences decoded at once (max_num_seqs)
     ended: int = 0  # segments whose final report was produced so far (the replica reports at once when it grows)
+    dead = None  # the exception that showed the engine itself died (no segment can run any more)
 
     @abstractmethod
     async def start(self) -> ModelInfo: ...

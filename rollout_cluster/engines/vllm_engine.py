@@ -115,6 +115,7 @@ class VllmEngine(EngineAdapter):
         self.aborted: set = set()
         self.pending: list = []
         self.ended = 0
+        self.dead = None
         self._last_drain = time.monotonic()
         self._step_ema = 0.0
         self._rate_ema = 0.0
@@ -175,6 +176,12 @@ class VllmEngine(EngineAdapter):
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
             self.ended += 1
         except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
+            if self._engine_died(e):  # not the sequence's fault: no final, it continues elsewhere
+                if self.dead is None:
+                    self.dead = e
+                    log.error("vLLM engine died (%s: %s): the replica hands its sequences back and restarts",
+                              type(e).__name__, e)
+                return
             log.warning("request %s failed: %s", rid, e)
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "error",
                                             error=f"engine: {type(e).__name__}: {e}"))
@@ -183,6 +190,11 @@ class VllmEngine(EngineAdapter):
             self.tasks.pop(key, None)
             self.context.pop(key, None)
             self.aborted.discard(key)
+
+    def _engine_died(self, e: Exception) -> bool:
+        """vLLM raises EngineDeadError from generate() once its EngineCore process is gone, for every
+        request running and every one submitted after."""
+        return type(e).__name__ == "EngineDeadError" or bool(getattr(self.engine, "errored", False))
 
     async def give_up(self, keys: list) -> None:
         live = [tuple(k) for k in keys if tuple(k) in self.tasks and tuple(k) not in self.aborted]
@@ -196,6 +208,8 @@ class VllmEngine(EngineAdapter):
             raise
 
     def drain(self) -> list:
+        if self.dead is None and getattr(self.engine, "errored", False) is True:  # died while idle
+            self.dead = RuntimeError("vLLM's EngineCore died (AsyncLLM.errored)")
         out, self.pending = self.pending, []
         now = time.monotonic()
         # Step time from progress: the most tokens any running sequence made in the interval.

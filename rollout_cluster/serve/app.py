@@ -24,9 +24,10 @@ class Gateway:
       wait (default 3600); past it the batch is cancelled and the answer is 504.
     For trainers that are not Python; a Python driver uses RolloutClient (streaming, no HTTP limits)."""
 
-    def __init__(self, router, replicas):
+    def __init__(self, router, replicas, sampling_defaults: dict = None):
         self.router = router
         self.replicas = replicas
+        self.sampling_defaults = sampling_defaults or {}  # the config's `sampling`: what a line leaves out
 
     async def __call__(self, request: Request):
         from starlette.responses import JSONResponse
@@ -51,7 +52,7 @@ class Gateway:
             return JSONResponse({"error": f"timeout_s={request.query_params['timeout_s']!r}: not a number"},
                                 status_code=400)
         lines = (await request.body()).decode("utf-8", errors="replace").splitlines()
-        requests, errors = read_requests(lines)
+        requests, errors = read_requests(lines, self.sampling_defaults)
         results = [None] * len(requests)
         if requests:
             try:
@@ -93,7 +94,10 @@ def build_app(cfg: ClusterConfig):
     d = to_dict(cfg)
     router = Router.options(max_ongoing_requests=cfg.router.max_ongoing_requests, logging_config=QUIET).bind(d)
     replicas = EngineReplica.options(**replica_options(cfg)).bind(router, d)
-    return Gateway.bind(router, replicas)
+    # Each POST /generate holds a Gateway slot until its batch is done: Serve's default of 5 would
+    # let five batches block GET / (health checks) and every further batch.
+    gateway = Gateway.options(max_ongoing_requests=cfg.router.max_ongoing_requests)
+    return gateway.bind(router, replicas, cfg.sampling.spec_fields())
 
 
 def build(args: dict):

@@ -14,7 +14,7 @@ import uuid
 
 from ray import serve
 
-from ..config import load_config
+from ..config import URGENT_REPORT_GAP_FRAC, load_config
 from ..engines.base import WeightsLoadBroken
 from ..engines.factory import make_engine
 from ..types import Report
@@ -56,6 +56,9 @@ class EngineReplica:
         first = True
         held_t = 0.0
         while not self.stopping:
+            if self.engine.dead is not None:
+                await self._leave_dead_engine()
+                return
             ended = self.engine.ended  # before the drain: a segment ending after it shows as a change
             self.unsent += self.engine.drain()
             now = time.monotonic()
@@ -99,31 +102,56 @@ class EngineReplica:
         replicas must not pull back to back; the router lengthens the interval (`interval_s`) once
         the fleet passes max_pulls_per_s x report_interval_s replicas (32 by default). A replica
         that holds nothing pulls again at once: the router holds that pull until work comes or
-        router.idle_pull_wait_s passes (longer in a large fleet: RouterConfig.idle_pull_wait_for)."""
+        router.idle_pull_wait_s passes (longer in a large fleet: RouterConfig.idle_pull_wait_for).
+        An urgent end waits until URGENT_REPORT_GAP_FRAC of the interval has passed: while work is
+        queued, segments end often enough (hundreds a second in a fleet of hundreds) to multiply
+        the router's pulls otherwise; the freed slot idles at most that long (docs/benchmarks.md)."""
         engine = self.engine
         if not engine.held():  # (when the last one ends, `ended` changes: the pace ends too)
             return
-        deadline = reported_t + (interval_s or self.cfg.router.report_interval_s)
-        while not self.stopping and time.monotonic() < deadline:
-            if engine.ended != ended and (urgent or not engine.held()):
-                return  # (an idle replica pulls at once: the router holds that pull)
+        interval = interval_s or self.cfg.router.report_interval_s
+        deadline, urgent_from = reported_t + interval, reported_t + URGENT_REPORT_GAP_FRAC * interval
+        while not self.stopping and (now := time.monotonic()) < deadline:
+            if engine.ended != ended:
+                if not engine.held():
+                    return  # an idle replica pulls at once: the router holds that pull
+                if urgent and now >= urgent_from:
+                    return
             await asyncio.sleep(PACE_TICK_S)
+
+    async def _leave_dead_engine(self) -> None:
+        """The engine died under its sequences: say goodbye with what they made since the last
+        report, so that the router continues them elsewhere at once, from their last tokens (not
+        after router.replica_timeout_s), and stop; check_health then has Serve replace the replica."""
+        self.loop_error = RuntimeError(f"the engine died: {type(self.engine.dead).__name__}: {self.engine.dead}")
+        self.unsent += self.engine.drain()
+        report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
+                        self.engine.capacity, self.weights_version, leaving=True)
+        try:
+            await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S)
+            self.unsent = []
+        except Exception as e:  # the router requeues them after router.replica_timeout_s instead
+            log.warning("replica %s: engine died and its goodbye failed (%r)", self.replica_id, e)
 
     async def _control(self, cmd: str, arg) -> None:
         if cmd == "load_weights":
             if arg["version"] in (self.weights_version, self.loading and self.loading[0]):
                 return  # a resent order of what is done or under way
             # In the background: the replica keeps pulling (and reporting `loading`), so a load longer
-            # than router.replica_timeout_s does not look like a dead replica.
-            task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"]))
+            # than router.replica_timeout_s does not look like a dead replica. After any load in
+            # progress, never beside it.
+            before = self.loading[1] if self.loading else None
+            task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"], before))
             self.loading = (arg["version"], task)
         elif cmd == "sleep":
             await self.engine.sleep(int(arg or 1))
         elif cmd == "wake":
             await self.engine.wake()
 
-    async def _load_weights(self, path: str, version: int) -> None:
+    async def _load_weights(self, path: str, version: int, before=None) -> None:
         try:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
             await self.engine.load_weights(path)
         except Exception as e:
             log.exception("replica %s: load_weights %r failed", self.replica_id, path)
@@ -134,7 +162,8 @@ class EngineReplica:
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
         finally:
-            self.loading = None
+            if self.loading and self.loading[0] == version:  # not a later load's flag
+                self.loading = None
 
     async def info(self) -> dict:
         return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__}

@@ -35,21 +35,32 @@ class Router:
             log.warning(warning)
         cost = load_profile(cfg.profile_path(), cfg.engine.max_num_seqs)
         self.metrics = PrometheusRouterMetrics(cfg.metrics.port)
-        self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics)
         self.work_ready: dict = {}  # replica_id -> Event: set when its outbox or the queue gains work
         self.batch_progress: dict = {}  # batch_id -> Event
         self.submit_t: dict = {}  # batch_id -> router clock at submission, while tracing (trace alignment)
         # Which router process this is: a restart (which loses every live batch) changes it.
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
+        self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
+                               id_prefix=self.router_id[:6] + "-")
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            dead = self.core.expire(time.monotonic())
+            now = time.monotonic()
+            dead = self.core.expire(now)
             if dead:
                 log.warning("replicas %s stopped pulling; their sequences were requeued", dead)
+                for rid in dead:
+                    self.work_ready.pop(rid, None)
                 self._wake_all()
+            dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
+            for bid in dropped:
+                log.warning("batch %s: %s", bid, self.core.dropped[bid])
+                self.batch_progress.pop(bid, None)
+                self.submit_t.pop(bid, None)
+            if dropped:
+                self._wake_all()  # give-up orders for the replicas that ran them
             self.metrics.gauges(self.core)
 
     def _wake_all(self) -> None:
@@ -113,7 +124,7 @@ class Router:
     async def fetch(self, batch_id: str, cursor: int = 0, wait_s: float = 1.0) -> tuple:
         """(new completions, cursor, done). Waits up to `wait_s` for something new."""
         done, new_cursor = False, cursor
-        new, new_cursor, done = self.core.fetch(batch_id, cursor)
+        new, new_cursor, done = self.core.fetch(batch_id, cursor, time.monotonic())
         if not new and not done:
             ev = self.batch_progress.setdefault(batch_id, asyncio.Event())
             ev.clear()
@@ -121,7 +132,7 @@ class Router:
                 await asyncio.wait_for(ev.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-            new, new_cursor, done = self.core.fetch(batch_id, cursor)
+            new, new_cursor, done = self.core.fetch(batch_id, cursor, time.monotonic())
         if done:
             self.core.release(batch_id)
             self.batch_progress.pop(batch_id, None)
@@ -146,12 +157,14 @@ class Router:
             "replicas": {rid: {"running": len(r.seqs), "capacity": r.capacity, "pulls": r.pulls,
                                "step_time_s": r.stats.step_time_s} for rid, r in c.replicas.items()},
             "queued": len(c.queue), "live_sequences": len(c.seqs), "batches": len(c.batches),
+            "batch_ids": c.batches_status(time.monotonic()),  # cancel one: RolloutClient.cancel(batch_id)
             "policy": c.policy.name, "counters": dict(c.counters),
             "model": None if c.model is None else c.model.__dict__,
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
             "weights": c.weights_status(),
             "expected_replicas": c.expected_replicas,
+            "sampling_defaults": self.cfg.sampling.spec_fields(),  # what a request leaves out
             "router_id": self.router_id,
             "router_uptime_s": round(time.monotonic() - self.started_t, 1),
             # the router process's peak resident memory (it holds every token of its live batches)

@@ -65,6 +65,8 @@ class Simulation:
             raise ValueError(f"host_slowdown={host_slowdown!r}: must be >= 0")
         self.host_slowdown = host_slowdown
         self.slowdown = {rid: 1.0 for rid in self.engines}
+        self.last_pull = {rid: 0.0 for rid in self.engines}
+        self.pull_times: list = []  # virtual time of every pull, registration pulls excluded
 
     def _slowdown(self, rid: str) -> float:
         if not self.host_slowdown or self.n < 2:
@@ -111,6 +113,8 @@ class Simulation:
                 self._advance(rid, now)
                 now = self.clock[rid]
             done_before = len(batch.order)
+            self.last_pull[rid] = now
+            self.pull_times.append(now)
             orders = core.on_report(self._report(rid, False), now, timer)
             finish_times += [now] * (len(batch.order) - done_before)
             e = self.engines[rid]

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 METRICS_PORT = 9465
+DEFAULT_MAX_TOKENS = 24  # the test cluster's sampling.max_tokens: neither SamplingSpec's 128 nor the config's 256
 
 
 def ray_env() -> dict:
@@ -50,6 +51,7 @@ def cluster_config():
     cfg.router = dataclasses.replace(cfg.router, replica_timeout_s=8.0, niceness=0)
     cfg.metrics = dataclasses.replace(cfg.metrics, port=METRICS_PORT)
     cfg.policy = dataclasses.replace(cfg.policy, name="pull")
+    cfg.sampling = dataclasses.replace(cfg.sampling, max_tokens=DEFAULT_MAX_TOKENS)  # what lines leave out
     return cfg.validate()
 
 

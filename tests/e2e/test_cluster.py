@@ -10,7 +10,7 @@ from rollout_cluster.driver import expand
 from rollout_cluster.demo import demo_batch
 from rollout_cluster.types import SamplingSpec
 
-from e2e_support import ROOT, VENV_BIN, ray_env
+from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, ray_env
 
 pytestmark = pytest.mark.e2e
 
@@ -71,8 +71,9 @@ def _write_jsonl(path, lines):
 
 def _check_jsonl_output(path):
     out = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [(o["prompt_index"], o["sample_index"]) for o in out] == [(0, 0), (0, 1), (1, 0), (2, 0)]
-    assert [len(o["token_ids"]) for o in out] == [16, 16, 0, 9]
+    assert [(o["prompt_index"], o["sample_index"]) for o in out] == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0)]
+    # the last line leaves max_tokens out: the app's sampling.max_tokens applies
+    assert [len(o["token_ids"]) for o in out] == [16, 16, 0, 9, DEFAULT_MAX_TOKENS]
     assert out[1]["finish_reason"] == "length" and out[2]["finish_reason"] == "error"
     assert out[2]["error"].startswith("max_tokens=-4")
     assert len(out[3]["logprobs"]) == 9 and out[0]["logprobs"] is None
@@ -84,6 +85,7 @@ JSONL_IN = [
     json.dumps({"prompt_token_ids": [11], "max_tokens": -4}),
     json.dumps({"prompt_token_ids": [14, 15], "max_tokens": 9, "ignore_eos": True, "logprobs": 0,
                 "temperature": 0.0}),
+    json.dumps({"prompt_token_ids": [16, 17], "ignore_eos": True}),
 ]
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from e2e_support import ROOT, VENV_BIN, collect, ray_env
+from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, collect, ray_env
 from rollout_cluster.config import to_dict
 from rollout_cluster.driver import RolloutClient, expand
 from rollout_cluster.types import SamplingSpec
@@ -61,6 +61,8 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
         st = client.wait_ready(1, 600)
         router_id = st["router_id"]
         assert st["expected_replicas"] == 1
+        # a connected client has no config: the router tells it the app's sampling defaults
+        assert client.default_sampling() == SamplingSpec(max_tokens=DEFAULT_MAX_TOKENS)
 
         # Grow 1 -> 2 while a batch runs (more sequences than one replica's 64 slots).
         lengths = [300] * 96

@@ -67,3 +67,47 @@ def test_killed_replica_work_completes_elsewhere(client, fresh_policy):
     assert resumed, "the killed replica's sequences should have continued on the survivor"
     assert all(any(m.source == victim_id and m.reason == "replica_lost" for m in c.migrations) for c in resumed)
     assert client.status()["counters"]["replica_deaths"] >= 1
+
+
+def engine_core_processes(actor) -> list:
+    """The vLLM EngineCore process(es) the replica actor spawned."""
+    import os
+
+    import psutil
+
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    procs = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def test_a_dead_engine_hands_its_sequences_back_and_none_fails(client, fresh_policy):
+    """vLLM's EngineCore process dies under a replica (what a GPU fault or an OOM kill does): its
+    sequences must not end with errors. The replica says goodbye with their tokens, the survivor
+    continues them, and Serve replaces the replica (its health check fails)."""
+    import signal
+
+    fresh_policy("pull")
+    leaves = client.status()["counters"]["replica_leaves"]
+    bid, lengths, victim_id, victim = batch_and_busiest_replica(client, 70)
+    cores = engine_core_processes(victim)
+    assert cores, "found no EngineCore process under the replica's actor"
+    for p in cores:
+        p.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    while victim_id in client.status()["replicas"]:  # gone by its goodbye, not router.replica_timeout_s
+        assert time.monotonic() - t0 < 30, "the replica with a dead engine did not leave"
+        time.sleep(0.2)
+    assert client.status()["counters"]["replica_leaves"] == leaves + 1
+    results = collect(client, bid, len(lengths))
+    assert [c.finish_reason for c in results] == ["length"] * len(lengths), [c.error for c in results if c.error]
+    assert [len(c.token_ids) for c in results] == lengths
+    assert all(len(c.logprobs) == len(c.token_ids) for c in results)
+    resumed = [c for c in results if victim_id in c.replicas and len(c.replicas) > 1]
+    assert resumed, "the dead engine's sequences should have continued on the survivor"
+    assert all(any(m.source == victim_id and m.reason == "replica_lost" for m in c.migrations) for c in resumed)
