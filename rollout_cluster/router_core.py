@@ -206,12 +206,13 @@ class RouterCore:
         gone = [bid for bid, b in self.batches.items() if now - b.fetched_t > (cancelled_s if b.cancelled else idle_s)]
         for bid in gone:
             batch = self.batches[bid]
-            finished, unfetched = len(batch.order), now - batch.fetched_t
+            finished, unfetched, cancelled = len(batch.order), now - batch.fetched_t, batch.cancelled
             self.cancel(bid, now)
             self.release(bid)
+            limit = (f"cancelled, and {CANCELLED_UNFETCHED_S:.0f} s is the wait for a cancelled batch" if cancelled
+                     else "router.abandoned_batch_s")
             self.dropped[bid] = (f"dropped {now - batch.submitted_t:.0f} s after submission: no fetch for "
-                                 f"{unfetched:.0f} s (router.abandoned_batch_s); {finished} of {batch.size} "
-                                 "sequences had finished")
+                                 f"{unfetched:.0f} s ({limit}); {finished} of {batch.size} sequences had finished")
             self.metrics.batches_abandoned(1)
             while len(self.dropped) > DROPPED_KEPT:
                 del self.dropped[next(iter(self.dropped))]
@@ -316,7 +317,7 @@ class RouterCore:
         for p in report.progress:
             self._apply(rep, p, now)
         if report.leaving:
-            self.remove_replica(rep.replica_id, now, leaving=True)
+            self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
             return Orders()
         if report.held is not None:
             self._reconcile(rep, report.held, report.aborting, now)
@@ -406,19 +407,21 @@ class RouterCore:
             self.expected_replicas, self.surplus_joins = live, 0
         return dead
 
-    def remove_replica(self, replica_id: str, now: float, leaving: bool = False) -> None:
-        """Requeue the replica's sequences from their last reported tokens. `leaving`: it said
-        goodbye (a graceful shutdown) rather than stopped pulling."""
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False) -> None:
+        """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
+        it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a
+        graceful shutdown, or its engine died), and a late pull of it is not a new replica."""
         rep = self.replicas.pop(replica_id, None)
         if rep is None:
             return
         self.counters["replica_leaves" if leaving else "replica_deaths"] += 1
-        if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer
-            self.expected_replicas = max(1, self.expected_replicas - 1)
-            self.surplus_joins = max(0, self.surplus_joins - 1)
+        if leaving or goodbye:
             self.departed[(replica_id, rep.incarnation)] = None
             while len(self.departed) > DEPARTED_KEPT:
                 self.departed.pop(next(iter(self.departed)))
+        if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer
+            self.expected_replicas = max(1, self.expected_replicas - 1)
+            self.surplus_joins = max(0, self.surplus_joins - 1)
         else:
             self.last_fleet_change_t = now  # give its replacement a replica timeout to join
             if self.surplus_joins > 0:

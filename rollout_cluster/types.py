@@ -256,6 +256,9 @@ class Report:
     # held and this report carries the final partials. The router requeues its work at once
     # instead of after router.replica_timeout_s, and sends it nothing more.
     leaving: bool = False
+    # With `leaving`: the replica's engine died (vLLM's EngineCore crashed), so Serve replaces the
+    # replica. The router counts it as a death, not a scale-down: the fleet's size does not change.
+    engine_dead: bool = False
 
 
 @dataclass

@@ -105,3 +105,5 @@ def test_a_cancelled_batch_its_driver_left_goes_sooner(core):
     core.cancel(bid, 10.0)  # the driver timed out, cancelled, raised: nobody fetches the aborts
     assert core.drop_abandoned(60.0, idle_s=900.0) == []
     assert core.drop_abandoned(61.0, idle_s=900.0) == [bid]
+    with pytest.raises(KeyError, match=r"no fetch for 61 s \(cancelled, and 60 s is the wait for a cancelled batch\)"):
+        core.fetch(bid, 0)

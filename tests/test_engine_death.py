@@ -145,7 +145,10 @@ def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences
 
     asyncio.run(go())
     (goodbye,) = r.router.reports
-    assert goodbye.leaving and [p.token_ids for p in goodbye.progress] == [[7]]
+    assert goodbye.leaving and goodbye.engine_dead and [p.token_ids for p in goodbye.progress] == [[7]]
+    # a death, not a scale-down: Serve replaces the replica, the fleet keeps its size
+    assert core.counters["replica_deaths"] == 1 and core.counters["replica_leaves"] == 0
+    assert core.expected_replicas == 2
     with pytest.raises(RuntimeError, match="the engine died: RuntimeError: EngineCore encountered an issue"):
         r.check_health()
     # the sequence continues on another replica from all three tokens, with nothing lost or repeated
@@ -156,3 +159,146 @@ def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences
     (done,) = core.fetch(bid, 0)[0]
     assert done.token_ids == [5, 6, 7, 1, 1, 1, 1, 1] and done.finish_reason == "length"
     assert done.replicas == ["a", "b"]
+
+
+class IdleThenDead(DeadEngine):
+    """Alive at first; dies while idle, which only the next drain notices (vLLM's `errored`)."""
+
+    def __init__(self, die_at_drain: int):
+        super().__init__()
+        self.dead, self.drains, self.die_at = None, 0, die_at_drain
+        self.submitted = []
+
+    def drain(self):
+        self.drains += 1
+        if self.drains >= self.die_at:
+            self.dead = RuntimeError("vLLM's EngineCore died (AsyncLLM.errored)")
+        return super().drain()
+
+    def held(self):
+        return []
+
+    def aborting(self):
+        return []
+
+    def submit(self, work):
+        self.submitted.append(work)
+
+
+def bare_replica(engine, core):
+    r = object.__new__(BareReplica)
+    r.cfg, r.engine, r.router, r.stopping = ClusterConfig(), engine, RouterHandle(core), False
+    r.replica_id, r.incarnation, r.unsent, r.weights_version, r.loop_error = "a", "a-1", [], 0, None
+    r.model, r.weights_error, r.weights_error_version, r.loading, r.weights_path = ModelInfo(100, 64), None, 0, None, ""
+    return r
+
+
+def run_loop(r):
+    async def go():
+        r.task = asyncio.get_running_loop().create_task(r._pull_loop())
+        await asyncio.wait_for(r.task, 5)
+
+    asyncio.run(go())
+
+
+def test_an_engine_found_dead_at_a_drain_sends_no_ordinary_report_and_gets_no_work():
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("h200-1.5b", 8)), 2, 1e9)
+    core.on_report(Report("b", "b-1", [], EngineStats(), ModelInfo(100, 64), 8), 0.0)  # another replica
+    core.submit([SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=8), i, 0) for i in range(4)], 0.0)
+    engine = IdleThenDead(die_at_drain=1)
+    r = bare_replica(engine, core)
+    run_loop(r)
+    assert [rep.leaving for rep in r.router.reports] == [True]  # its goodbye only
+    assert engine.submitted == [] and len(core.queue) == 4
+
+
+class GiveUpMeetsDeadEngine(IdleThenDead):
+    async def give_up(self, keys):  # an adapter that records the death and raises too
+        self.dead = RuntimeError("EngineDeadError")
+        raise self.dead
+
+
+def test_orders_that_meet_a_dead_engine_end_in_a_goodbye_not_a_crash():
+    from rollout_cluster.types import Orders
+
+    engine = GiveUpMeetsDeadEngine(die_at_drain=10 ** 9)
+
+    class Handle(RouterHandle):
+        @property
+        def pull(self):
+            outer = self
+
+            class Pull:
+                @staticmethod
+                def remote(report):
+                    async def call():
+                        outer.reports.append(report)
+                        return Orders(give_up=[("s", 1)]) if len(outer.reports) == 1 else Orders()
+                    return call()
+            return Pull
+
+    r = bare_replica(engine, None)
+    r.router = Handle(None)
+    run_loop(r)
+    assert [rep.leaving for rep in r.router.reports] == [False, True] and r.router.reports[1].engine_dead
+    assert r.loop_error is not None and "died" in str(r.loop_error)
+
+
+class AbortOnDeadEngine(DyingAsyncLLM):
+    async def abort(self, request_ids):
+        raise vllm_exceptions.EngineDeadError()  # vLLM's abort goes through ensure_alive
+
+
+def test_vllms_abort_on_a_dead_engine_marks_it_dead_instead_of_raising():
+    async def go():
+        eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
+        eng.engine = AbortOnDeadEngine()
+        eng.submit(work("s0"))
+        await asyncio.sleep(0)
+        await eng.give_up([("s0", 1)])
+        assert isinstance(eng.dead, vllm_exceptions.EngineDeadError) and not eng.aborted
+        for t in list(eng.tasks.values()):
+            t.cancel()
+
+    asyncio.run(go())
+
+
+class LateRequestAsyncLLM:
+    """Registers a request only when its stream is first read, as AsyncLLM.generate does, and
+    ignores an abort of an id it does not have yet."""
+
+    errored = False
+
+    def __init__(self):
+        self.live, self.aborts = set(), []
+
+    async def abort(self, request_ids):
+        self.aborts.append(list(request_ids))
+        self.live.difference_update(request_ids)
+
+    async def generate(self, prompt, params, request_id):
+        self.live.add(request_id)
+        for i in range(50):
+            if request_id not in self.live:
+                out = Out([], finished=True)
+                out.outputs[0].finish_reason = "abort"
+                yield out
+                return
+            yield Out([i])
+            await asyncio.sleep(0.001)
+        yield Out([], finished=True)
+
+
+def test_a_give_up_that_reaches_the_engine_before_its_request_still_stops_it():
+    async def go():
+        eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
+        eng.engine = fake = LateRequestAsyncLLM()
+        eng.submit(work("s0"))
+        await eng.give_up([("s0", 1)])  # in the same reply: before the request's task ran
+        await asyncio.gather(*eng.tasks.values())
+        return eng, fake
+
+    eng, fake = asyncio.run(go())
+    out = eng.drain()
+    assert fake.aborts == [["s0#1"], ["s0#1"]]  # the first found nothing; the second stopped it
+    assert out[-1].finish_reason == "abort" and sum(len(p.token_ids) for p in out) < 5

@@ -150,8 +150,14 @@ class VllmEngine(EngineAdapter):
             prompt = TokensPrompt(prompt_token_ids=work.prompt_token_ids)
             if work.sampling.cache_salt is not None:
                 prompt["cache_salt"] = work.sampling.cache_salt
+            first = True
             async for out in self.engine.generate(prompt,
                                                   sampling_params(work), request_id=rid):
+                if first and key in self.aborted and not out.finished:
+                    # Given up before vLLM had the request (start and give-up in one reply): that
+                    # abort found nothing to stop. Now it has it.
+                    await self.engine.abort([rid])
+                first = False
                 o = out.outputs[0]
                 toks = list(o.token_ids)
                 reason = None
@@ -177,10 +183,7 @@ class VllmEngine(EngineAdapter):
             self.ended += 1
         except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
             if self._engine_died(e):  # not the sequence's fault: no final, it continues elsewhere
-                if self.dead is None:
-                    self.dead = e
-                    log.error("vLLM engine died (%s: %s): the replica hands its sequences back and restarts",
-                              type(e).__name__, e)
+                self._mark_dead(e)
                 return
             log.warning("request %s failed: %s", rid, e)
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "error",
@@ -190,6 +193,12 @@ class VllmEngine(EngineAdapter):
             self.tasks.pop(key, None)
             self.context.pop(key, None)
             self.aborted.discard(key)
+
+    def _mark_dead(self, e: Exception) -> None:
+        if self.dead is None:
+            self.dead = e
+            log.error("vLLM engine died (%s: %s): the replica hands its sequences back and restarts",
+                      type(e).__name__, e)
 
     def _engine_died(self, e: Exception) -> bool:
         """vLLM raises EngineDeadError from generate() once its EngineCore process is gone, for every
@@ -203,8 +212,11 @@ class VllmEngine(EngineAdapter):
         self.aborted.update(live)
         try:
             await self.engine.abort([f"{sid}#{att}" for sid, att in live])
-        except BaseException:  # cancelled (a replica shutting down) or failed: not aborted, may be retried
+        except BaseException as e:  # cancelled (a replica shutting down) or failed: not aborted, may be retried
             self.aborted.difference_update(live)
+            if isinstance(e, Exception) and self._engine_died(e):
+                self._mark_dead(e)  # the replica hands everything back instead (serve/replica.py)
+                return
             raise
 
     def drain(self) -> list:

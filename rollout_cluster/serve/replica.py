@@ -56,11 +56,11 @@ class EngineReplica:
         first = True
         held_t = 0.0
         while not self.stopping:
-            if self.engine.dead is not None:
-                await self._leave_dead_engine()
-                return
             ended = self.engine.ended  # before the drain: a segment ending after it shows as a change
             self.unsent += self.engine.drain()
+            if self.engine.dead is not None:  # (an engine that died idle shows in the drain)
+                await self._leave_dead_engine()
+                return
             now = time.monotonic()
             held, aborting = None, []
             if now - held_t >= HELD_EVERY_S:  # drained and listed together: consistent
@@ -88,6 +88,9 @@ class EngineReplica:
                 if orders.give_up:
                     await self.engine.give_up(orders.give_up)
             except Exception as e:
+                if self.engine.dead is not None:  # the orders met a dead engine: hand back, as above
+                    await self._leave_dead_engine()
+                    return
                 self.loop_error = e
                 log.exception("replica %s failed applying orders", self.replica_id)
                 raise
@@ -112,6 +115,8 @@ class EngineReplica:
         interval = interval_s or self.cfg.router.report_interval_s
         deadline, urgent_from = reported_t + interval, reported_t + URGENT_REPORT_GAP_FRAC * interval
         while not self.stopping and (now := time.monotonic()) < deadline:
+            if engine.dead is not None:
+                return  # its sequences continue elsewhere: say goodbye now
             if engine.ended != ended:
                 if not engine.held():
                     return  # an idle replica pulls at once: the router holds that pull
@@ -126,7 +131,7 @@ class EngineReplica:
         self.loop_error = RuntimeError(f"the engine died: {type(self.engine.dead).__name__}: {self.engine.dead}")
         self.unsent += self.engine.drain()
         report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
-                        self.engine.capacity, self.weights_version, leaving=True)
+                        self.engine.capacity, self.weights_version, leaving=True, engine_dead=True)
         try:
             await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S)
             self.unsent = []
