@@ -1,4 +1,4 @@
-"""rollout-cluster: serve | generate | update-weights | make-model | demo | bench | simulate | calibrate."""
+"""rollout-cluster: serve | generate | update-weights | sleep | wake | make-model | demo | bench | simulate | calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +64,21 @@ def cmd_update_weights(a) -> int:
     return 0
 
 
+def cmd_sleep(a) -> int:
+    """sleep --level N / wake: every engine of a running app, between batches (vLLM sleep mode)."""
+    import ray
+
+    from .driver import RolloutClient
+
+    ray.init(address=a.address, log_to_driver=False)  # stdout: the one JSON line
+    client = RolloutClient.connect(a.app_name, address=a.address)
+    t0 = time.monotonic()
+    st = client.sleep(a.level, timeout_s=a.timeout_s) if a.level else client.wake(timeout_s=a.timeout_s)
+    print(json.dumps({"level": st["sleep"]["level"], "seconds": round(time.monotonic() - t0, 3),
+                      "replicas": st["sleep"]["replicas"], "weights_version": st["weights"]["version"]}))
+    return 0
+
+
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
@@ -110,6 +125,17 @@ def main(argv=None) -> int:
     p.add_argument("--address", default="auto")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.set_defaults(fn=cmd_update_weights)
+
+    for name, helptext in (("sleep", "put every engine of a running app to sleep between batches (vLLM sleep mode)"),
+                           ("wake", "wake every engine of a running app (a level-2 sleeper reloads its weights)")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "sleep":
+            p.add_argument("--level", type=int, default=1, choices=(1, 2),
+                           help="1: weights to host memory, KV cache dropped; 2: both dropped")
+        p.add_argument("--app-name", default="rollout")
+        p.add_argument("--address", default="auto")
+        p.add_argument("--timeout-s", type=float, default=600.0)
+        p.set_defaults(fn=cmd_sleep, level=p.get_default("level") or 0)
 
     p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")
     p.add_argument("--config", default="configs/local-cpu.yaml")

@@ -31,6 +31,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # The CPU build has no CuMem allocator: there sleep() only pauses the engine.
+    enable_sleep_mode: bool = False  # GPU: vLLM sleep mode, so RolloutClient.sleep frees the GPUs' memory for a trainer beside the engines
     seed: int = 0
     stream_interval: int = 8  # tokens between progress deltas: per-token streaming of hundreds of requests costs the engine's process
     # Ray starts workers at nice 15 (RAY_worker_niceness) so that raylet and GCS stay responsive;

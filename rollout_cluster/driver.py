@@ -161,8 +161,11 @@ class RolloutClient:
         them hold it. `version` (default: current + 1) tags every Completion generated with these
         weights. Raises if a batch is unfinished, or with every replica's error once each replica
         has either loaded or failed. A replica whose load failed gets no work until a later update
-        succeeds; one that vLLM left half loaded also restarts (Serve's health check) and loads again."""
+        succeeds; one that vLLM left half loaded also restarts (Serve's health check) and loads again.
+        While the engines sleep it returns at once: they load at wake(), which waits for it."""
         v = self.router.update_weights.remote(path, version).result(timeout_s=self.call_timeout_s)
+        if self.status()["sleep"]["level"]:
+            return v  # asleep: the engines load it when they wake (wake() waits for it)
         expected = self.status().get("expected_replicas") or (self.config.replicas if self.config else 1)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -179,6 +182,55 @@ class RolloutClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {len(held)} of {max(expected, len(w['replicas']))} replicas "
                                    f"hold version {v} after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
+        """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs
+        gets their memory: level 1 moves the weights to host memory and drops the KV cache; level 2
+        drops both, and wake() reloads the latest weights (update_weights' checkpoint, else the
+        config's model, which must then be a local checkpoint). On GPUs it needs
+        engine.enable_sleep_mode. Returns once every replica sleeps; raises with each replica's
+        error once the rest are settled (they sleep: wake() wakes them all). A batch submitted
+        before wake() is refused."""
+        self.router.sleep.remote(level).result(timeout_s=self.call_timeout_s)
+        return self._wait_sleep(level, "sleep", timeout_s)
+
+    def wake(self, timeout_s: float = 600.0) -> dict:
+        """Wake every engine; returns once each is awake and holds the current weights or failed
+        loading them (status()["weights"]["errors"]: those get no work). A level-2 sleeper reloads
+        them; an update_weights made while asleep loads now."""
+        self.router.wake.remote().result(timeout_s=self.call_timeout_s)
+        st = self._wait_sleep(0, "wake", timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            w = st["weights"]
+            behind = [rid for rid, rv in w["replicas"].items() if rv != w["version"] and rid not in w["errors"]]
+            if not behind:
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wake: {len(behind)} replica(s) still load weights version {w['version']} "
+                                   f"after {timeout_s:.0f} s")
+            time.sleep(0.1)
+            st = self.status()
+
+    def _wait_sleep(self, level: int, what: str, timeout_s: float) -> dict:
+        """The status once every replica is at `level` or failed getting there."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            sl = st["sleep"]
+            if sl["level"] != level:
+                raise RuntimeError(f"{what}: the fleet's sleep level was changed to {sl['level']} meanwhile")
+            expected = max(st.get("expected_replicas") or 1, len(st["replicas"]))
+            at = [rid for rid in st["replicas"] if sl["replicas"].get(rid) == level]
+            if len(at) + len(sl["errors"]) >= expected:
+                if sl["errors"]:
+                    raise RuntimeError(f"{what}: failed on {len(sl['errors'])} replica(s): "
+                                       + "; ".join(sorted(sl["errors"].values())))
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: {len(at)} of {expected} replicas at sleep level {level} "
+                                   f"after {timeout_s:.0f} s")
             time.sleep(0.1)
 
     def set_policy(self, name: str, **params) -> str:

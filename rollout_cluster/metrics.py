@@ -31,6 +31,8 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.weights_version = Gauge("rollout_weights_version", "The weights version batches run on", registry=r)
         self.weights_failed = Gauge("rollout_replicas_weights_failed", "Replicas whose load of the current "
                                     "weights failed (they get no work)", registry=r)
+        self.sleep_level = Gauge("rollout_sleep_level", "The fleet's vLLM sleep level (0: awake; batches are "
+                                 "refused otherwise)", registry=r)
         self.port = port
         if port:
             start_http_server(port, registry=r)
@@ -58,6 +60,7 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.queued.set(len(core.queue))
         self.weights_version.set(core.weights_version)
         self.weights_failed.set(len(core.weights_errors))
+        self.sleep_level.set(core.sleep.level)
         self.replicas.set(len(core.replicas))
         self.expected.set(core.expected_replicas)
         for rid, rep in core.replicas.items():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .policy.base import Decision, Policy
+from .router_control import EngineControl
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
 from .types import Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SequenceRequest, Work
 
@@ -60,7 +61,7 @@ class BatchState:
     cancelled: bool = False  # cancel() was called: the driver may fetch the aborts, or be gone
 
 
-class RouterCore:
+class RouterCore(EngineControl):
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = ""):
@@ -70,6 +71,7 @@ class RouterCore:
         self.id_prefix = id_prefix
         self.expected_replicas = expected_replicas
         self.surplus_joins = 0  # joins that raised expected_replicas since the last death or leave
+        self.unfilled_leaves = 0  # leaves no join has refilled yet (Serve replaced, or scaled down then up)
         self.last_fleet_change_t: Optional[float] = None  # the latest join or death (expire's clock)
         self.requeues = 0  # sequences put back in the queue so far (the Serve router wakes held pulls)
         self.departed: dict = {}  # (replica_id, incarnation) of replicas that said goodbye (bounded, in order)
@@ -101,17 +103,14 @@ class RouterCore:
         # cost profile to the engines as they run here (calibrate --from-samples).
         self.step_samples: list = []
         self._ids = itertools.count()
-        # Weights: a batch runs on one version. update_weights only between batches; a replica
-        # that does not hold the current version gets a load order and no work until it does.
-        self.weights_version = 0
-        self.weights_path: Optional[str] = None
-        self.weights_errors: dict = {}  # replica_id -> why its load failed
+        self._init_control()  # weights and sleep (router_control.py)
 
     # ---- driver side --------------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None) -> str:
         """Queue a batch of SequenceRequests. Invalid ones finish at once with an error."""
         if not self.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
+        self._refuse_while_asleep()
         if self.weights_errors and all(r.weights_version != self.weights_version for r in self.replicas.values()):
             raise NoLiveReplicaError(f"no replica holds weights version {self.weights_version} "
                                      f"({self.weights_path!r}): {'; '.join(sorted(self.weights_errors.values()))}")
@@ -223,76 +222,12 @@ class RouterCore:
         return {bid: {"size": b.size, "finished": len(b.order), "age_s": round(now - b.submitted_t, 1),
                       "unfetched_s": round(now - b.fetched_t, 1)} for bid, b in self.batches.items()}
 
-    def update_weights(self, path: str, version: Optional[int] = None) -> int:
-        """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
-        nodes) as `version` (default: the current one + 1). Between batches only, so that a batch
-        never mixes versions. Replicas load at their next pull; returns the version."""
-        if not isinstance(path, str) or not path.strip():
-            raise InputError("path", path, "must be the path of a checkpoint directory")
-        if version is None:
-            version = self.weights_version + 1
-        if not isinstance(version, int) or isinstance(version, bool) or version <= self.weights_version:
-            raise InputError("version", version, f"must be an integer above the current version {self.weights_version}")
-        if self.seqs:
-            batches = sorted({s.batch_id for s in self.seqs.values()})
-            raise RuntimeError(f"update_weights: {len(self.seqs)} sequences of batch(es) {', '.join(batches)} are "
-                               "unfinished; weights change between batches (wait for them, or cancel)")
-        loading = sorted(rid for rid, r in self.replicas.items() if self.weights_path is not None
-                         and r.weights_version != self.weights_version and rid not in self.weights_errors)
-        if loading:  # two loads at once on a replica: the second's could land while work runs
-            raise RuntimeError(f"update_weights: version {self.weights_version} ({self.weights_path!r}) is still "
-                               f"loading on {len(loading)} replica(s) ({', '.join(loading[:4])}); wait until "
-                               "status()['weights'] shows it held or failed everywhere")
-        self.weights_version, self.weights_path = version, path
-        self.weights_errors.clear()
-        for rep in self.replicas.values():
-            self._order_weights(rep)
-        return version
-
-    def weights_status(self) -> dict:
-        return {"version": self.weights_version, "path": self.weights_path,
-                "replicas": {rid: r.weights_version for rid, r in self.replicas.items()},
-                "errors": dict(self.weights_errors)}
-
-    def _weights_report(self, rep: ReplicaState, report: Report, now: float) -> None:
-        v = self.weights_version
-        if self.weights_path is None and report.weights_version > v and report.weights_path:
-            # A restarted router: the replicas remember the weights it ordered (no batch mixes them:
-            # a batch that ran before the restart is lost with the router anyway).
-            self.weights_version, self.weights_path = report.weights_version, report.weights_path
-            v = self.weights_version
-        rep.weights_version = report.weights_version
-        if rep.weights_version == v:
-            self.weights_errors.pop(rep.replica_id, None)
-        elif report.weights_error and report.weights_error_version == v:
-            if rep.replica_id not in self.weights_errors:
-                self.weights_errors[rep.replica_id] = report.weights_error
-                if all(r.weights_version != v for r in self.replicas.values()):
-                    self._fail_queued(f"no replica holds weights version {v} ({self.weights_path!r}): "
-                                      + "; ".join(sorted(self.weights_errors.values())), now)
-        elif rep.weights_ordered == v and report.weights_loading != v and not self._order_pending(rep.replica_id):
-            rep.weights_ordered = None  # the order was sent and the replica never saw it: again
-        self._order_weights(rep)
-
-    def _order_pending(self, replica_id: str) -> bool:
-        orders = self.outbox.get(replica_id)
-        return orders is not None and any(cmd == "load_weights" for cmd, _ in orders.control)
-
     def _fail_queued(self, why: str, now: float) -> None:
         """Queued work that no replica can run ends with an error (running work cannot exist)."""
         for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED]:
             self.queue.remove(seq)
             seq.error = why
             self._finish(seq, "error", now, None)
-
-    def _order_weights(self, rep: ReplicaState) -> None:
-        """Send `rep` the current weights once, if it does not hold them."""
-        v = self.weights_version
-        if self.weights_path is None or rep.weights_version == v or rep.weights_ordered == v:
-            return
-        rep.weights_ordered = v
-        self.outbox.setdefault(rep.replica_id, Orders()).control.append(
-            ("load_weights", {"path": self.weights_path, "version": v}))
 
     def release(self, batch_id: str) -> None:
         batch = self.batches.pop(batch_id, None)
@@ -309,6 +244,7 @@ class RouterCore:
         if (report.replica_id, report.incarnation) in self.departed:
             return Orders()  # a late pull of a replica that said goodbye: not a new replica
         rep = self._register(report, now)
+        self._sleep_report(rep, report)  # first: a load order waits for an engine that sleeps
         self._weights_report(rep, report, now)
         st = report.stats
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
@@ -330,8 +266,9 @@ class RouterCore:
         rep = self.replicas.get(replica_id)
         if rep is None:
             return Orders()
-        # A replica without the current weights gets no work (its load order is in its outbox).
-        if (len(self.queue) or self.seqs) and rep.weights_version == self.weights_version:
+        # A replica without the current weights gets no work (its load order is in its outbox), nor
+        # one that sleeps or is on its way to or from sleep.
+        if (len(self.queue) or self.seqs) and self.usable(rep):
             t0 = timer() if timer else None
             decision = self.policy.decide(self.view(now), replica_id)
             if timer:
@@ -385,10 +322,10 @@ class RouterCore:
                 self.outbox.setdefault(rep.replica_id, Orders()).give_up.append((seq.seq_id, seq.attempt))
 
     def view(self, now: float) -> ClusterView:
-        """What the policy sees; a replica without the current weights is not part of it."""
+        """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
         replicas = self.replicas
-        if any(r.weights_version != self.weights_version for r in replicas.values()):
-            replicas = {rid: r for rid, r in replicas.items() if r.weights_version == self.weights_version}
+        if not all(self.usable(r) for r in replicas.values()):
+            replicas = {rid: r for rid, r in replicas.items() if self.usable(r)}
         return ClusterView(now, self.queue, replicas, self.groups, self.seqs, self.expected_replicas,
                            self.finished_lengths, self.counters["generated_tokens"], self.counters["reprefill_tokens"])
 
@@ -404,7 +341,7 @@ class RouterCore:
             # is smaller than the count (a router restarted after an in-place scale-down, replicas
             # that cannot be scheduled). Waiting for the rest would stall chunked's first round,
             # static's missing shares and update_weights; a replica that joins later raises it again.
-            self.expected_replicas, self.surplus_joins = live, 0
+            self.expected_replicas, self.surplus_joins, self.unfilled_leaves = live, 0, 0
         return dead
 
     def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False) -> None:
@@ -422,6 +359,9 @@ class RouterCore:
         if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer
             self.expected_replicas = max(1, self.expected_replicas - 1)
             self.surplus_joins = max(0, self.surplus_joins - 1)
+            self.unfilled_leaves += 1
+        elif goodbye:  # its engine died and it said so: Serve replaces it, and its replacement comes later
+            self.last_fleet_change_t = now
         else:
             self.last_fleet_change_t = now  # give its replacement a replica timeout to join
             if self.surplus_joins > 0:
@@ -431,6 +371,7 @@ class RouterCore:
                 self.expected_replicas = max(1, self.expected_replicas - 1)
         self.outbox.pop(replica_id, None)
         self.weights_errors.pop(replica_id, None)
+        self.sleep.forget(replica_id)
         for seq in list(rep.seqs.values()):
             self.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
             self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
@@ -451,7 +392,10 @@ class RouterCore:
             # before its dead predecessor timed out (the next death takes that back).
             if len(self.replicas) > self.expected_replicas:
                 self.expected_replicas = len(self.replicas)
-                self.surplus_joins += 1
+                if self.unfilled_leaves:  # it takes a leaver's place: no replica's early replacement
+                    self.unfilled_leaves -= 1
+                else:
+                    self.surplus_joins += 1
         if report.model is not None and self.model is None:
             self.model = report.model
         rep.capacity = report.capacity or rep.capacity

@@ -259,6 +259,11 @@ class Report:
     # With `leaving`: the replica's engine died (vLLM's EngineCore crashed), so Serve replaces the
     # replica. The router counts it as a death, not a scale-down: the fleet's size does not change.
     engine_dead: bool = False
+    # vLLM sleep mode (fleet_sleep.py): the level the engine is at (0: awake), the level the router
+    # last told it to reach (the two differ while it moves), and why reaching the goal failed.
+    sleep_level: int = 0
+    sleep_goal: int = 0
+    sleep_error: Optional[str] = None
 
 
 @dataclass
@@ -267,7 +272,7 @@ class Orders:
 
     start: list = field(default_factory=list)  # Work
     give_up: list = field(default_factory=list)  # (seq_id, attempt)
-    # ("load_weights", {"path", "version"}) | ("sleep", level) | ("wake", None); run before `start`
+    # ("load_weights", {"path", "version"}) | ("sleep", level) | ("wake", {"path", "version"}): before `start`
     control: list = field(default_factory=list)
     # Work is queued at the router: a slot freed by an ending segment is worth reporting at once.
     work_waiting: bool = False

@@ -70,6 +70,27 @@ def test_expected_fleet_size_follows_joins_and_leaves_not_deaths():
     assert fleet.core.expected_replicas == 2
 
 
+def test_a_replacement_after_a_leave_is_no_surplus_and_a_dead_engine_keeps_the_count():
+    """Regression (e2e, 2026-12-01): Serve replaced a replica gracefully (a leave, then its
+    replacement's join), and a later death took the count from 2 to 1: the join had been counted as
+    a replacement that came before a dead predecessor timed out."""
+    fleet = Fleet("pull", expected=2)
+    for rid in ("a", "b"):
+        fleet.pull(rid)
+    fleet.pull("b", leaving=True)
+    assert fleet.core.expected_replicas == 1
+    fleet.pull("b2")  # Serve's replacement
+    assert fleet.core.expected_replicas == 2 and fleet.core.surplus_joins == 0
+    fleet.core.remove_replica("a", fleet.now)  # a timed-out death: Serve replaces it
+    assert fleet.core.expected_replicas == 2
+    fleet.pull("a2")
+    # an engine that died says goodbye itself: a death, and Serve's replacement comes after it
+    report = Report("a2", "a2-1", [], EngineStats(), None, 32, leaving=True, engine_dead=True)
+    fleet.core.on_report(report, fleet.now + 1)
+    assert fleet.core.expected_replicas == 2 and set(fleet.core.replicas) == {"b2"}
+    assert fleet.core.counters["replica_deaths"] == 2 and fleet.core.counters["replica_leaves"] == 1
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_router_that_expects_more_replicas_than_come_settles_on_those_that_did(policy):
     """A router restarted after an in-place scale-down (num_replicas under deployments: lowered,

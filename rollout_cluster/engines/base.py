@@ -59,10 +59,17 @@ class EngineAdapter(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot load weights")
 
     async def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory between rollouts (vLLM sleep mode)."""
+        """Free accelerator memory between rollouts (vLLM sleep mode: 1 keeps the weights in host
+        memory, 2 drops them). Nothing runs (the router sleeps engines between batches only)."""
+        self._asleep = level
 
     async def wake(self) -> None:
-        """Undo sleep()."""
+        """Undo sleep(). After level 2 the caller reloads the weights (load_weights)."""
+        self._asleep = 0
+
+    async def sleeping(self) -> bool:
+        """Whether the engine itself says it sleeps."""
+        return bool(getattr(self, "_asleep", 0))
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""

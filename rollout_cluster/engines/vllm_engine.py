@@ -52,6 +52,7 @@ def engine_args(cfg: EngineConfig, model: str):
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=cfg.enforce_eager,
+        enable_sleep_mode=cfg.enable_sleep_mode and not is_cpu_build(),  # the CPU build refuses it
         seed=cfg.seed,
         skip_tokenizer_init=True,
         disable_log_stats=True,
@@ -270,10 +271,20 @@ class VllmEngine(EngineAdapter):
             raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
 
     async def sleep(self, level: int = 1) -> None:
+        if not self.on_cpu and not self.cfg.enable_sleep_mode:
+            raise RuntimeError("engine.enable_sleep_mode is false: vLLM started without sleep mode and would free "
+                               "no GPU memory; set it (vLLM then allocates through its CuMem allocator)")
+        if self.tasks:  # the router sleeps engines between batches only: orphans of a restarted router
+            log.warning("aborting %d requests left from before sleep", len(self.tasks))
+            await self.give_up(list(self.tasks))
+        # On the CPU build vLLM pauses its scheduler and drops the prefix cache; its worker frees nothing.
         await self.engine.sleep(level)
 
     async def wake(self) -> None:
         await self.engine.wake_up()
+
+    async def sleeping(self) -> bool:
+        return bool(await self.engine.is_sleeping())
 
     async def shutdown(self) -> None:
         if self.engine is not None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
+from typing import Optional
 
 from ray import serve
 
@@ -33,6 +35,10 @@ def replica_rank() -> int:
 
 @serve.deployment
 class EngineReplica:
+    # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
+    # it failed, and the move under way (it runs after any load or move before it)
+    sleep_level, sleep_goal, sleep_error, sleep_task = 0, 0, None, None
+
     async def __init__(self, router, config: dict):
         self.cfg = load_config(config)
         self.router = router
@@ -68,7 +74,8 @@ class EngineReplica:
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
                             self.model if first else None, self.engine.capacity,
                             self.weights_version, self.weights_error, self.weights_error_version,
-                            self.loading[0] if self.loading else 0, self.weights_path, held, aborting)
+                            self.loading[0] if self.loading else 0, self.weights_path, held, aborting,
+                            sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error)
             try:
                 orders = await self.router.pull.remote(report)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
@@ -148,10 +155,62 @@ class EngineReplica:
             before = self.loading[1] if self.loading else None
             task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"], before))
             self.loading = (arg["version"], task)
-        elif cmd == "sleep":
-            await self.engine.sleep(int(arg or 1))
-        elif cmd == "wake":
-            await self.engine.wake()
+        elif cmd in ("sleep", "wake"):
+            goal = int(arg) if cmd == "sleep" else 0
+            if goal == self.sleep_goal:
+                return  # a resent order of what is done or under way
+            self.sleep_goal, self.sleep_error = goal, None
+            before = [t for t in (self.sleep_task, self.loading and self.loading[1]) if t]
+            reload = arg if cmd == "wake" else None
+            self.sleep_task = asyncio.get_running_loop().create_task(self._move_sleep(goal, reload, before))
+
+    def _reload_source(self) -> Optional[str]:
+        """Where a level-2 sleeper reloads its weights from at wake: the latest checkpoint, else the
+        config's model if it is a local checkpoint (None: nowhere; "" for a simulated engine)."""
+        eng = self.cfg.engine
+        if eng.kind == "sim":
+            return ""
+        if self.weights_path:
+            return self.weights_path
+        model = self.cfg.model_path()
+        return model if os.path.isdir(model) and eng.load_format != "dummy" else None
+
+    async def _move_sleep(self, goal: int, reload: Optional[dict], before: list) -> None:
+        """Sleep at `goal`, or wake (goal 0) and, from level 2, reload the weights the wake order
+        names (the router's current version) before reporting awake. In the background, like a load:
+        the replica keeps pulling, and reports `sleep_goal` until `sleep_level` reaches it."""
+        if before:
+            await asyncio.gather(*before, return_exceptions=True)
+        try:
+            if goal:
+                if goal == 2 and self._reload_source() is None:
+                    raise RuntimeError(f"level 2 drops the weights, and engine.model={self.cfg.engine.model!r} "
+                                       f"(load_format {self.cfg.engine.load_format!r}) is no local checkpoint to "
+                                       "reload them from at wake: use level 1, or update_weights first")
+                await self.engine.sleep(goal)
+            else:
+                was = self.sleep_level
+                await self.engine.wake()
+                if was == 2:
+                    await self._reload_after_deep_sleep(reload or {})
+            if await self.engine.sleeping() != bool(goal):  # the engine's own word, not ours
+                raise RuntimeError(f"the engine says it is {'awake' if goal else 'still asleep'}")
+            self.sleep_level = goal
+        except Exception as e:
+            log.exception("replica %s: %s failed", self.replica_id, f"sleep(level={goal})" if goal else "wake")
+            self.sleep_error = (f"replica {self.replica_id}: {f'sleep(level={goal})' if goal else 'wake'}: "
+                                f"{type(e).__name__}: {e}")
+
+    async def _reload_after_deep_sleep(self, order: dict) -> None:
+        version = order.get("version", self.weights_version)
+        path = order.get("path") or self._reload_source()
+        if version == 0 and not order.get("path"):  # the config's model: no checkpoint version to report
+            if path:
+                await self.engine.load_weights(path)
+            return
+        await self._load_weights(path, version)
+        if self.weights_error and self.weights_error_version == version:
+            raise RuntimeError(self.weights_error)
 
     async def _load_weights(self, path: str, version: int, before=None) -> None:
         try:
@@ -171,7 +230,8 @@ class EngineReplica:
                 self.loading = None
 
     async def info(self) -> dict:
-        return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__}
+        return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__,
+                "sleep_level": self.sleep_level, "engine_sleeping": await self.engine.sleeping()}
 
     def check_health(self) -> None:
         if self.task.done():

@@ -93,7 +93,8 @@ class Router:
             ev = self.work_ready.setdefault(report.replica_id, asyncio.Event())
             ev.clear()
             rep = core.replicas.get(report.replica_id)
-            busy = (rep is not None and rep.seqs) or report.weights_loading  # (a load's end is news)
+            # a load's or a sleep move's end is news: pull again soon
+            busy = (rep is not None and rep.seqs) or report.weights_loading or report.sleep_level != report.sleep_goal
             wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_for(len(core.replicas))
             try:
                 await asyncio.wait_for(ev.wait(), wait)
@@ -150,6 +151,16 @@ class Router:
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
 
+    async def sleep(self, level: int = 1) -> int:
+        """Put every engine to sleep (vLLM sleep mode, between batches); returns the level."""
+        level = self.core.sleep_fleet(level)
+        self._wake_all()
+        return level
+
+    async def wake(self) -> None:
+        self.core.wake_fleet()
+        self._wake_all()
+
     async def status(self) -> dict:
         c = self.core
         dt = c.decision_times[-10000:]
@@ -163,6 +174,7 @@ class Router:
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
             "weights": c.weights_status(),
+            "sleep": c.sleep_status(),  # level 0: awake
             "expected_replicas": c.expected_replicas,
             "sampling_defaults": self.cfg.sampling.spec_fields(),  # what a request leaves out
             "router_id": self.router_id,

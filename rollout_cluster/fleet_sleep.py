@@ -1,0 +1,58 @@
+"""The fleet's sleep state: vLLM sleep mode between RL steps, so a trainer on the same GPUs gets
+their memory back.
+
+The driver's sleep(level) sets the level the whole fleet should be at (1: vLLM offloads the
+weights to host memory and drops the KV cache; 2: it drops the weights too, and waking reloads
+them from the latest checkpoint); wake() sets it back to 0. Every replica gets one order for the
+level, and one that joins later gets it when it registers. A replica reports the level its
+engine is at and the one it was last told to reach (`Report.sleep_level`, `sleep_goal`): the
+router sends the order again only when a lost reply took it (the goal is not the fleet's and no
+order is waiting in the outbox). A replica gets work only while it and the fleet are awake.
+
+Plain bookkeeping, no clock and no I/O: RouterCore drives it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+SLEEP_LEVELS = (1, 2)
+
+
+@dataclass
+class FleetSleep:
+    level: int = 0  # the fleet's target: 0 awake, else a vLLM sleep level
+    at: dict = field(default_factory=dict)  # replica_id -> (level its engine is at, its goal)
+    errors: dict = field(default_factory=dict)  # replica_id -> why reaching `level` failed there
+
+    def set(self, level: int) -> None:
+        self.level = level
+        self.errors.clear()
+
+    def record(self, replica_id: str, level: int, goal: int, error: Optional[str]) -> None:
+        self.at[replica_id] = (level, goal)
+        if level == self.level:
+            self.errors.pop(replica_id, None)
+        elif error and goal == self.level:
+            self.errors[replica_id] = error
+
+    def needs_order(self, replica_id: str) -> bool:
+        """The replica was not told the fleet's level (it joined, or the reply was lost)."""
+        return self.at.get(replica_id, (0, 0))[1] != self.level
+
+    def awake(self, replica_id: str) -> bool:
+        """Work may go to it: the fleet and its engine are awake, and it is not moving."""
+        return self.level == 0 and self.at.get(replica_id, (0, 0)) == (0, 0)
+
+    def settled(self, replica_id: str) -> bool:
+        """At the fleet's level, or failed getting there."""
+        return self.at.get(replica_id, (0, 0))[0] == self.level or replica_id in self.errors
+
+    def forget(self, replica_id: str) -> None:
+        self.at.pop(replica_id, None)
+        self.errors.pop(replica_id, None)
+
+    def status(self) -> dict:
+        return {"level": self.level, "replicas": {rid: lv for rid, (lv, _) in self.at.items()},
+                "moving": sorted(rid for rid, (lv, goal) in self.at.items() if lv != goal and rid not in self.errors),
+                "errors": dict(self.errors)}

@@ -1,0 +1,158 @@
+"""What the router tells engines to be, beside the work it hands out: which weights they hold
+(update_weights) and whether they sleep (vLLM sleep mode). RouterCore mixes this in.
+
+Both follow one rule: the router keeps the fleet's target, a replica reports where its engine
+is, an order goes out once per replica (again only when a lost reply took it), and a replica
+that is not at the target gets no work. Both change between batches only, so that a batch never
+mixes weights and never waits on a sleeping engine.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .fleet_sleep import SLEEP_LEVELS, FleetSleep
+from .state import ReplicaState
+from .types import InputError, Orders, Report
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class EngineControl:
+    """Weights and sleep. Needs RouterCore's replicas, seqs, outbox, queue and _finish."""
+
+    def _init_control(self) -> None:
+        # Weights: a batch runs on one version. update_weights only between batches; a replica
+        # that does not hold the current version gets a load order and no work until it does.
+        self.weights_version = 0
+        self.weights_path: Optional[str] = None
+        self.weights_errors: dict = {}  # replica_id -> why its load failed
+        self.sleep = FleetSleep()
+
+    def usable(self, rep: ReplicaState) -> bool:
+        """It may get work: it holds the current weights and is awake."""
+        return rep.weights_version == self.weights_version and self.sleep.awake(rep.replica_id)
+
+    def update_weights(self, path: str, version: Optional[int] = None) -> int:
+        """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
+        nodes) as `version` (default: the current one + 1). Between batches only, so that a batch
+        never mixes versions. Replicas load at their next pull; returns the version."""
+        if not isinstance(path, str) or not path.strip():
+            raise InputError("path", path, "must be the path of a checkpoint directory")
+        if version is None:
+            version = self.weights_version + 1
+        if not isinstance(version, int) or isinstance(version, bool) or version <= self.weights_version:
+            raise InputError("version", version, f"must be an integer above the current version {self.weights_version}")
+        self._refuse_while_running("update_weights", "weights change between batches")
+        self._refuse_while_loading("update_weights")
+        self.weights_version, self.weights_path = version, path
+        self.weights_errors.clear()
+        for rep in self.replicas.values():
+            self._order_weights(rep)
+        return version
+
+    def weights_status(self) -> dict:
+        return {"version": self.weights_version, "path": self.weights_path,
+                "replicas": {rid: r.weights_version for rid, r in self.replicas.items()},
+                "errors": dict(self.weights_errors)}
+
+    def _weights_report(self, rep: ReplicaState, report: Report, now: float) -> None:
+        v = self.weights_version
+        if self.weights_path is None and report.weights_version > v and report.weights_path:
+            # A restarted router: the replicas remember the weights it ordered (no batch mixes them:
+            # a batch that ran before the restart is lost with the router anyway).
+            self.weights_version, self.weights_path = report.weights_version, report.weights_path
+            v = self.weights_version
+        rep.weights_version = report.weights_version
+        if rep.weights_version == v:
+            self.weights_errors.pop(rep.replica_id, None)
+        elif report.weights_error and report.weights_error_version == v:
+            if rep.replica_id not in self.weights_errors:
+                self.weights_errors[rep.replica_id] = report.weights_error
+                if all(r.weights_version != v for r in self.replicas.values()):
+                    self._fail_queued(f"no replica holds weights version {v} ({self.weights_path!r}): "
+                                      + "; ".join(sorted(self.weights_errors.values())), now)
+        elif rep.weights_ordered == v and report.weights_loading != v and not self._order_pending(rep.replica_id):
+            rep.weights_ordered = None  # the order was sent and the replica never saw it: again
+        self._order_weights(rep)
+
+    def _order_pending(self, replica_id: str, cmds=("load_weights",)) -> bool:
+        orders = self.outbox.get(replica_id)
+        return orders is not None and any(cmd in cmds for cmd, _ in orders.control)
+
+    def _refuse_while_loading(self, what: str) -> None:
+        """Two loads at once on a replica: the second's could land while work runs."""
+        v = self.weights_version
+        loading = sorted(rid for rid, r in self.replicas.items()
+                         if r.weights_ordered == v and r.weights_version != v and rid not in self.weights_errors)
+        if loading:
+            raise RuntimeError(f"{what}: version {v} ({self.weights_path!r}) is still loading on {len(loading)} "
+                               f"replica(s) ({', '.join(loading[:4])}); wait until status()['weights'] shows it "
+                               "held or failed everywhere")
+
+    def _refuse_while_running(self, what: str, why: str) -> None:
+        if self.seqs:
+            batches = sorted({s.batch_id for s in self.seqs.values()})
+            raise RuntimeError(f"{what}: {len(self.seqs)} sequences of batch(es) {', '.join(batches)} are "
+                               f"unfinished; {why} (wait for them, or cancel)")
+
+    def _order_weights(self, rep: ReplicaState) -> None:
+        """Send `rep` the current weights once, if it does not hold them; an engine asleep (or on
+        its way) loads after it wakes (a level-2 wake order carries the weights itself)."""
+        v = self.weights_version
+        if (self.weights_path is None or rep.weights_version == v or rep.weights_ordered == v
+                or not self.sleep.awake(rep.replica_id)):
+            return
+        rep.weights_ordered = v
+        self.outbox.setdefault(rep.replica_id, Orders()).control.append(
+            ("load_weights", {"path": self.weights_path, "version": v}))
+
+    # ---- sleep ---------------------------------------------------------------------------
+    def sleep_fleet(self, level: int = 1) -> int:
+        """Put every engine to sleep at vLLM's `level` (1: weights to host memory, KV cache dropped;
+        2: both dropped, reloaded from the latest checkpoint at wake), between batches. Replicas
+        move at their next pull; a batch submitted before wake() is refused. Returns the level."""
+        if not is_int(level) or level not in SLEEP_LEVELS:
+            raise InputError("level", level, "must be 1 (offload the weights to host memory, drop the KV cache) "
+                             "or 2 (drop both; waking reloads the latest checkpoint)")
+        if self.sleep.level == level:
+            return level
+        if self.sleep.level:
+            raise RuntimeError(f"sleep: the engines are asleep at level {self.sleep.level} already; wake() first")
+        self._refuse_while_running("sleep", "engines sleep between batches")
+        self._refuse_while_loading("sleep")
+        self.sleep.set(level)
+        for rep in self.replicas.values():
+            self._order_sleep(rep)
+        return level
+
+    def wake_fleet(self) -> None:
+        """Wake every engine (a level-2 sleeper reloads the current weights first)."""
+        if self.sleep.level == 0 and not self.sleep.errors:
+            return
+        self.sleep.set(0)
+        for rep in self.replicas.values():
+            self._order_sleep(rep)
+
+    def sleep_status(self) -> dict:
+        return self.sleep.status()
+
+    def _refuse_while_asleep(self) -> None:
+        if self.sleep.level:
+            raise RuntimeError(f"the engines are asleep (level {self.sleep.level}, RolloutClient.sleep): call "
+                               "wake() before submitting a batch")
+
+    def _sleep_report(self, rep: ReplicaState, report: Report) -> None:
+        self.sleep.record(rep.replica_id, report.sleep_level, report.sleep_goal, report.sleep_error)
+        if self.sleep.needs_order(rep.replica_id) and not self._order_pending(rep.replica_id, ("sleep", "wake")):
+            self._order_sleep(rep)  # it joined, or the reply that carried the order was lost
+
+    def _order_sleep(self, rep: ReplicaState) -> None:
+        """Replace any sleep or wake order still waiting for `rep` with the fleet's level."""
+        orders = self.outbox.setdefault(rep.replica_id, Orders())
+        orders.control = [(cmd, arg) for cmd, arg in orders.control if cmd not in ("sleep", "wake")]
+        if self.sleep.level:
+            orders.control.append(("sleep", self.sleep.level))
+        else:
+            orders.control.append(("wake", {"path": self.weights_path, "version": self.weights_version}))

@@ -1,0 +1,91 @@
+"""EngineReplica's side of sleep mode, without Ray: an order starts a move in the background, a
+resent order is ignored, the engine's own word decides the level reported, level 2 needs a
+checkpoint to reload and reloads the one the wake order names. The real cluster:
+tests/e2e/test_sleep_mode.py."""
+import asyncio
+
+from rollout_cluster.config import ClusterConfig, EngineConfig
+from rollout_cluster.serve.replica import EngineReplica
+
+
+class FakeEngine:
+    def __init__(self, lies: bool = False):
+        self.calls, self.asleep, self.lies = [], 0, lies
+
+    async def sleep(self, level):
+        self.calls.append(("sleep", level))
+        await asyncio.sleep(0.01)
+        self.asleep = 0 if self.lies else level
+
+    async def wake(self):
+        self.calls.append(("wake",))
+        self.asleep = 0
+
+    async def sleeping(self):
+        return bool(self.asleep)
+
+    async def load_weights(self, path):
+        self.calls.append(("load", path))
+
+
+class BareReplica(EngineReplica.func_or_class):
+    def __del__(self):
+        pass
+
+
+def replica(engine, model="models/none", load_format="auto", weights_path=""):
+    r = object.__new__(BareReplica)
+    r.cfg = ClusterConfig(engine=EngineConfig(model=model, load_format=load_format))
+    r.engine, r.replica_id, r.loading, r.broken = engine, "a", None, None
+    r.weights_version, r.weights_path, r.weights_error, r.weights_error_version = 0, weights_path, None, 0
+    r.sleep_level, r.sleep_goal, r.sleep_error, r.sleep_task = 0, 0, None, None
+    return r
+
+
+def run(r, *orders):
+    async def go():
+        for cmd, arg in orders:
+            await r._control(cmd, arg)
+            assert r.sleep_goal == (arg if cmd == "sleep" else 0)  # set before the next pull
+        await r.sleep_task
+
+    asyncio.run(go())
+    r.sleep_task = None  # done, and its loop is closed
+
+
+def test_sleep_and_wake_move_in_order_and_a_resent_order_is_ignored():
+    eng = FakeEngine()
+    r = replica(eng)
+    run(r, ("sleep", 1), ("sleep", 1))
+    assert r.sleep_level == 1 and r.sleep_error is None and eng.calls == [("sleep", 1)]
+    run(r, ("wake", {"path": None, "version": 0}))
+    assert r.sleep_level == 0 and eng.calls == [("sleep", 1), ("wake",)]  # level 1: no reload
+
+
+def test_an_engine_that_does_not_sleep_is_an_error_not_a_level():
+    r = replica(FakeEngine(lies=True))
+    run(r, ("sleep", 1))
+    assert r.sleep_level == 0 and "the engine says it is awake" in r.sleep_error
+
+
+def test_level_two_needs_a_checkpoint_to_reload(tmp_path):
+    r = replica(FakeEngine(), model="Qwen/Qwen2.5-7B-Instruct")  # a hub id: nothing local
+    run(r, ("sleep", 2))
+    assert r.sleep_level == 0 and r.engine.calls == []
+    assert "sleep(level=2)" in r.sleep_error and "no local checkpoint" in r.sleep_error
+    dummy = replica(FakeEngine(), model=str(tmp_path), load_format="dummy")
+    run(dummy, ("sleep", 2))
+    assert "load_format 'dummy'" in dummy.sleep_error
+
+
+def test_a_deep_wake_reloads_the_weights_the_order_names(tmp_path):
+    eng = FakeEngine()
+    r = replica(eng, model=str(tmp_path))
+    run(r, ("sleep", 2), ("wake", {"path": "/ckpt/step3", "version": 3}))
+    assert eng.calls == [("sleep", 2), ("wake",), ("load", "/ckpt/step3")]
+    assert (r.sleep_level, r.weights_version, r.weights_path) == (0, 3, "/ckpt/step3")
+    # with no update since start, the config's own checkpoint, and still version 0
+    eng2 = FakeEngine()
+    r2 = replica(eng2, model=str(tmp_path))
+    run(r2, ("sleep", 2), ("wake", {"path": None, "version": 0}))
+    assert eng2.calls[-1] == ("load", str(tmp_path)) and (r2.weights_version, r2.weights_path) == (0, "")
