@@ -24,12 +24,18 @@ class FleetSleep:
     level: int = 0  # the fleet's target: 0 awake, else a vLLM sleep level
     at: dict = field(default_factory=dict)  # replica_id -> (level its engine is at, its goal)
     errors: dict = field(default_factory=dict)  # replica_id -> why reaching `level` failed there
+    ordered: bool = False  # a driver set the level (a fresh router has not)
 
     def set(self, level: int) -> None:
         self.level = level
+        self.ordered = True
         self.errors.clear()
 
     def record(self, replica_id: str, level: int, goal: int, error: Optional[str]) -> None:
+        if not self.ordered and goal and not self.level:
+            # A restarted router: the replicas sleep because a driver said so, and a trainer may
+            # be using their memory. Keep them asleep until a driver says wake.
+            self.level = goal
         self.at[replica_id] = (level, goal)
         if level == self.level:
             self.errors.pop(replica_id, None)

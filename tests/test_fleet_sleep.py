@@ -173,3 +173,13 @@ def test_the_fleets_level_is_a_metric():
     core.wake_fleet()
     metrics.gauges(core)
     assert metrics.registry.get_sample_value("rollout_sleep_level") == 0
+
+
+def test_a_restarted_router_keeps_a_sleeping_fleet_asleep():
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)  # fresh: level 0
+    assert sleeps(pull(core, "a", 0.0, level=1, model=ModelInfo(100, 64))) == []  # no wake order
+    assert core.sleep_status()["level"] == 1
+    with pytest.raises(RuntimeError, match="asleep"):
+        batch(core)
+    core.wake_fleet()
+    assert sleeps(pull(core, "a", 0.1, level=1)) == [("wake", {"path": None, "version": 0})]
