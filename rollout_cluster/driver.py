@@ -193,15 +193,15 @@ class RolloutClient:
         error once the rest are settled (they sleep: wake() wakes them all). A batch submitted
         before wake() is refused."""
         self.router.sleep.remote(level).result(timeout_s=self.call_timeout_s)
-        return self._wait_sleep(level, "sleep", timeout_s)
+        return self._wait_sleep(level, "sleep", time.monotonic() + timeout_s, timeout_s)
 
     def wake(self, timeout_s: float = 600.0) -> dict:
         """Wake every engine; returns once each is awake and holds the current weights or failed
         loading them (status()["weights"]["errors"]: those get no work). A level-2 sleeper reloads
         them; an update_weights made while asleep loads now."""
         self.router.wake.remote().result(timeout_s=self.call_timeout_s)
-        st = self._wait_sleep(0, "wake", timeout_s)
         deadline = time.monotonic() + timeout_s
+        st = self._wait_sleep(0, "wake", deadline, timeout_s)
         while True:
             w = st["weights"]
             behind = [rid for rid, rv in w["replicas"].items() if rv != w["version"] and rid not in w["errors"]]
@@ -213,9 +213,8 @@ class RolloutClient:
             time.sleep(0.1)
             st = self.status()
 
-    def _wait_sleep(self, level: int, what: str, timeout_s: float) -> dict:
+    def _wait_sleep(self, level: int, what: str, deadline: float, timeout_s: float) -> dict:
         """The status once every replica is at `level` or failed getting there."""
-        deadline = time.monotonic() + timeout_s
         while True:
             st = self.status()
             sl = st["sleep"]

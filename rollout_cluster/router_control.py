@@ -142,6 +142,9 @@ class EngineControl:
         if self.sleep.level:
             raise RuntimeError(f"the engines are asleep (level {self.sleep.level}, RolloutClient.sleep): call "
                                "wake() before submitting a batch")
+        if self.sleep.errors and all(rid in self.sleep.errors for rid in self.replicas):
+            raise RuntimeError("no engine woke: " + "; ".join(sorted(self.sleep.errors.values()))
+                               + " (wake() again tries once more)")
 
     def _sleep_report(self, rep: ReplicaState, report: Report) -> None:
         self.sleep.record(rep.replica_id, report.sleep_level, report.sleep_goal, report.sleep_error)

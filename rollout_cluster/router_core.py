@@ -358,8 +358,10 @@ class RouterCore(EngineControl):
                 self.departed.pop(next(iter(self.departed)))
         if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer
             self.expected_replicas = max(1, self.expected_replicas - 1)
-            self.surplus_joins = max(0, self.surplus_joins - 1)
-            self.unfilled_leaves += 1
+            if self.surplus_joins:  # its replacement came first (a rolling update): that join is taken back
+                self.surplus_joins -= 1
+            else:
+                self.unfilled_leaves += 1
         elif goodbye:  # its engine died and it said so: Serve replaces it, and its replacement comes later
             self.last_fleet_change_t = now
         else:

@@ -91,6 +91,21 @@ def test_a_replacement_after_a_leave_is_no_surplus_and_a_dead_engine_keeps_the_c
     assert fleet.core.counters["replica_deaths"] == 2 and fleet.core.counters["replica_leaves"] == 1
 
 
+def test_a_rolling_update_leaves_no_unfilled_leave_behind():
+    """The replacement joins before the old replica leaves (surplus), then it leaves: nothing is
+    left to refill, so a later early replacement still counts as surplus and its predecessor's
+    timeout takes the count back."""
+    fleet = Fleet("pull", expected=2)
+    for rid in ("a", "b", "b2"):
+        fleet.pull(rid)
+    fleet.pull("b", leaving=True)
+    assert fleet.core.expected_replicas == 2 and fleet.core.unfilled_leaves == 0
+    fleet.pull("a2")  # a's replacement, before a timed out
+    assert fleet.core.expected_replicas == 3
+    fleet.core.remove_replica("a", fleet.now)
+    assert fleet.core.expected_replicas == 2
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_router_that_expects_more_replicas_than_come_settles_on_those_that_did(policy):
     """A router restarted after an in-place scale-down (num_replicas under deployments: lowered,

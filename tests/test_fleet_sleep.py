@@ -183,3 +183,15 @@ def test_a_restarted_router_keeps_a_sleeping_fleet_asleep():
         batch(core)
     core.wake_fleet()
     assert sleeps(pull(core, "a", 0.1, level=1)) == [("wake", {"path": None, "version": 0})]
+
+
+def test_a_batch_is_refused_when_no_engine_woke():
+    core = asleep(core_with(), 1)
+    core.wake_fleet()
+    for rid in ("a", "b"):
+        pull(core, rid, 1.0, level=1)
+        pull(core, rid, 1.1, level=1, goal=0, error=f"replica {rid}: wake: CUDA error: out of memory")
+    with pytest.raises(RuntimeError, match=r"no engine woke: replica a: wake: CUDA .*\(wake\(\) again"):
+        batch(core, now=1.2)
+    pull(core, "a", 1.3)  # a woke after all: batches run on it
+    assert batch(core, now=1.4)

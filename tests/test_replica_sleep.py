@@ -89,3 +89,56 @@ def test_a_deep_wake_reloads_the_weights_the_order_names(tmp_path):
     r2 = replica(eng2, model=str(tmp_path))
     run(r2, ("sleep", 2), ("wake", {"path": None, "version": 0}))
     assert eng2.calls[-1] == ("load", str(tmp_path)) and (r2.weights_version, r2.weights_path) == (0, "")
+
+
+class FailingEngine(FakeEngine):
+    def __init__(self, fail_sleep=None, fail_wake=1):
+        super().__init__()
+        self.fail_sleep, self.wakes_failing = fail_sleep, fail_wake
+
+    async def sleep(self, level):
+        if self.fail_sleep is not None:
+            raise self.fail_sleep
+        await super().sleep(level)
+
+    async def wake(self):
+        if self.wakes_failing:
+            self.wakes_failing -= 1
+            raise RuntimeError("CUDA error: out of memory")
+        await super().wake()
+
+
+def test_a_failed_wake_is_tried_again_at_the_next_wake_order():
+    eng = FailingEngine()
+    r = replica(eng)
+    run(r, ("sleep", 1), ("wake", {"path": None, "version": 0}))
+    assert r.sleep_level == 1 and "out of memory" in r.sleep_error and r.broken is None
+    run(r, ("wake", {"path": None, "version": 0}))  # the same goal again: it failed, so it runs
+    assert r.sleep_level == 0 and r.sleep_error is None
+
+
+def test_vllm_failing_to_sleep_leaves_the_engine_untrusted_but_a_refusal_does_not():
+    from rollout_cluster.engines.base import SleepRefused
+
+    r = replica(FailingEngine(fail_sleep=AssertionError("freed_bytes >= 0")))
+    run(r, ("sleep", 1))
+    assert r.sleep_level == 0 and "freed_bytes" in r.sleep_error and "failed going to sleep" in str(r.broken)
+    refused = replica(FailingEngine(fail_sleep=SleepRefused("engine.enable_sleep_mode is false")))
+    run(refused, ("sleep", 1))
+    assert "enable_sleep_mode" in refused.sleep_error and refused.broken is None
+
+
+def test_a_deep_wake_whose_checkpoint_is_gone_has_no_weights_and_asks_for_a_restart(tmp_path):
+    class Missing(FakeEngine):
+        async def load_weights(self, path):
+            raise FileNotFoundError(f"no such checkpoint directory: {path}")
+
+    ckpt = tmp_path / "step3"
+    ckpt.mkdir()
+    r = replica(Missing(), weights_path=str(ckpt))
+    run(r, ("sleep", 2))
+    assert r.sleep_level == 2
+    ckpt.rmdir()  # the trainer rotated it away while the engine slept
+    run(r, ("wake", {"path": str(ckpt), "version": 3}))
+    assert "no such checkpoint" in r.sleep_error and "no weights after a level-2 sleep" in str(r.broken)
+    assert replica(FakeEngine(), weights_path=str(ckpt))._reload_source() is None  # refused at sleep

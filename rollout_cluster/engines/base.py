@@ -20,6 +20,10 @@ from abc import ABC, abstractmethod
 from ..types import EngineStats, ModelInfo, Work
 
 
+class SleepRefused(RuntimeError):
+    """The engine refused to sleep before touching its memory (it was started without sleep mode)."""
+
+
 class WeightsLoadBroken(RuntimeError):
     """A weights load failed after the engine began replacing its weights: restart the engine."""
 

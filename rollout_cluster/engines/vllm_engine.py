@@ -15,7 +15,7 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..types import EngineStats, ModelInfo, SeqProgress, Work
-from .base import EngineAdapter, WeightsLoadBroken
+from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class VllmEngine(EngineAdapter):
 
     async def sleep(self, level: int = 1) -> None:
         if not self.on_cpu and not self.cfg.enable_sleep_mode:
-            raise RuntimeError("engine.enable_sleep_mode is false: vLLM started without sleep mode and would free "
+            raise SleepRefused("engine.enable_sleep_mode is false: vLLM started without sleep mode and would free "
                                "no GPU memory; set it (vLLM then allocates through its CuMem allocator)")
         if self.tasks:  # the router sleeps engines between batches only: orphans of a restarted router
             log.warning("aborting %d requests left from before sleep", len(self.tasks))

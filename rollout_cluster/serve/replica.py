@@ -17,7 +17,7 @@ from typing import Optional
 from ray import serve
 
 from ..config import URGENT_REPORT_GAP_FRAC, load_config
-from ..engines.base import WeightsLoadBroken
+from ..engines.base import SleepRefused, WeightsLoadBroken
 from ..engines.factory import make_engine
 from ..types import Report
 
@@ -157,8 +157,9 @@ class EngineReplica:
             self.loading = (arg["version"], task)
         elif cmd in ("sleep", "wake"):
             goal = int(arg) if cmd == "sleep" else 0
-            if goal == self.sleep_goal:
-                return  # a resent order of what is done or under way
+            failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
+            if goal == self.sleep_goal and not failed:
+                return  # a resent order of what is done or under way (a failed move is tried again)
             self.sleep_goal, self.sleep_error = goal, None
             before = [t for t in (self.sleep_task, self.loading and self.loading[1]) if t]
             reload = arg if cmd == "wake" else None
@@ -171,7 +172,7 @@ class EngineReplica:
         if eng.kind == "sim":
             return ""
         if self.weights_path:
-            return self.weights_path
+            return self.weights_path if os.path.isdir(self.weights_path) else None
         model = self.cfg.model_path()
         return model if os.path.isdir(model) and eng.load_format != "dummy" else None
 
@@ -184,15 +185,26 @@ class EngineReplica:
         try:
             if goal:
                 if goal == 2 and self._reload_source() is None:
-                    raise RuntimeError(f"level 2 drops the weights, and engine.model={self.cfg.engine.model!r} "
-                                       f"(load_format {self.cfg.engine.load_format!r}) is no local checkpoint to "
-                                       "reload them from at wake: use level 1, or update_weights first")
-                await self.engine.sleep(goal)
+                    source = self.weights_path or f"engine.model={self.cfg.engine.model!r}"
+                    raise SleepRefused(f"level 2 drops the weights, and {source} (load_format "
+                                       f"{self.cfg.engine.load_format!r}) is no local checkpoint to reload them "
+                                       "from at wake: use level 1, or update_weights first")
+                try:
+                    await self.engine.sleep(goal)
+                except SleepRefused:
+                    raise
+                except Exception as e:  # vLLM may have freed part of its memory: nothing it holds is trusted
+                    self.broken = RuntimeError(f"vLLM failed going to sleep at level {goal}: {e}")
+                    raise
             else:
                 was = self.sleep_level
                 await self.engine.wake()
                 if was == 2:
-                    await self._reload_after_deep_sleep(reload or {})
+                    try:
+                        await self._reload_after_deep_sleep(reload or {})
+                    except Exception as e:  # level 2 dropped the weights: without a reload there are none
+                        self.broken = RuntimeError(f"no weights after a level-2 sleep: {e}")
+                        raise
             if await self.engine.sleeping() != bool(goal):  # the engine's own word, not ours
                 raise RuntimeError(f"the engine says it is {'awake' if goal else 'still asleep'}")
             self.sleep_level = goal
