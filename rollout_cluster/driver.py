@@ -87,7 +87,6 @@ class RolloutClient:
         self.owns_cluster = owns_cluster
         self.router = serve.get_deployment_handle("Router", app_name)
         self.call_timeout_s = config.router.call_timeout_s if config else 120.0
-        self._sampling_defaults = None  # the running app's, asked of its router once (sampling_defaults)
 
     # ---- lifecycle ------------------------------------------------------------------------
     @classmethod
@@ -146,11 +145,10 @@ class RolloutClient:
 
     def sampling_defaults(self) -> dict:
         """The app's `sampling` section as SamplingSpec fields: what generate/stream use when called
-        without `sampling`, and what a JSONL line leaves out. Asked of the router once: the running
-        app's config is the one that counts (a job may attach to an app deployed with another)."""
-        if self._sampling_defaults is None:
-            self._sampling_defaults = self.status().get("sampling_defaults", {})
-        return self._sampling_defaults
+        without `sampling`, and what a JSONL line leaves out. Asked of the router each time: the
+        running app's config is the one that counts (a job may attach to an app deployed with
+        another, and a long-lived client may outlive a redeploy)."""
+        return self.status().get("sampling_defaults", {})
 
     def default_sampling(self) -> SamplingSpec:
         return SamplingSpec(**self.sampling_defaults())
@@ -268,6 +266,10 @@ class RolloutClient:
 
     # ---- generation -----------------------------------------------------------------------
     def submit(self, requests: list, wait_for_replica_s: Optional[float] = None) -> str:
+        """Queue a batch and return its id without waiting; fetch it with router.fetch, as
+        run_requests does. A batch nobody fetches from for router.abandoned_batch_s (900 s) is taken
+        for one whose driver died, and dropped: a trainer that submits step k+1 and trains on step k
+        for longer must fetch meanwhile, or raise the setting."""
         return self.router.submit.remote(requests, wait_for_replica_s).result(
             timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
 
@@ -305,10 +307,8 @@ class RolloutClient:
                      timeout_s: Optional[float] = None) -> AsyncIterator[Completion]:
         """Completions as they finish (not in input order). Without `sampling`, as generate."""
         if sampling is None:
-            if self._sampling_defaults is None:
-                status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
-                self._sampling_defaults = status.get("sampling_defaults", {})
-            sampling = SamplingSpec(**self._sampling_defaults)
+            status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
+            sampling = SamplingSpec(**status.get("sampling_defaults", {}))
         requests = expand(prompts, sampling)
         bid = await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s)
         async for c in completions(self.router, bid, len(requests), timeout_s or self.timeout_s, self.call_timeout_s):
