@@ -8,14 +8,20 @@
   (`policy.spread_chunk`; 1 spreads the most, and pays the shared prompt's prefill the most).
 - `--min-gain-frac`: the fraction of the victim's predicted finish a steal must save
   (`policy.min_gain_frac`).
+- `--max-reprefill-frac`: steal's budget of re-prefilled tokens, a fraction of the tokens
+  generated so far (`policy.max_reprefill_frac`).
+- `--repay-factor`: how many times over a sequence's expected decode time left must repay its
+  re-prefill for it to move (steal.REPAY_FACTOR).
 
     python scripts/sim_sensitivity.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
     python scripts/sim_sensitivity.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
     python scripts/sim_sensitivity.py --profile a100-80g-7b --policies steal --spread-chunk 1,2,4 --seeds 0,1,2,3,4,5
     python scripts/sim_sensitivity.py --policies steal --min-gain-frac 0.02,0.04,0.06,0.09,0.12 --seeds 0,1,2,3,4,5
+    python scripts/sim_sensitivity.py --policies steal --max-reprefill-frac 0.05,0.1,1.0 --repay-factor 5,20 --seeds 0,1,2,3,4,5
 
 Prints one JSON line per run: seed, profile, pull interval, ends, overhead, spread chunk, min gain
-fraction, policy, makespan, its ratio to the balance bound, migrations.
+fraction, re-prefill budget, repay factor, policy, makespan, its ratio to the balance bound,
+migrations, re-prefilled % of generated tokens.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ def main() -> None:
     ap.add_argument("--policies", default="least-loaded,steal")
     ap.add_argument("--spread-chunk", default=str(PolicyConfig.spread_chunk))
     ap.add_argument("--min-gain-frac", default=str(PolicyConfig.min_gain_frac))
+    ap.add_argument("--max-reprefill-frac", default=str(PolicyConfig.max_reprefill_frac))
+    ap.add_argument("--repay-factor", default=str(steal.REPAY_FACTOR))
     ap.add_argument("--seeds", default="0")
     a = ap.parse_args()
     cost = load_profile(a.profile, 256)
@@ -54,21 +62,26 @@ def main() -> None:
     runs = itertools.product([int(x) for x in a.seeds.split(",")], a.ends.split(","),
                              [float(x) for x in a.migration_overhead.split(",")],
                              [int(x) for x in a.spread_chunk.split(",")],
-                             [float(x) for x in a.min_gain_frac.split(",")], a.policies.split(","))
+                             [float(x) for x in a.min_gain_frac.split(",")],
+                             [float(x) for x in a.max_reprefill_frac.split(",")],
+                             [float(x) for x in a.repay_factor.split(",")], a.policies.split(","))
     batch = {}  # seed -> (requests, balance bound): the current seed's only (seeds come first in `runs`)
-    for seed, ends, overhead, chunk, gain, policy in runs:
+    for seed, ends, overhead, chunk, gain, budget, repay, policy in runs:
         if seed not in batch:
             reqs = rl_longtail(LongtailSpec(seed=seed), vocab_size=32000)  # the seed scale
             batch = {seed: (reqs, balance_bound(reqs, cost, 32))}
         reqs, balance = batch[seed]
-        steal.MIGRATION_OVERHEAD_S = overhead
-        pc = PolicyConfig(name=policy, spread_chunk=chunk, min_gain_frac=gain)
+        steal.MIGRATION_OVERHEAD_S, steal.REPAY_FACTOR = overhead, repay
+        pc = PolicyConfig(name=policy, spread_chunk=chunk, min_gain_frac=gain, max_reprefill_frac=budget)
         res = sims[ends](make_policy(pc, cost), cost, 32, pull_interval_s=a.pull_interval, trace=False).run(reqs)
         print(json.dumps({"seed": seed, "profile": a.profile, "pull_interval_s": a.pull_interval,
                           "ends": ends, "migration_overhead_s": overhead, "spread_chunk": chunk,
-                          "min_gain_frac": gain, "policy": policy, "makespan_s": round(res.makespan_s, 2),
+                          "min_gain_frac": gain, "max_reprefill_frac": budget, "repay_factor": repay,
+                          "policy": policy, "makespan_s": round(res.makespan_s, 2),
                           "to_balance_bound": round(res.makespan_s / balance, 3),
-                          "migrations": res.counters["migrations"]}), flush=True)
+                          "migrations": res.counters["migrations"],
+                          "reprefill_pct": round(100 * res.counters["reprefill_tokens"]
+                                                 / max(1, res.counters["generated_tokens"]), 2)}), flush=True)
 
 if __name__ == "__main__":
     main()
