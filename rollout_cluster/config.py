@@ -99,7 +99,7 @@ class PolicyConfig:
     min_gain_s: float = 0.5  # steal: a move must shorten the victim's predicted finish by this...
     min_gain_frac: float = 0.06  # steal: ...and by this fraction of it (scale-free: CPU seconds, GPU minutes)
     max_moves_per_decision: int = 32
-    max_reprefill_frac: float = 0.05  # steal: re-prefilled tokens stay below this fraction of generated tokens
+    max_reprefill_frac: float = 0.10  # steal: re-prefilled tokens stay below this fraction of generated tokens
     spread_groups: bool = True  # steal: place a group's samples on different replicas (their lengths correlate)
     spread_chunk: int = 2  # steal, spreading: a group's samples go to a replica this many at a time (fewer prompt prefills)
     tail_isolation: bool = False  # steal: estimate remaining work from group siblings (measured: docs/benchmarks.md)

@@ -262,13 +262,18 @@ def test_steal_keeps_reprefill_within_budget_at_scale():
     reqs = longtail_requests(prompts=64, samples=8, median=1500, sigma_p=0.9, sigma_s=0.5, max_tokens=8192,
                              prompt_range=(256, 1024))
     results = {}
-    for name in ("static", "steal"):
-        sim = Simulation(make_policy(PolicyConfig(name=name), cost), cost, 8, pull_interval_s=0.5)
-        results[name] = sim.run(reqs)
-    steal = results["steal"]
-    assert steal.counters["migrations"] > 0
-    assert steal.counters["reprefill_tokens"] <= 0.05 * steal.counters["generated_tokens"] + 20000
-    assert steal.makespan_s < 0.97 * results["static"].makespan_s
+    for name, budget in (("static", None), ("steal", PolicyConfig().max_reprefill_frac), ("steal", 0.02)):
+        pc = PolicyConfig(name=name) if budget is None else PolicyConfig(name=name, max_reprefill_frac=budget)
+        sim = Simulation(make_policy(pc, cost), cost, 8, pull_interval_s=0.5)
+        results[name, budget] = sim.run(reqs)
+    tight = results["steal", 0.02]
+    for (name, budget), res in results.items():
+        if name == "steal":
+            assert res.counters["migrations"] > 0
+            assert res.counters["reprefill_tokens"] <= budget * res.counters["generated_tokens"] + 20000
+    assert tight.counters["reprefill_tokens"] < results["steal", PolicyConfig().max_reprefill_frac].counters[
+        "reprefill_tokens"]  # the tight budget binds
+    assert results["steal", PolicyConfig().max_reprefill_frac].makespan_s < 0.97 * results["static", None].makespan_s
 
 
 def test_steal_vectorised_estimate_equals_the_scalar_one():
