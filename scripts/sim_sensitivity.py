@@ -12,6 +12,7 @@
   generated so far (`policy.max_reprefill_frac`).
 - `--repay-factor`: how many times over a sequence's expected decode time left must repay its
   re-prefill for it to move (steal.REPAY_FACTOR).
+- `--set KEY=V1,V2`: any other `policy.KEY` (repeatable), e.g. `--set max_moves_per_seq=3,5`.
 
     python scripts/sim_sensitivity.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
     python scripts/sim_sensitivity.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
@@ -26,6 +27,7 @@ migrations, re-prefilled % of generated tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -51,8 +53,19 @@ def main() -> None:
     ap.add_argument("--min-gain-frac", default=str(PolicyConfig.min_gain_frac))
     ap.add_argument("--max-reprefill-frac", default=str(PolicyConfig.max_reprefill_frac))
     ap.add_argument("--repay-factor", default=str(steal.REPAY_FACTOR))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                    help="sweep another policy.KEY over these values (repeatable)")
     ap.add_argument("--seeds", default="0")
     a = ap.parse_args()
+    fields = {f.name: f for f in dataclasses.fields(PolicyConfig)}
+    extra = []  # [(key, [values])]
+    for item in a.set:
+        key, _, values = item.partition("=")
+        if key not in fields or not values:
+            raise SystemExit(f"--set {item!r}: expected KEY=V1,V2 with KEY one of {sorted(fields)}")
+        kind = type(getattr(PolicyConfig(), key))
+        parse = (lambda v: v.lower() in ("1", "true", "yes")) if kind is bool else kind
+        extra.append((key, [parse(v) for v in values.split(",")]))
     cost = load_profile(a.profile, 256)
     sims = {"always": Simulation, "when-queued": PacedSimulation,
             "paced": functools.partial(PacedSimulation, urgent_gap_frac=URGENT_REPORT_GAP_FRAC)}
@@ -64,20 +77,22 @@ def main() -> None:
                              [int(x) for x in a.spread_chunk.split(",")],
                              [float(x) for x in a.min_gain_frac.split(",")],
                              [float(x) for x in a.max_reprefill_frac.split(",")],
-                             [float(x) for x in a.repay_factor.split(",")], a.policies.split(","))
+                             [float(x) for x in a.repay_factor.split(",")], a.policies.split(","),
+                             itertools.product(*[vals for _, vals in extra]))
     batch = {}  # seed -> (requests, balance bound): the current seed's only (seeds come first in `runs`)
-    for seed, ends, overhead, chunk, gain, budget, repay, policy in runs:
+    for seed, ends, overhead, chunk, gain, budget, repay, policy, picked in runs:
+        more = {key: v for (key, _), v in zip(extra, picked)}
         if seed not in batch:
             reqs = rl_longtail(LongtailSpec(seed=seed), vocab_size=32000)  # the seed scale
             batch = {seed: (reqs, balance_bound(reqs, cost, 32))}
         reqs, balance = batch[seed]
         steal.MIGRATION_OVERHEAD_S, steal.REPAY_FACTOR = overhead, repay
-        pc = PolicyConfig(name=policy, spread_chunk=chunk, min_gain_frac=gain, max_reprefill_frac=budget)
+        pc = PolicyConfig(name=policy, spread_chunk=chunk, min_gain_frac=gain, max_reprefill_frac=budget, **more)
         res = sims[ends](make_policy(pc, cost), cost, 32, pull_interval_s=a.pull_interval, trace=False).run(reqs)
         print(json.dumps({"seed": seed, "profile": a.profile, "pull_interval_s": a.pull_interval,
                           "ends": ends, "migration_overhead_s": overhead, "spread_chunk": chunk,
                           "min_gain_frac": gain, "max_reprefill_frac": budget, "repay_factor": repay,
-                          "policy": policy, "makespan_s": round(res.makespan_s, 2),
+                          **more, "policy": policy, "makespan_s": round(res.makespan_s, 2),
                           "to_balance_bound": round(res.makespan_s / balance, 3),
                           "migrations": res.counters["migrations"],
                           "reprefill_pct": round(100 * res.counters["reprefill_tokens"]
