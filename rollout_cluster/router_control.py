@@ -116,7 +116,11 @@ class EngineControl:
         if not is_int(level) or level not in SLEEP_LEVELS:
             raise InputError("level", level, "must be 1 (offload the weights to host memory, drop the KV cache) "
                              "or 2 (drop both; waking reloads the latest checkpoint)")
-        if self.sleep.level == level:
+        if self.sleep.level == level:  # again: the replicas that failed to get there try once more
+            for rid in list(self.sleep.errors):
+                self.sleep.errors.pop(rid)
+                if rid in self.replicas:
+                    self._order_sleep(self.replicas[rid])
             return level
         if self.sleep.level:
             raise RuntimeError(f"sleep: the engines are asleep at level {self.sleep.level} already; wake() first")
@@ -147,8 +151,10 @@ class EngineControl:
                                + " (wake() again tries once more)")
 
     def _sleep_report(self, rep: ReplicaState, report: Report) -> None:
-        self.sleep.record(rep.replica_id, report.sleep_level, report.sleep_goal, report.sleep_error)
-        if self.sleep.needs_order(rep.replica_id) and not self._order_pending(rep.replica_id, ("sleep", "wake")):
+        pending = self._order_pending(rep.replica_id, ("sleep", "wake"))
+        # With an order on its way, the report's error is the old try's: the order tries again.
+        self.sleep.record(rep.replica_id, report.sleep_level, report.sleep_goal, None if pending else report.sleep_error)
+        if self.sleep.needs_order(rep.replica_id) and not pending:
             self._order_sleep(rep)  # it joined, or the reply that carried the order was lost
 
     def _order_sleep(self, rep: ReplicaState) -> None:

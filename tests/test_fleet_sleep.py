@@ -195,3 +195,20 @@ def test_a_batch_is_refused_when_no_engine_woke():
         batch(core, now=1.2)
     pull(core, "a", 1.3)  # a woke after all: batches run on it
     assert batch(core, now=1.4)
+
+
+def test_sleep_again_retries_only_the_replicas_that_failed():
+    core = core_with()
+    core.sleep_fleet(1)
+    pull(core, "a", 0.1)
+    pull(core, "a", 0.2, level=1)
+    pull(core, "b", 0.1)
+    pull(core, "b", 0.2, level=0, goal=1, error="replica b: sleep(level=1): RuntimeError: boom")
+    assert core.sleep_status()["errors"] == {"b": "replica b: sleep(level=1): RuntimeError: boom"}
+    assert core.sleep_fleet(1) == 1
+    assert core.sleep_status()["errors"] == {}
+    # b's report from before the order reached it still has the old error: not taken again
+    error = "replica b: sleep(level=1): RuntimeError: boom"
+    assert sleeps(pull(core, "b", 0.3, level=0, goal=1, error=error)) == [("sleep", 1)]
+    assert core.sleep_status()["errors"] == {}
+    assert sleeps(pull(core, "a", 0.3, level=1)) == []
