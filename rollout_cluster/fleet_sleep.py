@@ -50,10 +50,6 @@ class FleetSleep:
         """Work may go to it: the fleet and its engine are awake, and it is not moving."""
         return self.level == 0 and self.at.get(replica_id, (0, 0)) == (0, 0)
 
-    def settled(self, replica_id: str) -> bool:
-        """At the fleet's level, or failed getting there."""
-        return self.at.get(replica_id, (0, 0))[0] == self.level or replica_id in self.errors
-
     def forget(self, replica_id: str) -> None:
         self.at.pop(replica_id, None)
         self.errors.pop(replica_id, None)

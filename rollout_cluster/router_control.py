@@ -12,11 +12,7 @@ from typing import Optional
 
 from .fleet_sleep import SLEEP_LEVELS, FleetSleep
 from .state import ReplicaState
-from .types import InputError, Orders, Report
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from .types import InputError, Orders, Report, is_int
 
 
 class EngineControl:
@@ -42,7 +38,7 @@ class EngineControl:
             raise InputError("path", path, "must be the path of a checkpoint directory")
         if version is None:
             version = self.weights_version + 1
-        if not isinstance(version, int) or isinstance(version, bool) or version <= self.weights_version:
+        if not is_int(version) or version <= self.weights_version:
             raise InputError("version", version, f"must be an integer above the current version {self.weights_version}")
         self._refuse_while_running("update_weights", "weights change between batches")
         self._refuse_while_loading("update_weights")

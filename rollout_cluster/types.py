@@ -23,6 +23,11 @@ class InputError(ValueError):
         self.field = field_name
 
 
+def is_int(v) -> bool:
+    """An int, and not a bool (JSON's true is no count)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """Per-prompt sampling parameters; `n` samples share a group id."""
@@ -45,9 +50,6 @@ class SamplingSpec:
     cache_salt: Optional[str] = None
 
     def validate(self) -> None:
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
         if not is_int(self.n) or self.n < 1:
             raise InputError("n", self.n, "must be an integer >= 1")
         if not is_int(self.max_tokens) or self.max_tokens < 1:

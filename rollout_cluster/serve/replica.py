@@ -137,13 +137,17 @@ class EngineReplica:
         after router.replica_timeout_s), and stop; check_health then has Serve replace the replica."""
         self.loop_error = RuntimeError(f"the engine died: {type(self.engine.dead).__name__}: {self.engine.dead}")
         self.unsent += self.engine.drain()
-        report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
-                        self.engine.capacity, self.weights_version, leaving=True, engine_dead=True)
+        report = self._goodbye(engine_dead=True)
         try:
             await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S)
             self.unsent = []
         except Exception as e:  # the router requeues them after router.replica_timeout_s instead
             log.warning("replica %s: engine died and its goodbye failed (%r)", self.replica_id, e)
+
+    def _goodbye(self, engine_dead: bool = False) -> Report:
+        """The last report: everything not yet sent, marked leaving (the router requeues the rest)."""
+        return Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
+                      self.engine.capacity, self.weights_version, leaving=True, engine_dead=engine_dead)
 
     async def _control(self, cmd: str, arg) -> None:
         if cmd == "load_weights":
@@ -242,8 +246,7 @@ class EngineReplica:
                 self.loading = None
 
     async def info(self) -> dict:
-        return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__,
-                "sleep_level": self.sleep_level, "engine_sleeping": await self.engine.sleeping()}
+        return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__}
 
     def check_health(self) -> None:
         if self.task.done():
@@ -282,8 +285,7 @@ class EngineReplica:
             self.unsent += self.engine.drain()
             await asyncio.sleep(0.01)
         self.unsent += self.engine.drain()
-        report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
-                        self.engine.capacity, self.weights_version, leaving=True)
+        report = self._goodbye()
         # With nothing to hand back the goodbye only saves the router a timeout; when the whole
         # application is being deleted the router may be gone already: do not wait long for it.
         try:
