@@ -1,4 +1,4 @@
-"""rollout-cluster: serve | generate | update-weights | sleep | wake | make-model | demo | bench | simulate | calibrate."""
+"""rollout-cluster: serve | generate | update-weights | sleep | wake | scale | make-model | demo | bench | simulate | calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +61,24 @@ def cmd_update_weights(a) -> int:
     version = client.update_weights(a.path, a.version, timeout_s=a.timeout_s)
     print(json.dumps({"version": version, "path": a.path, "seconds": round(time.monotonic() - t0, 3),
                       "replicas": client.status()["weights"]["replicas"]}))
+    return 0
+
+
+def cmd_scale(a) -> int:
+    """scale N: the engine fleet of a running app, in place (live batches continue)."""
+    import ray
+
+    from .driver import RolloutClient
+
+    if a.replicas < 1:  # before connecting: the error names the value
+        print(f"replicas={a.replicas}: must be an integer >= 1", file=sys.stderr)
+        return 2
+    ray.init(address=a.address, log_to_driver=False)  # stdout: the one JSON line
+    client = RolloutClient.connect(a.app_name, address=a.address)
+    t0 = time.monotonic()
+    st = client.scale(a.replicas, timeout_s=a.timeout_s)
+    print(json.dumps({"replicas": sorted(st["replicas"]), "expected_replicas": st["expected_replicas"],
+                      "seconds": round(time.monotonic() - t0, 3)}))
     return 0
 
 
@@ -136,6 +154,13 @@ def main(argv=None) -> int:
         p.add_argument("--address", default="auto")
         p.add_argument("--timeout-s", type=float, default=600.0)
         p.set_defaults(fn=cmd_sleep, level=p.get_default("level") or 0)
+
+    p = sub.add_parser("scale", help="grow or shrink the engine fleet of a running app, in place")
+    p.add_argument("replicas", type=int, help="the number of EngineReplicas to run")
+    p.add_argument("--app-name", default="rollout")
+    p.add_argument("--address", default="auto")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")
     p.add_argument("--config", default="configs/local-cpu.yaml")

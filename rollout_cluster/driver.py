@@ -15,9 +15,10 @@ import time
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from .config import ClusterConfig, load_config
-from .types import Completion, InputError, SamplingSpec, SequenceRequest
+from .types import Completion, InputError, SamplingSpec, SequenceRequest, is_int
 
 DEFAULT_TIMEOUT_S = 3600.0
+REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
 
 
 def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
@@ -53,7 +54,9 @@ def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
     from .serve.app import replica_options
 
     name = cfg.app_name
-    _run(app, _blocking=False, name=name, route_prefix=f"/{name}")
+    # external_scaler_enabled: RolloutClient.scale sets the fleet's size in place (Serve's
+    # external scaling API); without it Serve refuses that call.
+    _run(app, _blocking=False, name=name, route_prefix=f"/{name}", external_scaler_enabled=True)
     deadline = time.monotonic() + timeout_s
     while True:
         status = serve.status().applications.get(name)
@@ -229,6 +232,50 @@ class RolloutClient:
                 raise TimeoutError(f"{what}: {len(at)} of {expected} replicas at sleep level {level} "
                                    f"after {timeout_s:.0f} s")
             time.sleep(0.1)
+
+    def scale(self, replicas: int, timeout_s: float = 600.0) -> dict:
+        """Grow or shrink the engine fleet to `replicas`, in place, between or during batches: the
+        router keeps running with its live batches. A replica that Serve stops hands its running
+        sequences back with every token generated so far, and the others continue them; a new one
+        takes work once its engine is up. Returns the router's status once exactly `replicas`
+        replicas pull and Serve runs as many. Past `timeout_s` (replicas that no node can host,
+        say) it raises TimeoutError with Serve's replica states; the target stays, and Serve keeps
+        trying. Uses Serve's external scaling API: `RolloutClient.start` enables it; an app from a
+        Serve config needs `external_scaler_enabled: true` on its application. On KubeRay, the
+        RayService's num_replicas applies again whenever the operator pushes serveConfigV2."""
+        import ray
+        from ray import serve
+        from ray.serve._private.common import DeploymentID
+        from ray.serve._private.exceptions import ExternalScalerDisabledError
+        from ray.serve.context import _get_global_client
+
+        if not is_int(replicas) or replicas < 1:
+            raise InputError("replicas", replicas, "must be an integer >= 1")
+        controller = _get_global_client()._controller
+        try:
+            ray.get(controller.update_deployment_replicas.remote(
+                DeploymentID(name=REPLICA_DEPLOYMENT, app_name=self.app_name), replicas), timeout=self.call_timeout_s)
+        except ExternalScalerDisabledError:
+            raise RuntimeError(
+                f"scale: Serve application {self.app_name!r} was deployed without external_scaler_enabled, so "
+                "Serve refuses to scale it from a driver. Set `external_scaler_enabled: true` on the application "
+                "in its Serve config (RolloutClient.start sets it), or change EngineReplica's num_replicas under "
+                "`deployments:` and apply the config (serve deploy, or a RayService's serveConfigV2)") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            app = serve.status().applications.get(self.app_name)
+            dep = app.deployments.get(REPLICA_DEPLOYMENT) if app else None
+            states = {getattr(k, "value", str(k)): v for k, v in (dep.replica_states if dep else {}).items() if v}
+            if len(st["replicas"]) == replicas and states == {"RUNNING": replicas}:
+                self.router.fleet_settled.remote(replicas).result(timeout_s=self.call_timeout_s)
+                return self.status()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"scale: {len(st['replicas'])} replicas pull, not {replicas}, after {timeout_s:.0f} s; "
+                    f"Serve's EngineReplica replicas: {states or 'none'} ({' '.join((dep.message if dep else '').split()) or 'no message'}). "
+                    f"The target stays {replicas}: Serve keeps trying (scale() again to change it)")
+            time.sleep(0.2)
 
     def set_policy(self, name: str, **params) -> str:
         return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)

@@ -344,6 +344,13 @@ class RouterCore(EngineControl):
             self.expected_replicas, self.surplus_joins, self.unfilled_leaves = live, 0, 0
         return dead
 
+    def fleet_settled(self, replicas: int, now: float) -> None:
+        """A driver scaled the fleet and saw it settle at `replicas`: that is the count, and the
+        inferred corrections (early replacements, unrefilled leaves) made on the way are void."""
+        self.expected_replicas = max(1, int(replicas))
+        self.surplus_joins = self.unfilled_leaves = 0
+        self.last_fleet_change_t = now
+
     def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False) -> None:
         """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
         it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a

@@ -106,6 +106,29 @@ def test_a_rolling_update_leaves_no_unfilled_leave_behind():
     assert fleet.core.expected_replicas == 2
 
 
+def test_a_driver_scale_that_settled_sets_the_count_and_voids_the_inferred_corrections():
+    """RolloutClient.scale tells the router the size it saw settle. Without that, a scale-up's
+    joins stay counted as early replacements, and the next death lowers the count below the fleet
+    Serve keeps (it replaces the dead replica)."""
+    fleet = Fleet("pull", expected=2)
+    for rid in ("a", "b", "c", "d"):  # scaled 2 -> 4
+        fleet.pull(rid)
+    assert fleet.core.expected_replicas == 4 and fleet.core.surplus_joins == 2
+    fleet.core.fleet_settled(4, fleet.now)
+    assert fleet.core.expected_replicas == 4 and fleet.core.surplus_joins == 0
+    fleet.core.remove_replica("d", fleet.now)  # a death: Serve replaces it, the count stands
+    assert fleet.core.expected_replicas == 4
+    fleet.pull("d2")
+    assert fleet.core.expected_replicas == 4
+    for rid in ("c", "d2"):  # scaled 4 -> 2: graceful leaves
+        fleet.pull(rid, leaving=True)
+    assert fleet.core.expected_replicas == 2
+    fleet.core.fleet_settled(2, fleet.now)
+    assert fleet.core.unfilled_leaves == 0
+    fleet.pull("e")  # a join after the settled scale-down is a scale-up (or an early replacement)
+    assert fleet.core.expected_replicas == 3 and fleet.core.surplus_joins == 1
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_router_that_expects_more_replicas_than_come_settles_on_those_that_did(policy):
     """A router restarted after an in-place scale-down (num_replicas under deployments: lowered,

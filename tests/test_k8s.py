@@ -325,6 +325,16 @@ def test_serve_config_loads_and_mirrors_a100x32():
             cfg.policy.name, cfg.metrics.port) == (32, 1, 256, 16384, "steal", 9464)
 
 
+def test_serve_config_passes_serves_own_schema_with_the_external_scaler_on():
+    """What the operator PUTs to the dashboard: Serve's schema must take it, and the app must let
+    RolloutClient.scale set num_replicas."""
+    from ray.serve.schema import ServeDeploySchema
+
+    for doc in by_kind("RayService"):
+        conf = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+        assert all(app.external_scaler_enabled for app in conf.applications)
+
+
 def test_import_path_resolves_to_build():
     from rollout_cluster.serve import app as app_module
 

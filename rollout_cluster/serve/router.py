@@ -162,6 +162,11 @@ class Router:
         self.core.wake_fleet()
         self._wake_all()
 
+    async def fleet_settled(self, replicas: int) -> int:
+        """RolloutClient.scale saw exactly `replicas` replicas pulling and Serve running as many."""
+        self.core.fleet_settled(replicas, time.monotonic())
+        return self.core.expected_replicas
+
     async def status(self) -> dict:
         c = self.core
         dt = c.decision_times[-10000:]

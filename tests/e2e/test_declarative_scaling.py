@@ -13,20 +13,21 @@ import yaml
 from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, collect, ray_env
 from rollout_cluster.config import to_dict
 from rollout_cluster.driver import RolloutClient, expand
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.types import InputError, SamplingSpec
 
 pytestmark = pytest.mark.e2e
 
 APP = "scaling"
 
 
-def serve_config(cluster_config, engine_replicas: int) -> dict:
+def serve_config(cluster_config, engine_replicas: int, external_scaler: bool = True) -> dict:
     cfg = dataclasses.replace(cluster_config, app_name=APP, replicas=1,
                               metrics=dataclasses.replace(cluster_config.metrics, port=0))
     args = to_dict(cfg)
     args["engine"]["model"] = str(ROOT / "models" / "tiny-llama")
     return {"applications": [{
         "name": APP, "route_prefix": f"/{APP}", "import_path": "rollout_cluster.serve.app:build",
+        "external_scaler_enabled": external_scaler,  # lets RolloutClient.scale set num_replicas
         "args": args, "deployments": [{"name": "EngineReplica", "num_replicas": engine_replicas}]}]}
 
 
@@ -53,7 +54,7 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
     from ray import serve
 
     cfg_file = tmp_path / "serve.yaml"
-    serve_deploy(cfg_file, serve_config(cluster_config, 1))
+    serve_deploy(cfg_file, serve_config(cluster_config, 1, external_scaler=False))
     with pytest.raises(KeyError, match="app_name='no-such-app': no such Serve application"):
         RolloutClient.connect("no-such-app", wait_s=1)
     client = RolloutClient.connect(APP, wait_s=120)
@@ -63,6 +64,9 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
         assert st["expected_replicas"] == 1
         # a connected client has no config: the router tells it the app's sampling defaults
         assert client.default_sampling() == SamplingSpec(max_tokens=DEFAULT_MAX_TOKENS)
+        # deployed without the external scaler: the driver is told how to scale instead
+        with pytest.raises(RuntimeError, match="without external_scaler_enabled.*num_replicas"):
+            client.scale(2, timeout_s=5)
 
         # Grow 1 -> 2 while a batch runs (more sequences than one replica's 64 slots).
         lengths = [300] * 96
@@ -95,5 +99,43 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
         assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
         assert st["counters"]["replica_leaves"] == 1 and st["counters"]["replica_deaths"] == 0
         assert any(len(set(c.replicas)) == 2 for c in results)  # resumed where it was handed back
+
+        # The same through the driver (Serve's external scaling API): grow 1 -> 2, then shrink
+        # 2 -> 1 while a batch runs on both.
+        with pytest.raises(InputError, match="replicas=0: must be an integer >= 1"):
+            client.scale(0)
+        st = client.scale(2, timeout_s=600)
+        assert len(st["replicas"]) == 2 and st["expected_replicas"] == 2 and st["router_id"] == router_id
+        bid = client.submit(batch(400, lengths))
+        wait_running_on(client, 2)
+        st = client.scale(1, timeout_s=600)
+        assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
+        results = collect(client, bid, len(lengths))
+        assert [len(c.token_ids) for c in results] == lengths
+        assert any(len(set(c.replicas)) == 2 for c in results)
+        st = client.status()
+        assert st["counters"]["replica_leaves"] == 2 and st["counters"]["replica_deaths"] == 0
+        assert st["router_id"] == router_id
+
+        # A fleet that is not there in time raises with what Serve says, and leaves the target set;
+        # scaling back settles it.
+        with pytest.raises(TimeoutError, match=r"scale: 1 replicas pull, not 2, after 1 s; Serve's EngineReplica "
+                                               r"replicas: \{.*'RUNNING': 1.*\}.*The target stays 2"):
+            client.scale(2, timeout_s=1)
+        st = client.scale(1, timeout_s=300)
+        assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
+        lengths = [50] * 16
+        results = collect(client, client.submit(batch(500, lengths)), len(lengths))
+        assert [len(c.token_ids) for c in results] == lengths
     finally:
         serve.delete(APP)
+
+
+def test_the_started_app_scales_from_the_driver(client):
+    """RolloutClient.start deploys with Serve's external scaler on: scale() to the current size is
+    accepted and settles at once; a bad size names the value."""
+    st = client.scale(2, timeout_s=120)
+    assert len(st["replicas"]) == 2 and st["expected_replicas"] == 2
+    for bad in (True, 1.5, -1):
+        with pytest.raises(InputError, match="replicas="):
+            client.scale(bad)
