@@ -79,6 +79,10 @@ def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
                 f"engine.tensor_parallel_size; a replica's GPUs must be on one node). Serve says: {detail}")
 
 
+def _one_line(message: str) -> str:
+    return " ".join((message or "").split()) or "no message"
+
+
 class RolloutClient:
     def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
                  config: Optional[ClusterConfig] = None, owns_cluster: bool = False):
@@ -237,12 +241,14 @@ class RolloutClient:
         """Grow or shrink the engine fleet to `replicas`, in place, between or during batches: the
         router keeps running with its live batches. A replica that Serve stops hands its running
         sequences back with every token generated so far, and the others continue them; a new one
-        takes work once its engine is up. Returns the router's status once exactly `replicas`
-        replicas pull and Serve runs as many. Past `timeout_s` (replicas that no node can host,
+        takes work once its engine is up. The router counts `replicas` at once (static's shares,
+        chunked's first round). Returns its status once exactly `replicas` replicas pull and Serve
+        runs as many. Past `timeout_s` (replicas that no node can host,
         say) it raises TimeoutError with Serve's replica states; the target stays, and Serve keeps
-        trying. Uses Serve's external scaling API: `RolloutClient.start` enables it; an app from a
-        Serve config needs `external_scaler_enabled: true` on its application. On KubeRay, the
-        RayService's num_replicas applies again whenever the operator pushes serveConfigV2."""
+        trying. Growing a sleeping fleet is refused (wake() first). Uses Serve's external scaling
+        API: `RolloutClient.start` enables it; an app from a Serve config needs
+        `external_scaler_enabled: true` on its application. A RayService's own num_replicas
+        applies again only when its EngineReplica entry in serveConfigV2 changes (k8s/README.md)."""
         import ray
         from ray import serve
         from ray.serve._private.common import DeploymentID
@@ -251,6 +257,11 @@ class RolloutClient:
 
         if not is_int(replicas) or replicas < 1:
             raise InputError("replicas", replicas, "must be an integer >= 1")
+        st = self.status()
+        if replicas > max(len(st["replicas"]), st["expected_replicas"] or 0) and st["sleep"]["level"]:
+            raise RuntimeError(f"scale: the fleet sleeps (level {st['sleep']['level']}); wake() first, then grow it to "
+                               f"{replicas}: a new replica allocates its engine's memory before it learns the fleet "
+                               "sleeps. Shrinking a sleeping fleet is allowed")
         controller = _get_global_client()._controller
         try:
             ray.get(controller.update_deployment_replicas.remote(
@@ -261,6 +272,9 @@ class RolloutClient:
                 "Serve refuses to scale it from a driver. Set `external_scaler_enabled: true` on the application "
                 "in its Serve config (RolloutClient.start sets it), or change EngineReplica's num_replicas under "
                 "`deployments:` and apply the config (serve deploy, or a RayService's serveConfigV2)") from None
+        # The router counts on the target at once (static's shares, chunked's first round), and
+        # keeps it if this call times out or is interrupted.
+        self.router.set_fleet_target.remote(replicas).result(timeout_s=self.call_timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.status()
@@ -268,13 +282,13 @@ class RolloutClient:
             dep = app.deployments.get(REPLICA_DEPLOYMENT) if app else None
             states = {getattr(k, "value", str(k)): v for k, v in (dep.replica_states if dep else {}).items() if v}
             if len(st["replicas"]) == replicas and states == {"RUNNING": replicas}:
-                self.router.fleet_settled.remote(replicas).result(timeout_s=self.call_timeout_s)
-                return self.status()
+                return st
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"scale: {len(st['replicas'])} replicas pull, not {replicas}, after {timeout_s:.0f} s; "
-                    f"Serve's EngineReplica replicas: {states or 'none'} ({' '.join((dep.message if dep else '').split()) or 'no message'}). "
-                    f"The target stays {replicas}: Serve keeps trying (scale() again to change it)")
+                    f"scale: the fleet is not at {replicas} after {timeout_s:.0f} s: {len(st['replicas'])} replicas "
+                    f"pull from the router, and Serve's EngineReplica replicas are {states or 'none'} "
+                    f"({_one_line(dep.message if dep else '')}). The target stays {replicas}: Serve keeps trying "
+                    "(scale() again to change it)")
             time.sleep(0.2)
 
     def set_policy(self, name: str, **params) -> str:

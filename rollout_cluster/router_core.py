@@ -344,9 +344,12 @@ class RouterCore(EngineControl):
             self.expected_replicas, self.surplus_joins, self.unfilled_leaves = live, 0, 0
         return dead
 
-    def fleet_settled(self, replicas: int, now: float) -> None:
-        """A driver scaled the fleet and saw it settle at `replicas`: that is the count, and the
-        inferred corrections (early replacements, unrefilled leaves) made on the way are void."""
+    def set_fleet_target(self, replicas: int, now: float) -> None:
+        """A driver told Serve to run `replicas` (RolloutClient.scale): that is the count from now
+        on, before the replicas join or leave, and the corrections inferred so far are void. The
+        leaves and joins that follow then change nothing (a leave lowers the count only below
+        the live fleet, a join raises it only above); replicas that never come are dropped from
+        it after a replica timeout, as at startup (`expire`)."""
         self.expected_replicas = max(1, int(replicas))
         self.surplus_joins = self.unfilled_leaves = 0
         self.last_fleet_change_t = now
@@ -363,12 +366,15 @@ class RouterCore(EngineControl):
             self.departed[(replica_id, rep.incarnation)] = None
             while len(self.departed) > DEPARTED_KEPT:
                 self.departed.pop(next(iter(self.departed)))
-        if leaving:  # Serve stopped it on purpose (scale-down, update): expect one fewer
-            self.expected_replicas = max(1, self.expected_replicas - 1)
-            if self.surplus_joins:  # its replacement came first (a rolling update): that join is taken back
-                self.surplus_joins -= 1
-            else:
-                self.unfilled_leaves += 1
+        if leaving:
+            # Serve stopped it on purpose (scale-down, update): expect one fewer. (Not when the
+            # count is already at or under the fleet left: a driver's target said so first.)
+            if len(self.replicas) < self.expected_replicas:
+                self.expected_replicas = max(1, self.expected_replicas - 1)
+                if self.surplus_joins:  # its replacement came first (a rolling update): that join is taken back
+                    self.surplus_joins -= 1
+                else:
+                    self.unfilled_leaves += 1
         elif goodbye:  # its engine died and it said so: Serve replaces it, and its replacement comes later
             self.last_fleet_change_t = now
         else:

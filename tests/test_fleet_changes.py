@@ -106,27 +106,41 @@ def test_a_rolling_update_leaves_no_unfilled_leave_behind():
     assert fleet.core.expected_replicas == 2
 
 
-def test_a_driver_scale_that_settled_sets_the_count_and_voids_the_inferred_corrections():
-    """RolloutClient.scale tells the router the size it saw settle. Without that, a scale-up's
-    joins stay counted as early replacements, and the next death lowers the count below the fleet
-    Serve keeps (it replaces the dead replica)."""
+def test_a_driver_target_is_the_count_before_the_fleet_moves_and_stays_through_it():
+    """RolloutClient.scale tells the router the target as soon as Serve took it. The joins and
+    leaves that follow change nothing; without the target, a scale-up's joins stay counted as early
+    replacements, and the next death lowers the count below the fleet Serve keeps."""
     fleet = Fleet("pull", expected=2)
-    for rid in ("a", "b", "c", "d"):  # scaled 2 -> 4
+    for rid in ("a", "b"):
         fleet.pull(rid)
-    assert fleet.core.expected_replicas == 4 and fleet.core.surplus_joins == 2
-    fleet.core.fleet_settled(4, fleet.now)
+    fleet.core.set_fleet_target(4, fleet.now)
+    assert fleet.core.expected_replicas == 4  # before the new replicas join
+    for rid in ("c", "d"):
+        fleet.pull(rid)
     assert fleet.core.expected_replicas == 4 and fleet.core.surplus_joins == 0
     fleet.core.remove_replica("d", fleet.now)  # a death: Serve replaces it, the count stands
     assert fleet.core.expected_replicas == 4
     fleet.pull("d2")
-    assert fleet.core.expected_replicas == 4
-    for rid in ("c", "d2"):  # scaled 4 -> 2: graceful leaves
+    fleet.core.set_fleet_target(2, fleet.now)
+    assert fleet.core.expected_replicas == 2  # before any replica left
+    for rid in ("c", "d2"):  # Serve stops two: their leaves do not lower the count again
         fleet.pull(rid, leaving=True)
+    assert fleet.core.expected_replicas == 2 and fleet.core.unfilled_leaves == 0
+    assert set(fleet.core.replicas) == {"a", "b"}
+    fleet.pull("b", leaving=True)  # a leave below the count (declarative scale-down) still lowers it
+    assert fleet.core.expected_replicas == 1
+    fleet.pull("e")  # and a join above it raises it
     assert fleet.core.expected_replicas == 2
-    fleet.core.fleet_settled(2, fleet.now)
-    assert fleet.core.unfilled_leaves == 0
-    fleet.pull("e")  # a join after the settled scale-down is a scale-up (or an early replacement)
-    assert fleet.core.expected_replicas == 3 and fleet.core.surplus_joins == 1
+
+
+def test_a_driver_target_no_replica_comes_for_is_dropped_after_a_replica_timeout():
+    fleet = Fleet("pull", expected=1)
+    fleet.pull("a")
+    fleet.core.set_fleet_target(3, fleet.now)
+    fleet.now += 61  # past replica_timeout_s (60): the two never came (no node can host them)
+    fleet.pull("a")
+    fleet.core.expire(fleet.now)
+    assert fleet.core.expected_replicas == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)

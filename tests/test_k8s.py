@@ -330,7 +330,9 @@ def test_serve_config_passes_serves_own_schema_with_the_external_scaler_on():
     RolloutClient.scale set num_replicas."""
     from ray.serve.schema import ServeDeploySchema
 
-    for doc in by_kind("RayService"):
+    services = by_kind("RayService")
+    assert services
+    for doc in services:
         conf = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
         assert all(app.external_scaler_enabled for app in conf.applications)
 

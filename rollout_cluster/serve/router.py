@@ -162,9 +162,9 @@ class Router:
         self.core.wake_fleet()
         self._wake_all()
 
-    async def fleet_settled(self, replicas: int) -> int:
-        """RolloutClient.scale saw exactly `replicas` replicas pulling and Serve running as many."""
-        self.core.fleet_settled(replicas, time.monotonic())
+    async def set_fleet_target(self, replicas: int) -> int:
+        """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
+        self.core.set_fleet_target(replicas, time.monotonic())
         return self.core.expected_replicas
 
     async def status(self) -> dict:

@@ -26,6 +26,9 @@ def test_sleep_refuses_batches_until_wake_and_a_deep_wake_loads_the_latest_weigh
         client.generate(PROMPTS, GREEDY)
     with pytest.raises(Exception, match="asleep at level 1 already"):
         client.sleep(2)
+    # a replica started now would allocate its engine's memory before it learns the fleet sleeps
+    with pytest.raises(RuntimeError, match=r"scale: the fleet sleeps \(level 1\); wake\(\) first"):
+        client.scale(3)
     # the command line, attached to the running app (as a trainer's launcher would)
     run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "wake", "--app-name", client.app_name],
                          env=ray_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
