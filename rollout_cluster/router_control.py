@@ -55,12 +55,18 @@ class EngineControl:
 
     def _weights_report(self, rep: ReplicaState, report: Report, now: float) -> None:
         v = self.weights_version
-        if self.weights_path is None and report.weights_version > v and report.weights_path:
-            # A restarted router: the replicas remember the weights it ordered (no batch mixes them:
-            # a batch that ran before the restart is lost with the router anyway).
-            self.weights_version, self.weights_path = report.weights_version, report.weights_path
+        if self.weights_path is None:
+            # A restarted router: the replicas remember the weights it ordered, held or noted while
+            # asleep (no batch mixes them: a batch that ran before the restart is lost with the router).
+            for version, path in ((report.weights_version, report.weights_path),
+                                  (report.weights_noted, report.weights_noted_path)):
+                if version > self.weights_version and path:
+                    self.weights_version, self.weights_path = version, path
             v = self.weights_version
         rep.weights_version = report.weights_version
+        if (rep.weights_noted == v and report.weights_noted != v and report.weights_version != v
+                and not self._order_pending(rep.replica_id, ("note_weights",))):
+            rep.weights_noted = None  # the note was sent and the replica never saw it: again
         if rep.weights_version == v:
             self.weights_errors.pop(rep.replica_id, None)
         elif report.weights_error and report.weights_error_version == v:
@@ -94,11 +100,18 @@ class EngineControl:
                                f"unfinished; {why} (wait for them, or cancel)")
 
     def _order_weights(self, rep: ReplicaState) -> None:
-        """Send `rep` the current weights once, if it does not hold them; an engine asleep (or on
-        its way) loads after it wakes (a level-2 wake order carries the weights itself)."""
+        """Send `rep` the current weights once, if it does not hold them. An engine asleep (or on
+        its way) loads after it wakes (a level-2 wake order carries the weights itself); it is sent
+        a note of them meanwhile, which it reports back, so a router restarted before the wake
+        still knows the update."""
         v = self.weights_version
-        if (self.weights_path is None or rep.weights_version == v or rep.weights_ordered == v
-                or not self.sleep.awake(rep.replica_id)):
+        if self.weights_path is None or rep.weights_version == v or rep.weights_ordered == v:
+            return
+        if not self.sleep.awake(rep.replica_id):
+            if rep.weights_noted != v:
+                rep.weights_noted = v
+                self.outbox.setdefault(rep.replica_id, Orders()).control.append(
+                    ("note_weights", {"path": self.weights_path, "version": v}))
             return
         rep.weights_ordered = v
         self.outbox.setdefault(rep.replica_id, Orders()).control.append(

@@ -95,6 +95,7 @@ class ReplicaState:
     pulls: int = 0
     weights_version: int = 0  # what the replica reports holding
     weights_ordered: Optional[int] = None  # the version a load_weights order is out for
+    weights_noted: Optional[int] = None  # the version a note_weights order (asleep) is out for
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
 
     @property

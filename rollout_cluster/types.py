@@ -266,6 +266,10 @@ class Report:
     sleep_level: int = 0
     sleep_goal: int = 0
     sleep_error: Optional[str] = None
+    # An update_weights made while the engine sleeps, which it loads at wake (0: none). The replica
+    # holds it, so that a router that restarts during the sleep learns it back.
+    weights_noted: int = 0
+    weights_noted_path: str = ""
 
 
 @dataclass
@@ -274,7 +278,8 @@ class Orders:
 
     start: list = field(default_factory=list)  # Work
     give_up: list = field(default_factory=list)  # (seq_id, attempt)
-    # ("load_weights", {"path", "version"}) | ("sleep", level) | ("wake", {"path", "version"}): before `start`
+    # ("load_weights", {"path", "version"}) | ("note_weights", {"path", "version"}: asleep, load at wake)
+    # | ("sleep", level) | ("wake", {"path", "version"}): before `start`
     control: list = field(default_factory=list)
     # Work is queued at the router: a slot freed by an ending segment is worth reporting at once.
     work_waiting: bool = False

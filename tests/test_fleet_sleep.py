@@ -13,10 +13,11 @@ from rollout_cluster.types import EngineStats, InputError, ModelInfo, Report, Sa
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
-def pull(core, rid, now, level=0, goal=None, error=None, version=0, loading=0, path="", model=None):
+def pull(core, rid, now, level=0, goal=None, error=None, version=0, loading=0, path="", model=None, noted=(0, "")):
     goal = level if goal is None else goal
     return core.on_report(Report(rid, "i1", [], EngineStats(), model, 8, version, None, 0, loading, path,
-                                 sleep_level=level, sleep_goal=goal, sleep_error=error), now)
+                                 sleep_level=level, sleep_goal=goal, sleep_error=error,
+                                 weights_noted=noted[0], weights_noted_path=noted[1]), now)
 
 
 def core_with(replicas=("a", "b")):
@@ -95,7 +96,9 @@ def test_sleep_only_between_batches_and_one_level_at_a_time():
 def test_weights_updated_while_asleep_load_after_a_light_sleep_and_with_a_deep_wake():
     core = asleep(core_with(), 1)
     assert core.update_weights("/ckpt/step1") == 1
-    assert not [c for c in pull(core, "a", 1.0, level=1).control if c[0] == "load_weights"]  # asleep: no load
+    out = pull(core, "a", 1.0, level=1)
+    assert not [c for c in out.control if c[0] == "load_weights"]  # asleep: no load, a note of it
+    assert [c for c in out.control if c[0] == "note_weights"] == [("note_weights", {"path": "/ckpt/step1", "version": 1})]
     core.wake_fleet()
     assert sleeps(pull(core, "a", 1.1, level=1)) == [("wake", {"path": "/ckpt/step1", "version": 1})]
     loads = [c for c in pull(core, "a", 1.2, level=1, goal=0).control if c[0] == "load_weights"]
@@ -183,6 +186,40 @@ def test_a_restarted_router_keeps_a_sleeping_fleet_asleep():
         batch(core)
     core.wake_fleet()
     assert sleeps(pull(core, "a", 0.1, level=1)) == [("wake", {"path": None, "version": 0})]
+
+
+def test_an_update_made_while_asleep_survives_a_router_restart():
+    """The sleepers hold a note of it and report it: a restarted router takes it back as the
+    current weights, and the wake loads it (regression: it woke the fleet on the old version)."""
+    for level in (1, 2):
+        core = asleep(core_with(), level)
+        core.update_weights("/ckpt/step3", version=3)
+        notes = {rid: [c for c in pull(core, rid, 1.0, level=level).control if c[0] == "note_weights"]
+                 for rid in ("a", "b")}
+        assert notes == {rid: [("note_weights", {"path": "/ckpt/step3", "version": 3})] for rid in ("a", "b")}
+        assert not [c for c in pull(core, "a", 1.1, level=level, noted=(3, "/ckpt/step3")).control
+                    if c[0] == "note_weights"]  # it got the note: not sent again
+        restarted = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
+        for rid in ("a", "b"):
+            pull(restarted, rid, 2.0, level=level, noted=(3, "/ckpt/step3"), model=ModelInfo(100, 64))
+        assert restarted.weights_status()["version"] == 3 and restarted.sleep_status()["level"] == level
+        restarted.wake_fleet()
+        assert sleeps(pull(restarted, "a", 2.1, level=level, noted=(3, "/ckpt/step3"))) == [
+            ("wake", {"path": "/ckpt/step3", "version": 3})]
+        if level == 1:  # awake on the weights it slept with: the load follows
+            out = pull(restarted, "a", 2.2, noted=(3, "/ckpt/step3"))
+            assert [c for c in out.control if c[0] == "load_weights"] == [
+                ("load_weights", {"path": "/ckpt/step3", "version": 3})]
+        else:  # the wake order's reload brought it: nothing more
+            out = pull(restarted, "a", 2.2, version=3, path="/ckpt/step3")
+            assert not [c for c in out.control if c[0] in ("load_weights", "note_weights")]
+
+
+def test_a_lost_note_is_sent_again():
+    core = asleep(core_with(), 1)
+    core.update_weights("/ckpt/step1")
+    assert [c[0] for c in pull(core, "a", 1.0, level=1).control] == ["note_weights"]  # the reply is lost
+    assert [c[0] for c in pull(core, "a", 1.1, level=1).control] == ["note_weights"]  # no note reported: again
 
 
 def test_a_batch_is_refused_when_no_engine_woke():

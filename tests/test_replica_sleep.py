@@ -142,3 +142,18 @@ def test_a_deep_wake_whose_checkpoint_is_gone_has_no_weights_and_asks_for_a_rest
     run(r, ("wake", {"path": str(ckpt), "version": 3}))
     assert "no such checkpoint" in r.sleep_error and "no weights after a level-2 sleep" in str(r.broken)
     assert replica(FakeEngine(), weights_path=str(ckpt))._reload_source() is None  # refused at sleep
+
+
+def test_a_note_of_an_update_made_while_asleep_is_held_until_a_load_brings_it(tmp_path):
+    eng = FakeEngine()
+    r = replica(eng, model=str(tmp_path))
+    run(r, ("sleep", 2))
+
+    async def notes():
+        await r._control("note_weights", {"path": "/ckpt/step2", "version": 2})
+        await r._control("note_weights", {"path": "/ckpt/step1", "version": 1})  # older: kept out
+
+    asyncio.run(notes())
+    assert r.noted == (2, "/ckpt/step2") and eng.calls == [("sleep", 2)]  # a note loads nothing
+    run(r, ("wake", {"path": "/ckpt/step2", "version": 2}))
+    assert (r.weights_version, r.weights_path, r.noted) == (2, "/ckpt/step2", (0, ""))

@@ -38,6 +38,7 @@ class EngineReplica:
     # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
     # it failed, and the move under way (it runs after any load or move before it)
     sleep_level, sleep_goal, sleep_error, sleep_task = 0, 0, None, None
+    noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
 
     async def __init__(self, router, config: dict):
         self.cfg = load_config(config)
@@ -75,7 +76,8 @@ class EngineReplica:
                             self.model if first else None, self.engine.capacity,
                             self.weights_version, self.weights_error, self.weights_error_version,
                             self.loading[0] if self.loading else 0, self.weights_path, held, aborting,
-                            sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error)
+                            sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error,
+                            weights_noted=self.noted[0], weights_noted_path=self.noted[1])
             try:
                 orders = await self.router.pull.remote(report)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
@@ -159,6 +161,9 @@ class EngineReplica:
             before = self.loading[1] if self.loading else None
             task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"], before))
             self.loading = (arg["version"], task)
+        elif cmd == "note_weights":  # asleep: the router orders the load at wake; keep it for a new router
+            if arg["version"] > max(self.weights_version, self.noted[0]):
+                self.noted = (arg["version"], arg["path"])
         elif cmd in ("sleep", "wake"):
             goal = int(arg) if cmd == "sleep" else 0
             failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
@@ -241,6 +246,8 @@ class EngineReplica:
                 self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
+            if self.noted[0] <= version:
+                self.noted = (0, "")
         finally:
             if self.loading and self.loading[0] == version:  # not a later load's flag
                 self.loading = None
