@@ -4,6 +4,7 @@ REST API (`serve deploy`, which is what a RayService's serveConfigV2 becomes). C
 live batch, while replicas join or leave. (Changing the app's `args` would change its code version,
 and Serve would restart every deployment: see k8s/README.md.)"""
 import dataclasses
+import json
 import subprocess
 import time
 
@@ -124,7 +125,13 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
                                                r".*The target stays 2"):
             client.scale(2, timeout_s=1)
         assert client.status()["expected_replicas"] == 2  # the router kept the target
-        st = client.scale(1, timeout_s=300)
+        # back to 1 from the command line, attached to the running app (as a launcher would)
+        run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "scale", "1", "--app-name", APP, "--timeout-s", "300"],
+                             env=ray_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out = json.loads(next(line for line in reversed(run.stdout.splitlines()) if line.startswith("{")))
+        assert len(out["replicas"]) == 1 and out["expected_replicas"] == 1
+        st = client.status()
         assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
         lengths = [50] * 16
         results = collect(client, client.submit(batch(500, lengths)), len(lengths))
