@@ -50,13 +50,19 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def cmd_update_weights(a) -> int:
+def _attach(a):
+    """Join the running app `a.app_name` at `a.address`, with Ray's worker logs off stdout (the
+    attached commands print one JSON line)."""
     import ray
 
     from .driver import RolloutClient
 
-    ray.init(address=a.address, log_to_driver=False)  # stdout: the one JSON line
-    client = RolloutClient.connect(a.app_name, address=a.address)
+    ray.init(address=a.address, log_to_driver=False)
+    return RolloutClient.connect(a.app_name, address=a.address)
+
+
+def cmd_update_weights(a) -> int:
+    client = _attach(a)
     t0 = time.monotonic()
     version = client.update_weights(a.path, a.version, timeout_s=a.timeout_s)
     print(json.dumps({"version": version, "path": a.path, "seconds": round(time.monotonic() - t0, 3),
@@ -66,15 +72,15 @@ def cmd_update_weights(a) -> int:
 
 def cmd_scale(a) -> int:
     """scale N: the engine fleet of a running app, in place (live batches continue)."""
-    import ray
+    from .driver import check_replicas
+    from .types import InputError
 
-    from .driver import RolloutClient
-
-    if a.replicas < 1:  # before connecting: the error names the value
-        print(f"replicas={a.replicas}: must be an integer >= 1", file=sys.stderr)
+    try:
+        check_replicas(a.replicas)  # before connecting
+    except InputError as e:
+        print(e, file=sys.stderr)
         return 2
-    ray.init(address=a.address, log_to_driver=False)  # stdout: the one JSON line
-    client = RolloutClient.connect(a.app_name, address=a.address)
+    client = _attach(a)
     t0 = time.monotonic()
     st = client.scale(a.replicas, timeout_s=a.timeout_s)
     print(json.dumps({"replicas": sorted(st["replicas"]), "expected_replicas": st["expected_replicas"],
@@ -84,12 +90,7 @@ def cmd_scale(a) -> int:
 
 def cmd_sleep(a) -> int:
     """sleep --level N / wake: every engine of a running app, between batches (vLLM sleep mode)."""
-    import ray
-
-    from .driver import RolloutClient
-
-    ray.init(address=a.address, log_to_driver=False)  # stdout: the one JSON line
-    client = RolloutClient.connect(a.app_name, address=a.address)
+    client = _attach(a)
     t0 = time.monotonic()
     st = client.sleep(a.level, timeout_s=a.timeout_s) if a.level else client.wake(timeout_s=a.timeout_s)
     print(json.dumps({"level": st["sleep"]["level"], "seconds": round(time.monotonic() - t0, 3),

@@ -79,6 +79,12 @@ def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
                 f"engine.tensor_parallel_size; a replica's GPUs must be on one node). Serve says: {detail}")
 
 
+def check_replicas(replicas) -> None:
+    """RolloutClient.scale's size: an integer >= 1."""
+    if not is_int(replicas) or replicas < 1:
+        raise InputError("replicas", replicas, "must be an integer >= 1")
+
+
 def _one_line(message: str) -> str:
     return " ".join((message or "").split()) or "no message"
 
@@ -243,9 +249,8 @@ class RolloutClient:
         sequences back with every token generated so far, and the others continue them; a new one
         takes work once its engine is up. The router counts `replicas` at once (static's shares,
         chunked's first round). Returns its status once exactly `replicas` replicas pull and Serve
-        runs as many. Past `timeout_s` (replicas that no node can host,
-        say) it raises TimeoutError with Serve's replica states; the target stays, and Serve keeps
-        trying. Growing a sleeping fleet is refused (wake() first). Uses Serve's external scaling
+        runs as many. Past `timeout_s` (replicas that no node can host, say) it raises
+        TimeoutError with Serve's replica states; the target stays, and Serve keeps trying. Growing a sleeping fleet is refused (wake() first). Uses Serve's external scaling
         API: `RolloutClient.start` enables it; an app from a Serve config needs
         `external_scaler_enabled: true` on its application. A RayService's own num_replicas
         applies again only when its EngineReplica entry in serveConfigV2 changes (k8s/README.md)."""
@@ -255,10 +260,9 @@ class RolloutClient:
         from ray.serve._private.exceptions import ExternalScalerDisabledError
         from ray.serve.context import _get_global_client
 
-        if not is_int(replicas) or replicas < 1:
-            raise InputError("replicas", replicas, "must be an integer >= 1")
+        check_replicas(replicas)
         st = self.status()
-        if replicas > max(len(st["replicas"]), st["expected_replicas"] or 0) and st["sleep"]["level"]:
+        if replicas > max(len(st["replicas"]), st["expected_replicas"]) and st["sleep"]["level"]:
             raise RuntimeError(f"scale: the fleet sleeps (level {st['sleep']['level']}); wake() first, then grow it to "
                                f"{replicas}: a new replica allocates its engine's memory before it learns the fleet "
                                "sleeps. Shrinking a sleeping fleet is allowed")
