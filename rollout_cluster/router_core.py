@@ -15,7 +15,8 @@ from typing import Optional
 from .policy.base import Decision, Policy
 from .router_control import EngineControl
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
-from .types import Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SequenceRequest, Work
+from .types import (BatchLostError, Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec,
+                    SequenceRequest, Work)
 
 
 # A long-lived router serves batch after batch: its statistics keep a bounded recent window.
@@ -173,6 +174,9 @@ class RouterCore(EngineControl):
         if batch is None:
             if batch_id in self.dropped:
                 raise KeyError(f"batch_id={batch_id!r}: {self.dropped[batch_id]}")
+            if self.id_prefix and not batch_id.startswith(self.id_prefix):
+                raise BatchLostError(f"batch_id={batch_id!r}: made by another router, not this one "
+                                     f"({self.id_prefix}...): the router restarted, and its batches were lost with it")
             raise KeyError(f"batch_id={batch_id!r}: unknown batch (finished and collected, or never submitted)")
         if now is not None:
             batch.fetched_t = now
@@ -500,7 +504,8 @@ class RouterCore(EngineControl):
         batch = self.batches.get(seq.batch_id)
         req = seq.request
         wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
-        logprobs = seq.logprobs if wants_logprobs else None  # (an invalid request may have no spec)
+        # (an invalid request may have no spec; one that asked but ended before its first token gets [])
+        logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
                           now - seq.submitted_t, batch.weights_version if batch else self.weights_version)
@@ -548,7 +553,9 @@ class RouterCore(EngineControl):
         seq.attempt += 1
         seq.status, seq.replica = SeqStatus.RUNNING, replica_id
         seq.segment_cap, seq.segment_start = segment_cap, seq.generated
-        seq.give_up_pull = -1
+        # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
+        # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
+        seq.give_up_pull = seq.delivered_pull = -1
         if not seq.replicas or seq.replicas[-1] != replica_id:
             seq.replicas.append(replica_id)
         last = seq.migrations[-1] if seq.migrations else None

@@ -23,6 +23,12 @@ class InputError(ValueError):
         self.field = field_name
 
 
+class BatchLostError(KeyError):
+    """A batch the router does not hold because the router that ran it is gone: it restarted,
+    and a batch's state lives in the router's memory. The driver still holds the requests and
+    submits the sequences it has not received again (RolloutClient.max_router_restarts)."""
+
+
 def is_int(v) -> bool:
     """An int, and not a bool (JSON's true is no count)."""
     return isinstance(v, int) and not isinstance(v, bool)
