@@ -10,13 +10,16 @@ Every call is bounded: a router that does not answer within `timeout_s` raises T
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import AsyncIterator, Optional, Sequence, Union
 
+from .batch_follow import BatchAcrossRestarts
 from .config import ClusterConfig, load_config
-from .types import Completion, InputError, SamplingSpec, SequenceRequest, is_int
+from .types import BatchLostError, Completion, InputError, SamplingSpec, SequenceRequest, is_int
 
+log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 3600.0
 REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
 
@@ -91,11 +94,16 @@ def _one_line(message: str) -> str:
 
 class RolloutClient:
     def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 config: Optional[ClusterConfig] = None, owns_cluster: bool = False):
+                 config: Optional[ClusterConfig] = None, owns_cluster: bool = False,
+                 max_router_restarts: int = 3):
         from ray import serve
 
         self.app_name = app_name
         self.timeout_s = timeout_s
+        # A router that restarts loses its batches: generate/stream submit what they have not
+        # received again, this many times a batch at most (batch_follow.py).
+        self.max_router_restarts = max_router_restarts
+        self.router_restarts = 0  # batches this client submitted again after a router restart
         self.config = config
         self.owns_cluster = owns_cluster
         self.router = serve.get_deployment_handle("Router", app_name)
@@ -348,43 +356,104 @@ class RolloutClient:
 
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
                      wait_for_replica_s: Optional[float] = None) -> list:
-        bid = self.submit(requests, wait_for_replica_s)
-        self.last_batch_id = bid
-        results: list = [None] * len(requests)
+        follow = BatchAcrossRestarts(requests, self.max_router_restarts)
+        t0 = time.monotonic()
+        follow.submitted(self.submit(requests, wait_for_replica_s))
+        self.last_batch_id = follow.batch_id
         bar = _bar(len(requests), progress)
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        cursor, done = 0, False
-        while not done:
+        deadline = t0 + (timeout_s or self.timeout_s)
+        gone = None
+        while not follow.done:
             if time.monotonic() > deadline:
-                self._cancel_quietly(bid)
-                raise TimeoutError(f"batch {bid}: {cursor} of {len(requests)} sequences done after "
-                                   f"{timeout_s or self.timeout_s:.1f} s (timeout_s); the batch was cancelled")
-            new, cursor, done = self.router.fetch.remote(bid, cursor, 1.0).result(timeout_s=self.call_timeout_s)
-            for c in new:
-                results[c.index] = c
+                self._cancel_quietly(follow.batch_id)
+                raise follow.timed_out(timeout_s or self.timeout_s)
+            try:
+                new, cursor, _ = self.router.fetch.remote(follow.batch_id, follow.cursor, 1.0).result(
+                    timeout_s=self.call_timeout_s)
+            except BatchLostError as lost:
+                again = follow.resubmission(lost)
+                self._note_restart(follow, lost, len(again))
+                follow.submitted(self.submit(again, wait_for_replica_s), time.monotonic() - t0)
+                self.last_batch_id = follow.batch_id
+                continue
+            except Exception as e:
+                gone = self._router_gone(e, gone)  # it died under the call: ask the next one
+                time.sleep(0.5)
+                continue
+            gone = None
+            placed = follow.take(new, cursor)
             if bar:
-                bar.update(len(new))
+                bar.update(len(placed))
         if bar:
             bar.close()
-        return results
+        return follow.results
+
+    def _router_gone(self, error: Exception, since: Optional[float]) -> float:
+        """A fetch failed because the router's process died under the call, or the call went
+        unanswered for call_timeout_s (a call to a router killed under it can be). Serve starts a
+        new router, which answers the next fetch with BatchLostError; fetching again is safe (a
+        fetch only reads). Anything else, or a router gone for longer than call_timeout_s more,
+        is raised. Returns since when it is gone."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        now = time.monotonic()
+        if not isinstance(error, (RayActorError, ActorUnavailableError, TimeoutError)):
+            raise error
+        if since is not None and now - since > self.call_timeout_s:
+            raise TimeoutError(f"the router has not answered for {now - since:.0f} s since it died "
+                               f"(call_timeout_s={self.call_timeout_s:g}): {error}") from error
+        if since is None:
+            log.warning("the router died under a fetch (%r); waiting for Serve's new one", error)
+        return now if since is None else since
+
+    def _note_restart(self, follow: BatchAcrossRestarts, lost: BatchLostError, again: int) -> None:
+        self.router_restarts += 1
+        log.warning("%s; submitting the %d sequences not received again (%d of %d received)",
+                    lost.args[0] if lost.args else lost, again, follow.received, len(follow.requests))
 
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                      timeout_s: Optional[float] = None) -> AsyncIterator[Completion]:
-        """Completions as they finish (not in input order). Without `sampling`, as generate."""
+        """Completions as they finish (not in input order). Without `sampling`, as generate. A
+        router restart resubmits what was not yielded yet, as generate does."""
         if sampling is None:
             status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
             sampling = SamplingSpec(**status.get("sampling_defaults", {}))
         requests = expand(prompts, sampling)
-        bid = await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s)
-        async for c in completions(self.router, bid, len(requests), timeout_s or self.timeout_s, self.call_timeout_s):
-            yield c
+        follow = BatchAcrossRestarts(requests, self.max_router_restarts)
+        t0 = time.monotonic()
+        deadline = t0 + (timeout_s or self.timeout_s)
+        follow.submitted(await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s))
+        gone = None
+        while not follow.done:
+            if time.monotonic() > deadline:
+                try:
+                    await asyncio.wait_for(self.router.cancel.remote(follow.batch_id), self.call_timeout_s)
+                except Exception:
+                    pass
+                raise follow.timed_out(timeout_s or self.timeout_s)
+            try:
+                new, cursor, _ = await asyncio.wait_for(
+                    self.router.fetch.remote(follow.batch_id, follow.cursor, 1.0), self.call_timeout_s)
+            except BatchLostError as lost:
+                again = follow.resubmission(lost)
+                self._note_restart(follow, lost, len(again))
+                bid = await asyncio.wait_for(self.router.submit.remote(again, None), self.call_timeout_s)
+                follow.submitted(bid, time.monotonic() - t0)
+                continue
+            except Exception as e:
+                gone = self._router_gone(e, gone)
+                await asyncio.sleep(0.5)
+                continue
+            gone = None
+            for c in follow.take(new, cursor):
+                yield c
 
 
 async def completions(router, batch_id: str, total: int, timeout_s: float,
                       call_timeout_s: float = 120.0) -> AsyncIterator[Completion]:
     """The completions of a submitted batch as they finish, long-polling the router's `fetch`.
-    Past `timeout_s` the batch is cancelled and TimeoutError raised. RolloutClient.stream and the
-    HTTP route both use it."""
+    Past `timeout_s` the batch is cancelled and TimeoutError raised. The HTTP route uses it (it runs
+    in the router, so a router restart ends the request: RolloutClient.stream resubmits instead)."""
     deadline = time.monotonic() + timeout_s
     cursor, done = 0, False
     while not done:

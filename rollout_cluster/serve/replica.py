@@ -79,9 +79,13 @@ class EngineReplica:
                             sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error,
                             weights_noted=self.noted[0], weights_noted_path=self.noted[1])
             try:
-                orders = await self.router.pull.remote(report)
+                # Bounded: a call to a router killed under it can stay unanswered for good (Serve's
+                # handle does not always fail it), and past replica_timeout_s the router has taken
+                # this replica for dead anyway. A late answer's orders are lost replies: the held
+                # listing recovers their work.
+                orders = await asyncio.wait_for(self.router.pull.remote(report), self.cfg.router.replica_timeout_s)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
-                log.warning("pull failed (%s); retrying", e)
+                log.warning("pull failed (%r); retrying", e)
                 await asyncio.sleep(0.5)
                 first = True
                 continue

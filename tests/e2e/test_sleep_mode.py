@@ -43,6 +43,11 @@ def test_sleep_refuses_batches_until_wake_and_a_deep_wake_loads_the_latest_weigh
     client.sleep(2)
     v = client.update_weights(str(other))
     assert set(client.status()["weights"]["replicas"].values()) == {v - 1}  # nothing loaded yet
+    wake_on_the_update_then_restore(client, v, before, original)
+
+
+def wake_on_the_update_then_restore(client, v: int, before: list, original: str) -> None:
+    """wake() loads version v, the update made while asleep; then the original weights are back."""
     st = client.wake()
     assert set(st["weights"]["replicas"].values()) == {v} and set(st["sleep"]["replicas"].values()) == {0}
     after = tokens(client)

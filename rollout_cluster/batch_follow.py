@@ -1,0 +1,61 @@
+"""One driver batch across router restarts.
+
+The router holds a batch's state in its memory, so a router that restarts loses its batches.
+The driver still holds every request: it submits the sequences it has not received to the new
+router, and puts their completions back in their place. A sequence is received once; one that
+was running when the router went is generated again from its prompt (its partial tokens went
+with the router), so it is a fresh sample of the same request, and the output distribution is
+unchanged. Pure bookkeeping: RolloutClient's sync and async loops drive it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .types import BatchLostError
+
+
+class BatchAcrossRestarts:
+    def __init__(self, requests: list, max_restarts: int = 3):
+        self.requests = requests
+        self.max_restarts = max_restarts
+        self.results: list = [None] * len(requests)
+        self.received = 0
+        self.restarts = 0
+        self.batch_id = ""
+        self.cursor = 0  # how far the current router batch has been fetched
+        self.positions = list(range(len(requests)))  # the current router batch's index -> place in `requests`
+        self.offset_s = 0.0  # seconds from the first submission to the current one
+
+    @property
+    def done(self) -> bool:
+        return self.received == len(self.requests)
+
+    def submitted(self, batch_id: str, offset_s: float = 0.0) -> None:
+        self.batch_id, self.cursor, self.offset_s = batch_id, 0, offset_s
+
+    def take(self, new: list, cursor: int) -> list:
+        """Place the completions one fetch returned; returns them, placed."""
+        placed = []
+        for c in new:
+            at = self.positions[c.index]
+            if self.results[at] is not None:
+                raise RuntimeError(f"batch {self.batch_id}: sequence {at} returned twice")
+            self.results[at] = c = replace(c, index=at, finish_time_s=c.finish_time_s + self.offset_s)
+            placed.append(c)
+        self.received += len(placed)
+        self.cursor = cursor
+        return placed
+
+    def timed_out(self, timeout_s: float) -> TimeoutError:
+        return TimeoutError(f"batch {self.batch_id}: {self.received} of {len(self.requests)} sequences done after "
+                            f"{timeout_s:g} s (timeout_s); the batch was cancelled")
+
+    def resubmission(self, lost: BatchLostError) -> list:
+        """The requests to submit again after the router lost the current batch."""
+        if self.restarts >= self.max_restarts:
+            raise BatchLostError(f"{lost.args[0] if lost.args else lost}; {self.received} of {len(self.requests)} "
+                                 f"sequences were received, and the rest were submitted again {self.restarts} "
+                                 "times already (max_router_restarts)") from lost
+        self.restarts += 1
+        self.positions = [i for i, c in enumerate(self.results) if c is None]
+        return [self.requests[i] for i in self.positions]

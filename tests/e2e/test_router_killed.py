@@ -1,0 +1,99 @@
+"""The router's process is killed (Serve starts a new one, which knows nothing of the old one's
+batches): a driver's generate still returns every sequence once, in its place, by submitting
+again what it had not received. A fleet that sleeps keeps sleeping through the restart, and
+wakes on the weights an update made while it slept names."""
+import threading
+import time
+
+import pytest
+import ray
+
+from e2e_support import ROOT
+from rollout_cluster.driver import expand
+from rollout_cluster.model_maker import make_model
+from rollout_cluster.types import SamplingSpec
+from test_sleep_mode import wake_on_the_update_then_restore
+from test_weights_update import GREEDY, PROMPTS, by_prompt, tokens
+
+pytestmark = pytest.mark.e2e
+
+
+def kill_router() -> str:
+    (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#Router#" in a["name"]]
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    return actor["name"]
+
+
+def new_router_status(client, old_id: str, timeout_s: float = 300) -> dict:
+    """The status of the router Serve started after `old_id`, once both replicas pull from it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            st = client.status()
+            if st["router_id"] != old_id and len(st["replicas"]) == 2:
+                return st
+        except Exception:  # the killed one, under the call
+            pass
+        assert time.monotonic() < deadline, "no new router with both replicas"
+        time.sleep(0.5)
+
+
+def test_generate_returns_every_sequence_once_across_a_router_restart(client, fresh_policy):
+    fresh_policy("pull")
+    old_id = client.status()["router_id"]
+    lengths = [20] * 16 + [1200] * 48  # the short ones are fetched before the kill, the long ones run
+    requests = expand([[60 + i, 7, 8] for i in range(len(lengths))],
+                      [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
+    out = {}
+
+    def run():
+        try:
+            out["results"] = client.run_requests(requests, timeout_s=600)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            out["error"] = e
+
+    restarts = client.router_restarts
+    driver = threading.Thread(target=run)
+    driver.start()
+    deadline = time.monotonic() + 300
+    while not any(b["finished"] >= 16 for b in client.status()["batch_ids"].values()):
+        assert time.monotonic() < deadline and driver.is_alive(), out
+        time.sleep(0.2)
+    time.sleep(1.5)  # the driver's long-poll fetches them
+    kill_router()
+    driver.join(300)
+    assert not driver.is_alive(), f"generate still waits 300 s after the kill: {client.status()}"
+    assert "error" not in out, out.get("error")
+    results = out["results"]
+    assert [c.index for c in results] == list(range(len(lengths)))
+    assert [len(c.token_ids) for c in results] == lengths
+    assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
+    first = {c.batch_id for c in results if c.batch_id.startswith(old_id[:6])}
+    again = [c for c in results if not c.batch_id.startswith(old_id[:6])]
+    assert len(first) == 1 and again  # the first router's one batch, then the new router's
+    assert client.router_restarts == restarts + 1
+
+    st = new_router_status(client, old_id)
+    assert all(c.batch_id.startswith(st["router_id"][:6]) for c in again)
+    # the segments the old router had running were given up, not left to fill the slots
+    deadline = time.monotonic() + 60
+    while any(r["running"] for r in client.status()["replicas"].values()):
+        assert time.monotonic() < deadline, client.status()
+        time.sleep(0.5)
+    assert len(client.generate([[9, 9, 9]], SamplingSpec(n=4, max_tokens=8, ignore_eos=True))) == 4
+
+
+def test_a_sleeping_fleet_sleeps_through_a_router_restart_and_wakes_on_the_update(client, tmp_path):
+    original = str(ROOT / "models" / "tiny-llama")
+    before = by_prompt(tokens(client))
+    client.sleep(1)
+    other = make_model(str(tmp_path / "step"), seed=2)
+    v = client.update_weights(str(other))  # asleep: noted by every engine, loaded at wake
+    old_id = client.status()["router_id"]
+    kill_router()
+
+    st = new_router_status(client, old_id)  # it learns the level and the note from the replicas
+    assert st["sleep"]["level"] == 1 and set(st["sleep"]["replicas"].values()) == {1}
+    with pytest.raises(Exception, match=r"asleep \(level 1"):
+        client.generate(PROMPTS, GREEDY)
+    wake_on_the_update_then_restore(client, v, before, original)

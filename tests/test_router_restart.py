@@ -1,0 +1,198 @@
+"""A router that restarts mid-batch: the driver gets every sequence back once, in its place.
+
+RolloutClient's own fetch loops (run_requests, stream) run here over a fake Serve handle whose
+calls go to a RouterCore in this process, and whose "replica" finishes a few sequences per
+fetch. A restart replaces the RouterCore with a new one under another id, as Serve does: the old
+batch is gone, and the driver submits what it has not received again."""
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from rollout_cluster.batch_follow import BatchAcrossRestarts
+from rollout_cluster.config import PolicyConfig
+from rollout_cluster.driver import RolloutClient
+from rollout_cluster.engines.cost_model import load_profile
+from rollout_cluster.policy import make_policy
+from rollout_cluster.router_core import RouterCore
+from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
+                                   SeqProgress, SequenceRequest)
+
+COST = load_profile("h200-1.5b", max_num_seqs=64)
+
+
+class Call:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def result(self, timeout_s=None):
+        return self.fn(*self.args)
+
+    def __await__(self):
+        async def run():
+            return self.fn(*self.args)
+        return run().__await__()
+
+
+class Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return Call(self.fn, *args)
+
+
+class FakeRouter:
+    """Serve's handle to a router in this process. Each fetch first lets the one replica finish
+    `per_fetch` sequences (length = the request's max_tokens, token i of a sequence = i)."""
+
+    def __init__(self, per_fetch: int = 3):
+        self.per_fetch = per_fetch
+        self.generation = 0
+        self.before_fetch = []  # one callable is taken and run before each fetch: faults
+        self.restart()
+        self.submit, self.fetch, self.cancel = Method(self._submit), Method(self._fetch), Method(self._cancel)
+
+    def restart(self) -> None:
+        self.generation += 1
+        self.core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix=f"r{self.generation}-")
+        self.now = 0.0
+        self.report([], model=ModelInfo(1000, 4096))
+        self.running = []
+
+    def report(self, progress, model=None):
+        self.now += 0.01
+        return self.core.on_report(Report("a", f"inc{self.generation}", progress, EngineStats(), model, 64), self.now)
+
+    def _submit(self, requests, wait_for_replica_s=None):
+        return self.core.submit(requests, self.now)
+
+    def _cancel(self, batch_id):
+        return self.core.cancel(batch_id, self.now)
+
+    def _fetch(self, batch_id, cursor, wait_s):
+        if self.before_fetch:
+            self.before_fetch.pop(0)()
+        self.running += self.core.decide("a", self.now).start
+        done, self.running = self.running[:self.per_fetch], self.running[self.per_fetch:]
+        self.report([SeqProgress(w.seq_id, w.attempt, list(range(w.sampling.max_tokens)), None, "length", offset=0)
+                     for w in done])
+        new, cursor, finished = self.core.fetch(batch_id, cursor, self.now)
+        if finished:
+            self.core.release(batch_id)
+        return new, cursor, finished
+
+
+def client_over(router) -> RolloutClient:
+    client = object.__new__(RolloutClient)  # no Ray: the fake handle instead of Serve's
+    client.router, client.app_name, client.timeout_s, client.call_timeout_s = router, "fake", 60.0, 5.0
+    client.max_router_restarts, client.router_restarts = 3, 0
+    return client
+
+
+def requests(n: int) -> list:
+    return [SequenceRequest([5, 6], SamplingSpec(max_tokens=4 + i % 5), i, 0) for i in range(n)]
+
+
+def check_every_sequence_once_in_place(results, reqs):
+    assert [c.index for c in results] == list(range(len(reqs)))
+    assert [c.prompt_index for c in results] == [r.prompt_index for r in reqs]
+    assert [c.token_ids for c in results] == [list(range(r.sampling.max_tokens)) for r in reqs]
+    assert all(c.finish_reason == "length" for c in results)
+
+
+def test_a_batch_another_router_made_is_lost_not_unknown():
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix="new-")
+    with pytest.raises(BatchLostError, match=r"batch_id='old-b0': made by another router.*restarted"):
+        core.fetch("old-b0", 0)
+    for ours in ("new-b7", "nope"):  # its own prefix, or none: not lost to a restart
+        with pytest.raises(KeyError, match="unknown batch") as err:
+            core.fetch(ours if ours != "nope" else "new-nope", 0)
+        assert not isinstance(err.value, BatchLostError)
+
+
+def test_generate_resubmits_what_a_restarted_router_lost():
+    router, reqs = FakeRouter(per_fetch=3), requests(20)
+    router.before_fetch = [lambda: None] * 3 + [router.restart]  # 9 received, then the router goes
+    client = client_over(router)
+    results = client.run_requests(reqs)
+    check_every_sequence_once_in_place(results, reqs)
+    first = results[0].batch_id
+    assert first.startswith("r1-") and sum(c.batch_id == first for c in results) == 9
+    assert all(c.batch_id.startswith("r2-") for c in results if c.batch_id != first)
+    assert client.router_restarts == 1 and client.last_batch_id.startswith("r2-")
+
+
+def test_a_router_that_dies_under_the_fetch_is_waited_for():
+    router, reqs = FakeRouter(per_fetch=4), requests(12)
+
+    def die():
+        router.restart()
+        raise ActorDiedError()
+    router.before_fetch = [lambda: None, die]
+    client = client_over(router)
+    results = client.run_requests(reqs)
+    check_every_sequence_once_in_place(results, reqs)
+    assert client.router_restarts == 1
+
+
+def test_a_router_that_keeps_restarting_fails_the_batch_with_what_was_received():
+    router, reqs = FakeRouter(per_fetch=2), requests(30)
+    router.before_fetch = [router.restart] * 10
+    client = client_over(router)
+    client.max_router_restarts = 2
+    with pytest.raises(BatchLostError, match=r"0 of 30 sequences were received.*again 2 times already "
+                                             r"\(max_router_restarts\)"):
+        client.run_requests(reqs)
+
+
+def test_errors_that_are_not_a_restart_are_raised():
+    router, reqs = FakeRouter(), requests(4)
+
+    def boom():
+        raise ValueError("not the router's death")
+    router.before_fetch = [boom]
+    with pytest.raises(ValueError, match="not the router's death"):
+        client_over(router).run_requests(reqs)
+
+
+def test_stream_yields_each_sequence_once_across_a_restart():
+    router = FakeRouter(per_fetch=2)
+    router.before_fetch = [lambda: None] * 2 + [router.restart]
+    client = client_over(router)
+
+    async def collect():
+        return [c async for c in client.stream([[1, 2]] * 3, SamplingSpec(n=3, max_tokens=5))]
+    out = asyncio.run(collect())
+    assert sorted((c.prompt_index, c.sample_index) for c in out) == [(p, s) for p in range(3) for s in range(3)]
+    assert sorted(c.index for c in out) == list(range(9)) and all(len(c.token_ids) == 5 for c in out)
+    assert client.router_restarts == 1
+
+
+def test_the_follower_places_completions_and_refuses_one_twice():
+    reqs = requests(5)
+    follow = BatchAcrossRestarts(reqs)
+    follow.submitted("r1-b0")
+    follow.take([Completion(0, 0, [1], None, "length", index=0, finish_time_s=1.0)], 1)
+    again = follow.resubmission(BatchLostError("gone"))
+    assert again == reqs[1:] and follow.positions == [1, 2, 3, 4]
+    follow.submitted("r2-b0", offset_s=10.0)
+    (c,) = follow.take([Completion(3, 0, [1], None, "length", index=2, finish_time_s=2.0)], 1)
+    assert (c.index, c.finish_time_s) == (3, 12.0)  # its place, and seconds since the first submission
+    with pytest.raises(RuntimeError, match="sequence 3 returned twice"):
+        follow.take([Completion(3, 0, [1], None, "length", index=2)], 2)
+
+
+def test_a_fetch_left_unanswered_is_asked_again_and_a_router_that_never_answers_fails_the_batch():
+    router, reqs = FakeRouter(per_fetch=4), requests(8)
+
+    def unanswered():
+        raise TimeoutError("Timed out resolving to ObjectRef.")
+    router.before_fetch = [lambda: None, unanswered, router.restart]
+    client = client_over(router)
+    check_every_sequence_once_in_place(client.run_requests(reqs), reqs)
+
+    router.before_fetch = [unanswered] * 1000
+    client.call_timeout_s = 0.6
+    with pytest.raises(TimeoutError, match=r"the router has not answered for \d+ s .*call_timeout_s=0.6"):
+        client.run_requests(reqs)
