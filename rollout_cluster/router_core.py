@@ -8,6 +8,7 @@ replicas dead). Migration semantics: docs/semantics.md.
 from __future__ import annotations
 
 import itertools
+import re
 from array import array
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -25,6 +26,7 @@ DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
 DEPARTED_KEPT = 4096  # replicas remembered as gone after their goodbye
 DROPPED_KEPT = 1024  # abandoned batches remembered, to tell a late fetch why its batch is gone
+BATCH_ID = re.compile(r"^(.+-)b\d+$")  # "<the router's id prefix>b<n>": which router made a batch
 CANCELLED_UNFETCHED_S = 60.0  # a cancelled batch (driver timed out) not fetched for this long is dropped
 
 
@@ -174,7 +176,8 @@ class RouterCore(EngineControl):
         if batch is None:
             if batch_id in self.dropped:
                 raise KeyError(f"batch_id={batch_id!r}: {self.dropped[batch_id]}")
-            if self.id_prefix and not batch_id.startswith(self.id_prefix):
+            made_by = BATCH_ID.match(batch_id) if isinstance(batch_id, str) else None
+            if self.id_prefix and made_by and made_by.group(1) != self.id_prefix:
                 raise BatchLostError(f"batch_id={batch_id!r}: made by another router, not this one "
                                      f"({self.id_prefix}...): the router restarted, and its batches were lost with it")
             raise KeyError(f"batch_id={batch_id!r}: unknown batch (finished and collected, or never submitted)")

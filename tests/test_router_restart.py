@@ -105,9 +105,9 @@ def test_a_batch_another_router_made_is_lost_not_unknown():
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix="new-")
     with pytest.raises(BatchLostError, match=r"batch_id='old-b0': made by another router.*restarted"):
         core.fetch("old-b0", 0)
-    for ours in ("new-b7", "nope"):  # its own prefix, or none: not lost to a restart
+    for not_lost in ("new-b7", "nope", "new-nope", "b3"):  # its own prefix, or no router's batch id at all
         with pytest.raises(KeyError, match="unknown batch") as err:
-            core.fetch(ours if ours != "nope" else "new-nope", 0)
+            core.fetch(not_lost, 0)
         assert not isinstance(err.value, BatchLostError)
 
 
