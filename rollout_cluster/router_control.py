@@ -24,11 +24,15 @@ class EngineControl:
         self.weights_version = 0
         self.weights_path: Optional[str] = None
         self.weights_errors: dict = {}  # replica_id -> why its load failed
+        # A fresh router (a restart) learns the weights from the replicas until a driver first
+        # submits or updates: the highest version any reports holding or noted while asleep.
+        self.weights_learning = True
         self.sleep = FleetSleep()
 
     def usable(self, rep: ReplicaState) -> bool:
-        """It may get work: it holds the current weights and is awake."""
-        return rep.weights_version == self.weights_version and self.sleep.awake(rep.replica_id)
+        """It may get work: it holds the current weights, loads no others, and is awake."""
+        return (rep.weights_version == self.weights_version and not rep.weights_loading
+                and self.sleep.awake(rep.replica_id))
 
     def update_weights(self, path: str, version: Optional[int] = None) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
@@ -42,7 +46,7 @@ class EngineControl:
             raise InputError("version", version, f"must be an integer above the current version {self.weights_version}")
         self._refuse_while_running("update_weights", "weights change between batches")
         self._refuse_while_loading("update_weights")
-        self.weights_version, self.weights_path = version, path
+        self.weights_version, self.weights_path, self.weights_learning = version, path, False
         self.weights_errors.clear()
         for rep in self.replicas.values():
             self._order_weights(rep)
@@ -54,16 +58,17 @@ class EngineControl:
                 "errors": dict(self.weights_errors)}
 
     def _weights_report(self, rep: ReplicaState, report: Report, now: float) -> None:
-        v = self.weights_version
-        if self.weights_path is None:
+        if (self.weights_learning or self.weights_path is None) and not self.seqs:
             # A restarted router: the replicas remember the weights it ordered, held or noted while
-            # asleep (no batch mixes them: a batch that ran before the restart is lost with the router).
+            # asleep; the highest of every report is the latest update (a batch that ran before the
+            # restart is lost with the router, and none runs now: no batch mixes versions).
             for version, path in ((report.weights_version, report.weights_path),
                                   (report.weights_noted, report.weights_noted_path)):
                 if version > self.weights_version and path:
                     self.weights_version, self.weights_path = version, path
-            v = self.weights_version
-        rep.weights_version = report.weights_version
+                    self.weights_errors.clear()  # they were for an older version
+        v = self.weights_version
+        rep.weights_version, rep.weights_loading = report.weights_version, report.weights_loading
         if (rep.weights_noted == v and report.weights_noted != v and report.weights_version != v
                 and not self._order_pending(rep.replica_id, ("note_weights",))):
             rep.weights_noted = None  # the note was sent and the replica never saw it: again
@@ -72,12 +77,19 @@ class EngineControl:
         elif report.weights_error and report.weights_error_version == v:
             if rep.replica_id not in self.weights_errors:
                 self.weights_errors[rep.replica_id] = report.weights_error
-                if all(r.weights_version != v for r in self.replicas.values()):
-                    self._fail_queued(f"no replica holds weights version {v} ({self.weights_path!r}): "
-                                      + "; ".join(sorted(self.weights_errors.values())), now)
+                self._fail_queued_if_no_replica_can_load(now)
         elif rep.weights_ordered == v and report.weights_loading != v and not self._order_pending(rep.replica_id):
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
         self._order_weights(rep)
+
+    def no_replica_can_load(self) -> bool:
+        """Every live replica failed loading the current weights: none holds them, none still loads."""
+        return bool(self.replicas) and all(rid in self.weights_errors for rid in self.replicas)
+
+    def _fail_queued_if_no_replica_can_load(self, now: float) -> None:
+        if self.no_replica_can_load():
+            self._fail_queued(f"no replica holds weights version {self.weights_version} ({self.weights_path!r}): "
+                              + "; ".join(sorted(self.weights_errors.values())), now)
 
     def _order_pending(self, replica_id: str, cmds=("load_weights",)) -> bool:
         orders = self.outbox.get(replica_id)

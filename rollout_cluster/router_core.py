@@ -114,13 +114,14 @@ class RouterCore(EngineControl):
         if not self.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
         self._refuse_while_asleep()
-        if self.weights_errors and all(r.weights_version != self.weights_version for r in self.replicas.values()):
+        if self.no_replica_can_load():
             raise NoLiveReplicaError(f"no replica holds weights version {self.weights_version} "
                                      f"({self.weights_path!r}): {'; '.join(sorted(self.weights_errors.values()))}")
         bad = next((i for i, r in enumerate(requests) if not isinstance(r, SequenceRequest)), None)
         if bad is not None:  # refused whole, before anything is registered
             raise InputError(f"requests[{bad}]", requests[bad], "must be a SequenceRequest")
         bid = batch_id or f"{self.id_prefix}b{next(self._ids)}"
+        self.weights_learning = False  # this batch runs on the version known now
         batch = BatchState(bid, len(requests), now, [None] * len(requests), weights_version=self.weights_version,
                            fetched_t=now)
         self.batches[bid] = batch
@@ -333,7 +334,10 @@ class RouterCore(EngineControl):
         replicas = self.replicas
         if not all(self.usable(r) for r in replicas.values()):
             replicas = {rid: r for rid, r in replicas.items() if self.usable(r)}
-        return ClusterView(now, self.queue, replicas, self.groups, self.seqs, self.expected_replicas,
+        # Replicas that failed loading the weights never become usable: not expected (chunked's
+        # first round, static's shares).
+        failed = sum(rid in self.replicas for rid in self.weights_errors)
+        return ClusterView(now, self.queue, replicas, self.groups, self.seqs, max(1, self.expected_replicas - failed),
                            self.finished_lengths, self.counters["generated_tokens"], self.counters["reprefill_tokens"])
 
     def expire(self, now: float) -> list:
@@ -399,6 +403,8 @@ class RouterCore(EngineControl):
             self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
         self.queue.release_reserved(replica_id)
         self.policy.on_replica_removed(replica_id)
+        if leaving:  # for good: if every replica left failed loading the weights, none can run its work
+            self._fail_queued_if_no_replica_can_load(now)
 
     # ---- internals ----------------------------------------------------------------------
     def _register(self, report: Report, now: float) -> ReplicaState:

@@ -96,6 +96,7 @@ class ReplicaState:
     weights_version: int = 0  # what the replica reports holding
     weights_ordered: Optional[int] = None  # the version a load_weights order is out for
     weights_noted: Optional[int] = None  # the version a note_weights order (asleep) is out for
+    weights_loading: int = 0  # the version it reports loading now (0: none): its weights are about to change
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
 
     @property

@@ -4,35 +4,83 @@ Each fake replica wraps a SimEngineCore and does what serve/replica.py's pull lo
 drains the engine, keeps every delta until a pull succeeds (and sends it again after a failed
 one), lists the attempts it holds (and those whose abort is on its way) every HELD_EVERY_S, paces
 its reports like `_pace`, starts and gives up what it is told, and on a graceful shutdown hands
-its work back in a last report marked `leaving`. A seeded random.Random injects, per case:
-- a reply lost (the router applied the report and answered; the orders never arrive);
+its work back in a last report marked `leaving`. It also obeys control orders as `_control` does,
+in virtual time: a load runs for a while after any load before it (reporting weights_loading),
+then holds the version or reports weights_error; a sleep or wake move runs after any move or
+load before it (reporting sleep_goal until sleep_level reaches it), a level-2 wake reloads the
+weights its order names, and a note of an update made while asleep is kept and reported until
+a load brings it; work ordered while a load runs waits for it. A seeded random.Random injects,
+per case:
+- a reply lost (the router applied the report and answered; the orders never arrive), control
+  orders included;
 - a report lost before the router applies it (the replica keeps its deltas and sends them again);
 - a report delivered twice (the router applies it twice; only one of the two answers arrives);
+- a pull processed late: the call times out at the replica, which keeps its deltas and pulls again,
+  while the router applies the report later, before the resend or after it (the same deltas twice,
+  in reversed order, with a stale listing, weights and sleep state), and its answer goes nowhere;
 - a give-up whose abort lands late (listed in `aborting` meanwhile, like vLLM's async abort);
 - a replica that dies silently (expired after replica_timeout_s); one whose pulls all fail for
   longer than the timeout and that then comes back with the same incarnation; one that restarts
-  (new incarnation, engine state lost); one whose engine dies (goodbye marked engine_dead); a
-  graceful leave (partials handed back; sometimes the goodbye itself is lost); replicas joining;
+  (new incarnation, engine state lost, awake on version 0 weights); one whose engine dies (goodbye
+  marked engine_dead); a graceful leave (partials handed back; sometimes the goodbye itself is
+  lost); replicas joining;
 - several batches submitted at different times, a driver cancel of one of them, fetches at random
-  times with the cursor, and sometimes again from an earlier cursor (a retried fetch).
-Under the steal, pull, least-loaded, chunked and scripted policies, it asserts:
-1. every sequence of every batch comes back from fetch exactly once, and a fetch from an earlier
-   cursor returns the same completions in the same order;
+  times with the cursor, and sometimes again from an earlier cursor (a retried fetch);
+- (abandoned cases) a driver that stops fetching one batch: drop_abandoned must drop it;
+- (restart cases) the router restarts: a fresh RouterCore under another id takes over the fleet,
+  the old one's batches, held pulls and late calls are gone, every pull fails for ROUTER_DOWN_S
+  (so each replica sends its model again: an assumption about Serve), and the driver submits
+  again what it had not received (as BatchAcrossRestarts does);
+- (control cases) RL steps: each step's batches, then the driver's update_weights, sleep_fleet
+  and wake_fleet in random orders, waiting for them to settle as RolloutClient does (for a sleep
+  or a wake, one time in five not), a new update when a load failed; an update_weights and a
+  sleep_fleet tried while a batch runs; a load that takes virtual time, fails (sometimes leaving
+  the engine broken: Serve restarts the replica), a replica restarting while it loads or sleeps,
+  a replica joining while the fleet sleeps, a router restart at a random time and one while the
+  fleet sleeps (also right after an update made asleep).
+Under the steal, pull, static, least-loaded, chunked and scripted policies, it asserts:
+1. every sequence of every batch comes back from fetch exactly once (across router restarts: once
+   from one of the routers), and a fetch from an earlier cursor returns the same completions in
+   the same order;
 2./3. a sequence not cancelled ends "length" with exactly min(hidden_length, max_tokens) tokens,
-   and they are those of an unmigrated, fault-free run: SimEngineCore emits the contiguous run
-   (hash(seq_id) + prompt_len + i) % vocab, so no token was lost, repeated or reordered;
+   and they are those of an unmigrated, fault-free run on its batch's weights: the engine emits the
+   contiguous run (hash(seq_id) + prompt_len + i + WEIGHTS_SHIFT x weights version) % vocab, so no
+   token was lost, repeated, reordered or made with other weights;
 4. a cancelled one ends "abort" with a prefix of that run (or "length" with all of it: it ended
-   before the cancel reached it);
+   before the cancel reached it); an "error" is accepted only as the router's "no replica holds
+   weights version v" for a version whose load did fail somewhere;
 5. logprobs, when asked for, come one per token (and not at all otherwise);
 6. migrations' at_token never decreases and stays within the tokens; a finished sequence's every
    migration names a replica it ran on as destination;
 7. once fetched and released, the router holds nothing of the batches, and after a calm period
    without faults no engine still runs an attempt (orphans were given up);
 8. every answer's Work is the current attempt of its sequence on that replica, and every give-up
-   names an attempt being given up there or one the router does not know (an orphan).
-The bugs it found, now fixed, are at the end as focused tests. The token check is shown to fail on corrupted
-runs (test_the_token_check_catches_...); removing the router's duplicate-offset check, its stale-
-report check or its reconciliation (tried by hand) makes most random cases fail.
+   names an attempt being given up there or one the router does not know (an orphan);
+9. (control) every completion carries the weights_version current when its batch was submitted; no
+   replica starts a sequence while it holds other weights than its batch's or is not awake, nor
+   loads weights or goes to sleep under a sequence the router counts as running there; an update
+   or a sleep tried while a batch runs is refused and changes nothing; queued work fails for want
+   of weights only while no replica still loads them (by the router's own count); after the calm period every
+   live replica holds the router's version, loads nothing, is awake with no note left, and the
+   router's weights_status and sleep_status say so;
+10. (abandoned) the batch is dropped once it went abandoned_batch_s without a fetch, not before
+   and within one housekeeping round after; a late fetch gets a KeyError naming why; its queued
+   sequences are gone at once and the rest once given up;
+11. (restart) a fetch of an old batch raises BatchLostError; the old attempts still running are
+   given up as orphans; once every live replica reported, the new router has the model, the
+   fleet's sleep level and the highest weights version held or noted.
+The bugs it found are at the end as focused tests, all fixed. The fake replica waits for a sleep
+move in progress before it starts a load or new work, as replica.py now does. The random cases
+still step around what was fixed after they were written: the driver waits for every update to
+settle; a router restart is put off while the fleet disagrees on the weights or loads; a step's
+batches are cancelled (the driver's timeout) only where the router would strand queued work for
+want of replicas that failed loading. The token check
+is shown to fail on corrupted runs (test_the_token_check_catches_...) and the weights and sleep
+checks on a replica breaking them (test_the_weights_checks_...); test_the_faults_happen shows
+every fault above happening. Removing the router's duplicate-offset check, its stale-report check
+or its reconciliation, letting work go to a replica without the weights or not awake, allowing an
+update mid-batch, not resending lost load or sleep orders, a drop that cancels nothing, or a
+restarted router under its old id (tried by hand) makes random cases fail.
 """
 from __future__ import annotations
 
@@ -40,6 +88,7 @@ import heapq
 import itertools
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -49,11 +98,13 @@ from rollout_cluster.config import URGENT_REPORT_GAP_FRAC, PolicyConfig, RouterC
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
 from rollout_cluster.state import SeqStatus
-from rollout_cluster.types import Completion, EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest
+from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
+                                   SeqProgress, SequenceRequest)
 
 VOCAB = 4093  # prime, above any run's length (a repeat is never a full period); runs still wrap around it
+WEIGHTS_SHIFT = 1013  # a run made with weights version v is shifted by v x this (mod VOCAB)
 CAPACITY = 4  # small: work queues at the router, so continuations and pushes to busy replicas happen
 COST = load_profile("h200-1.5b", max_num_seqs=CAPACITY)
 # For steal: a move must repay its re-prefill 20 times over (steal.REPAY_FACTOR) and shorten the
@@ -64,16 +115,26 @@ MODEL = ModelInfo(VOCAB, 4096, "sim:chaos")
 ROUTER = RouterConfig()
 HELD_EVERY_S = 2.0  # serve/replica.py's HELD_EVERY_S (not imported: that module imports ray)
 RETRY_S = 0.5  # serve/replica.py sleeps this long after a failed pull
+LATE_AFTER_S = 3.0  # a late report is applied before its resend, or up to this long after it
 REPLICA_TIMEOUT_S = 5.0
-EXPIRE_EVERY_S = 0.5  # the Serve router's housekeeping calls expire about this often
+EXPIRE_EVERY_S = 0.5  # the Serve router's housekeeping calls expire (and drop_abandoned) about this often
 MAX_VIRTUAL_S = 600.0  # the batches must be done by then
 CALM_S = 10.0  # after the batches: no faults, so that reconciliation can clean the engines up
+CONTROL_CALM_S = 15.0  # ...and so that the last loads and moves settle
+LOAD_S = (0.2, 3.0)  # a load's virtual duration
+MOVE_S = (0.1, 1.5)  # a sleep or wake move's (a level-2 wake's reload included)
+HEALTH_S = (0.5, 2.0)  # a replica whose engine a load broke is restarted by Serve's health check after this
+SETTLE_LIMIT_S = 60.0  # a driver's wait for the fleet to settle fails after this
+STEP_TIMEOUT_S = 100.0  # a step's batches not done by then: the harness looks for why
+ROUTER_DOWN_S = 1.0  # a restarting router answers no pull for this long
+ABANDON_S = 6.0  # abandoned cases' router.abandoned_batch_s
 
 POLICIES = {
     # steal with low thresholds, so that these small batches migrate
     "steal": PolicyConfig(name="steal", min_gain_s=0.05, min_gain_frac=0.01, min_move_interval_s=0.3,
                           max_reprefill_frac=0.5),
     "pull": PolicyConfig(name="pull"),
+    "static": PolicyConfig(name="static"),
     "least-loaded": PolicyConfig(name="least-loaded"),
     "chunked": PolicyConfig(name="chunked", chunk_tokens=40),
     "scripted": PolicyConfig(name="scripted", scripted_at_tokens=[3, 17, 60]),
@@ -81,19 +142,32 @@ POLICIES = {
 
 
 # ---- the fake replica ---------------------------------------------------------------------------
+class WeightedEngine(SimEngineCore):
+    """SimEngineCore whose tokens carry the weights that made them: a run drained while the
+    replica holds version v is shifted by v x WEIGHTS_SHIFT, so a sequence that ran (even in part)
+    on other weights than its batch's fails the token check."""
+
+    version = 0
+
+    def _tokens(self, s, start: int, end: int) -> list:
+        shift = WEIGHTS_SHIFT * self.version
+        return [(t + shift) % self.vocab_size for t in super()._tokens(s, start, end)]
+
+
 class FakeReplica:
     """serve/replica.py's pull loop around a SimEngineCore, in virtual time. The harness moves it
     from event to event; it never talks to the router itself.
 
     Simplifications: one pull at a time and no transport delay; `_pace`'s 10 ms ticks are exact
     (the engine runs to the moment a segment ends, and may end a step past a deadline); a leave
-    or an engine death shows at the replica's next pull, not within a tick; control orders
-    (weights, sleep) are not used; the engine's own abort is immediate (SimEngine's is), and a
-    "late" one, as vLLM's async abort, lands at the replica's next report or the one after."""
+    or an engine death shows at the replica's next pull, not within a tick; the engine's own abort
+    is immediate (SimEngine's is), and a "late" one, as vLLM's async abort, lands at the replica's
+    next report or the one after; sleep and wake never fail on their own (a level-2 wake's reload
+    can); the engine runs on while asleep (nothing current may be on it then: checked)."""
 
     def __init__(self, rid: str, incarnation: str, t: float, cost=COST):
         self.rid, self.incarnation = rid, incarnation
-        self.engine = SimEngineCore(cost, vocab_size=VOCAB)
+        self.engine = WeightedEngine(cost, vocab_size=VOCAB)
         self.clock = t  # the engine's virtual time (it can run a step ahead of the harness)
         self.unsent: list = []  # deltas drained and not yet delivered: sent again after a failed pull
         self.first = True  # replica.py sends its ModelInfo on the first pull after a failure
@@ -103,6 +177,17 @@ class FakeReplica:
         self.engine_dead = False
         self.gone = False  # no longer runs (dead, restarted, left)
         self.stalled_until = -math.inf  # its pulls fail until then (a partition, a long pause)
+        self.reports = 0  # reports built so far (a late one is applied before the next or after)
+        self.reported_to = None  # the RouterCore that last applied a report of it
+        # weights and sleep, as replica.py's _control keeps them
+        self.weights = (0, "")  # (version, path) held: a new engine has the config's model
+        self.weights_error = (None, 0)  # (why the last load failed, its version)
+        self.loading: Optional[int] = None  # the version of the latest load ordered, until it ends
+        self.load_end_t = -math.inf  # when the loads ordered so far are done (one after another)
+        self.noted = (0, "")  # (version, path) of an update ordered while asleep
+        self.sleep_level = self.sleep_goal = 0
+        self.sleep_error: Optional[str] = None
+        self.move_end_t = -math.inf  # when the sleep moves ordered so far are done
 
     def held(self) -> list:
         e = self.engine
@@ -110,6 +195,14 @@ class FakeReplica:
 
     def aborting(self) -> list:
         return [k for k in self.held() if k in self.pending_aborts]
+
+    def awake(self, t: float) -> bool:
+        return self.sleep_level == 0 and self.sleep_goal == 0 and t >= self.move_end_t
+
+    def learnable(self) -> int:
+        """The version a restarted router may learn from it: held (from a checkpoint) or noted."""
+        held = self.weights[0] if self.weights[1] else 0
+        return max(held, self.noted[0] if self.noted[1] else 0)
 
     def advance_to(self, t: float) -> None:
         e = self.engine
@@ -134,8 +227,12 @@ class FakeReplica:
         held, aborting = None, []
         if t - self.held_t >= HELD_EVERY_S:  # drained and listed together: consistent
             held, aborting, self.held_t = self.held(), self.aborting(), t
+        self.reports += 1
         report = Report(self.rid, self.incarnation, list(self.unsent), self.stats(), MODEL if self.first else None,
-                        CAPACITY, held=held, aborting=aborting)
+                        CAPACITY, self.weights[0], self.weights_error[0], self.weights_error[1], self.loading or 0,
+                        self.weights[1], held=held, aborting=aborting, sleep_level=self.sleep_level,
+                        sleep_goal=self.sleep_goal, sleep_error=self.sleep_error, weights_noted=self.noted[0],
+                        weights_noted_path=self.noted[1])
         return report, ended
 
     def stats(self) -> EngineStats:
@@ -182,16 +279,17 @@ class FakeReplica:
             self.engine.abort(held)
         self.pending_aborts = set()
         self.unsent += self.engine.drain()
-        return Report(self.rid, self.incarnation, list(self.unsent), self.stats(), None, CAPACITY, leaving=True)
+        return Report(self.rid, self.incarnation, list(self.unsent), self.stats(), None, CAPACITY, self.weights[0],
+                      leaving=True)
 
     def dead_engine_goodbye(self) -> Report:
         """replica.py `_leave_dead_engine`: the tokens made since the last report, no finals."""
         self.unsent += self.engine.drain()
-        return Report(self.rid, self.incarnation, list(self.unsent), self.stats(), None, CAPACITY,
+        return Report(self.rid, self.incarnation, list(self.unsent), self.stats(), None, CAPACITY, self.weights[0],
                       leaving=True, engine_dead=True)
 
 
-# ---- faults, batches ----------------------------------------------------------------------------
+# ---- faults, batches, steps ---------------------------------------------------------------------
 FLEET_EVENTS = ("die", "stall", "restart", "engine_death", "leave", "join")
 SHRINKING = ("die", "engine_death", "leave")  # permanent: only while another replica stays
 
@@ -205,26 +303,64 @@ class Faults:
     lost_goodbye: float = 0.0
     fleet: list = field(default_factory=list)  # (time, kind)
     cancel: bool = False
+    late_report: float = 0.0
+    load_fail: float = 0.0  # per load (a level-2 wake's reload too); half of them break the engine
+    control_restart: float = 0.0  # per load order and per sleep: the replica restarts during it
+    join_asleep: float = 0.0  # once the fleet sleeps: a replica joins
+    restart_router: Optional[float] = None  # when the router restarts
 
     @classmethod
-    def draw(cls, rng: random.Random) -> "Faults":
-        fleet = sorted((rng.uniform(0.2, 6.0), rng.choice(FLEET_EVENTS)) for _ in range(rng.randint(1, 5)))
-        return cls(lost_reply=rng.uniform(0, 0.15), lost_report=rng.uniform(0, 0.15), duplicate=rng.uniform(0, 0.1),
-                   late_abort=rng.uniform(0, 0.6), lost_goodbye=rng.uniform(0, 0.5), fleet=fleet,
-                   cancel=rng.random() < 0.7)
+    def draw(cls, rng: random.Random, horizon: float = 6.0, control: bool = False) -> "Faults":
+        events = rng.randint(1, 7 if control else 5)
+        fleet = sorted((rng.uniform(0.2, horizon), rng.choice(FLEET_EVENTS)) for _ in range(events))
+        faults = cls(lost_reply=rng.uniform(0, 0.15), lost_report=rng.uniform(0, 0.15), duplicate=rng.uniform(0, 0.1),
+                     late_abort=rng.uniform(0, 0.6), lost_goodbye=rng.uniform(0, 0.5), fleet=fleet,
+                     cancel=rng.random() < 0.7, late_report=rng.uniform(0, 0.15))
+        if control:
+            faults.load_fail, faults.control_restart = rng.uniform(0, 0.3), rng.uniform(0, 0.1)
+            faults.join_asleep = rng.uniform(0, 0.6)
+        return faults
 
 
 @dataclass
 class Batch:
     requests: list
-    submit_t: float
-    bid: Optional[str] = None
-    seq_ids: dict = field(default_factory=dict)  # index -> seq_id
-    got: dict = field(default_factory=dict)  # index -> Completion
-    order: list = field(default_factory=list)  # indexes in the order fetch returned them
+    submit_t: float  # (in a step: seconds after the step starts)
+    bid: Optional[str] = None  # the current submission's
+    core: Optional[RouterCore] = None  # the router it was submitted to
+    version: int = 0  # the router's weights version when it was submitted
+    positions: list = field(default_factory=list)  # the router batch's index -> index in `requests`
+    got: dict = field(default_factory=dict)  # index in `requests` -> Completion
+    made_as: dict = field(default_factory=dict)  # index in `requests` -> (batch id, index, weights version)
+    order: list = field(default_factory=list)  # the router batch's indexes in the order fetch returned them
     cursor: int = 0
+    fetched_t: float = 0.0  # the latest fetch (or the submission)
     cancelled: bool = False
     released: bool = False
+    abandon_t: Optional[float] = None  # its driver fetches it no more from then on
+    dropped_t: Optional[float] = None  # when the router dropped it
+
+    @property
+    def settled(self) -> bool:
+        return self.released or self.dropped_t is not None
+
+
+@dataclass
+class Step:
+    """An RL step: its batches, then what the driver does before the next one, in order:
+    ("update", version), ("sleep", level), ("wake",), ("settle",) (wait as RolloutClient does),
+    ("pause", seconds) (the trainer's time), ("restart",) (the router restarts)."""
+    batches: list
+    then: list
+
+
+PLANS = (
+    ("update", "settle"),
+    ("sleep", "settle", "update", "pause", "wake", "settle"),  # an RL step with the trainer on the GPUs
+    ("update", "settle", "sleep", "settle", "pause", "wake", "settle"),
+    ("sleep", "settle", "pause", "wake", "settle"),
+    (),
+)
 
 
 def random_requests(rng: random.Random, n_prompts: int, max_samples: int) -> list:
@@ -241,50 +377,124 @@ def random_requests(rng: random.Random, n_prompts: int, max_samples: int) -> lis
     return out
 
 
+def random_steps(rng: random.Random, n: int, restart_asleep: bool = False) -> list:
+    """`n` steps of one or two batches, each followed by a random plan. The driver waits for an
+    update to settle, as RolloutClient does (test_queued_work_is_not_failed_while_... shows why),
+    and one time in five does not wait for a sleep or a wake. `restart_asleep`: one step's plan
+    restarts the router while the fleet sleeps (after the update made asleep, when there is one)."""
+    steps, version = [], 0
+    for _ in range(n):
+        batches = [Batch(random_requests(rng, rng.randint(2, 6), 3), 0.0)]
+        if rng.random() < 0.4:
+            batches.append(Batch(random_requests(rng, rng.randint(1, 4), 2), rng.uniform(0.1, 2.0)))
+        level, then = rng.choice((1, 2)), []
+        for kind in rng.choice(PLANS):
+            if kind == "update":
+                version += rng.randint(1, 3)
+                then.append(("update", version))
+            elif kind == "sleep":
+                then.append(("sleep", level))
+            elif kind == "pause":
+                then.append(("pause", rng.uniform(0.1, 3.0)))
+            elif kind != "settle" or (then and then[-1][0] == "update") or rng.random() < 0.8:
+                then.append((kind,))
+        steps.append(Step(batches, then))
+    if restart_asleep:
+        candidates = [s for s in steps if ("wake",) in s.then]
+        if not candidates:
+            candidates = [steps[0]]
+            steps[0].then = [("sleep", 1), ("settle",), ("pause", 0.5), ("wake",), ("settle",)]
+        step = rng.choice(candidates)
+        step.then.insert(step.then.index(("wake",)), ("restart",))
+    return steps
+
+
 # ---- the harness --------------------------------------------------------------------------------
 class Chaos:
-    """The router, a fleet of FakeReplicas and a driver, moved event by event in virtual time."""
+    """The router, a fleet of FakeReplicas and a driver, moved event by event in virtual time.
+    Without `steps`, the batches are submitted at their submit_t; with them, the driver runs the
+    steps one after another."""
 
-    def __init__(self, policy: str, seed: int, faults: Faults, replicas: int, batches: list):
+    def __init__(self, policy: str, seed: int, faults: Faults, replicas: int, batches: list,
+                 steps: Optional[list] = None, abandon_s: float = 0.0):
         self.rng = random.Random(seed)
         self.faults = faults
+        self.policy = policy
         self.cost = STEAL_COST if policy == "steal" else COST
-        self.core = RouterCore(make_policy(POLICIES[policy], self.cost), expected_replicas=replicas,
-                               replica_timeout_s=REPLICA_TIMEOUT_S)
+        self.initial_replicas = replicas
+        self.routers, self.cores = 0, []
+        self.core = self._new_core()
         self.events: list = []
         self._n = itertools.count()
         self._incarnations = itertools.count()
         self._joins = itertools.count()
         self.fleet: dict = {}  # replica_id -> its current FakeReplica
         self.batches = batches
+        self.steps = steps or []
+        self.step_i = 0
+        self.plan: list = []  # what the driver does next, after the current step's batches
+        self.action_t0: Optional[float] = None  # when the driver started the current action
+        self.retries = 0  # new updates after a failed one, this step
+        self.want_level = 0  # the sleep level the driver last ordered
+        self.step_t0 = 0.0
+        self.abandon_s = abandon_s
         self.calm = False
         self.now = 0.0
         self.superseded: list = []  # (t, replica, seq_id, attempt, the router's (attempt, replica, status))
         self.fleet_log: list = []  # (t, kind, replica) of the fleet events that happened
+        self.violations: list = []  # what a replica did that it must never do (weights, sleep)
+        self.failed_versions: set = set()  # weights versions a load failed of, somewhere
+        self.seen: Counter = Counter()  # which faults and paths happened
+        self.router_down_until = -math.inf
+        self.learning: Optional[tuple] = None  # a restarted router's (t, sleep level, version) to learn back
+        self.restart_waits = 0
+        self.orphans_due = False  # old attempts still ran well after a router restart
+        # replica.py starts new work, and a load, only after any load or sleep move in progress
+        # (test_replica_sleep.py); False emulates it as it was (test_a_replica_woken_while_...).
+        self.waits_for_moves = True
         for i in range(replicas):
             self._start_replica(f"r{i}", self.rng.uniform(0.0, 0.02))
-        for b in batches:
-            self.schedule(b.submit_t, self._submit, b)
+        if self.steps:
+            self.schedule(0.05, self._begin_step)
+        else:
+            for b in batches:
+                self.schedule(b.submit_t, self._submit, b)
         for t, kind in faults.fleet:
             self.schedule(t, self._fleet_event, kind)
         if faults.cancel and len(batches) > 1:
             b = self.rng.choice(batches)
             self.schedule(b.submit_t + self.rng.uniform(0.05, 3.0), self._cancel, b)
+        if faults.restart_router is not None:
+            self.schedule(faults.restart_router, self._timed_router_restart)
         self.schedule(0.1, self._fetch_some)
         self.schedule(EXPIRE_EVERY_S, self._expire)
 
+    def _new_core(self) -> RouterCore:
+        self.routers += 1  # Serve's router passes its own id as the prefix: a restarted one has another
+        prefix = f"r{self.routers}-"
+        core = RouterCore(make_policy(POLICIES[self.policy], self.cost), expected_replicas=self.initial_replicas,
+                          replica_timeout_s=REPLICA_TIMEOUT_S, id_prefix=prefix)
+        self.cores.append(core)
+        fail_queued = core._fail_queued
+
+        def watched(why: str, now: float) -> None:  # (observed, unchanged)
+            self._check_no_replica_can_run(core)
+            fail_queued(why, now)
+        core._fail_queued = watched
+        return core
+
     # -- plumbing
-    def answer(self, rep: "FakeReplica", orders):
+    def answer(self, rep: "FakeReplica", orders, core: RouterCore):
         """Check an answer as the router gives it: each Work is the current attempt of its sequence
         on this replica (the router must not send what it already took for lost); each give-up
         names an attempt that is being given up here, or one the router does not know (an orphan)."""
         for w in orders.start:
-            seq = self.core.seqs.get(w.seq_id)
+            seq = core.seqs.get(w.seq_id)
             if seq is None or (seq.attempt, seq.replica) != (w.attempt, rep.rid):
                 self.superseded.append((round(self.now, 3), rep.rid, w.seq_id, w.attempt,
                                         None if seq is None else (seq.attempt, seq.replica, seq.status.value)))
         for seq_id, attempt in orders.give_up:
-            seq = self.core.seqs.get(seq_id)
+            seq = core.seqs.get(seq_id)
             if seq is not None and (seq.attempt, seq.replica) == (attempt, rep.rid):
                 assert seq.status is SeqStatus.GIVING_UP, f"give-up of {seq_id}/{attempt}, {seq.status}"
         return orders
@@ -293,10 +503,15 @@ class Chaos:
         heapq.heappush(self.events, (t, next(self._n), handler, args))
 
     def chance(self, p: float) -> bool:
-        return not self.calm and self.rng.random() < p
+        return p > 0 and not self.calm and self.rng.random() < p
 
     def live(self) -> list:
         return [r for r in self.fleet.values() if not (r.gone or r.stopping or r.engine_dead)]
+
+    def is_current(self, rep: FakeReplica, key: tuple) -> bool:
+        """The router takes this attempt's tokens from this replica."""
+        seq = self.core.seqs.get(key[0])
+        return seq is not None and (seq.replica, seq.attempt) == (rep.rid, key[1])
 
     def _start_replica(self, rid: str, t: float) -> FakeReplica:
         rep = FakeReplica(rid, f"{rid}-i{next(self._incarnations)}", t, self.cost)
@@ -304,13 +519,18 @@ class Chaos:
         self.schedule(t, self._pull, rep)
         return rep
 
+    def done(self) -> bool:
+        return (all(b.settled for b in self.batches) and self.step_i >= len(self.steps) and self.learning is None)
+
     def run(self) -> None:
-        while not all(b.released for b in self.batches):
+        while not self.done():
             self._step(MAX_VIRTUAL_S, self._stuck)
         self.calm = True
         for rep in self.fleet.values():
             rep.stalled_until = -math.inf
-        end = self.now + CALM_S
+        if self.steps:
+            self.schedule(self.now, self._converge)
+        end = self.now + (CONTROL_CALM_S if self.steps else CALM_S)
         while self.events[0][0] <= end:
             self._step(end, None)
 
@@ -322,8 +542,9 @@ class Chaos:
         handler(t, *args)
 
     def _stuck(self) -> None:
-        left = {b.bid: len(b.requests) - len(b.got) for b in self.batches if not b.released}
+        left = {b.bid: len(b.requests) - len(b.got) for b in self.batches if not b.settled}
         raise AssertionError(f"batches not done after {MAX_VIRTUAL_S:.0f} virtual s: unfetched per batch {left}; "
+                             f"step {self.step_i} of {len(self.steps)}, plan {self.plan}; "
                              f"router seqs {[(s.seq_id, s.status.value, s.replica) for s in self.core.seqs.values()]}; "
                              f"replicas {sorted(self.core.replicas)}; counters {self.core.counters}")
 
@@ -337,37 +558,84 @@ class Chaos:
         if rep.stopping:
             return self._goodbye(t, rep, rep.hand_back())
         report, ended = rep.build_report(t, land_aborts=self.rng.random() < 0.7)
-        if t < rep.stalled_until or self.chance(self.faults.lost_report):
+        if t < rep.stalled_until or t < self.router_down_until or self.chance(self.faults.lost_report):
             return self._pull_failed(t, rep)
-        orders = self.answer(rep, self.core.on_report(report, t))
+        core = self.core
+        if self.chance(self.faults.late_report):
+            # The call times out at the replica, which keeps its deltas and pulls again; the router
+            # has it queued and applies it later, before the resend or after it; its answer is lost.
+            before = self.rng.random() < 0.5
+            delay = self.rng.uniform(0.0, RETRY_S) if before else RETRY_S + self.rng.uniform(0.0, LATE_AFTER_S)
+            self.schedule(t + delay, self._late_report, rep, report, core, rep.reports)
+            return self._pull_failed(t, rep)
+        orders = self.answer(rep, core.on_report(report, t), core)
+        rep.reported_to = core
         if self.chance(self.faults.duplicate):  # delivered twice: one of the two answers comes back
-            again = self.answer(rep, self.core.on_report(report, t))
+            again = self.answer(rep, core.on_report(report, t), core)
             if self.rng.random() < 0.5:
                 orders = again
         if orders:
-            return self._reply(t, rep, orders, t, ended)
+            return self._reply(t, rep, orders, t, ended, core)
         # The router holds an empty pull (serve/router.py) and decides again when it lets it go.
         # Simplification: the hold lasts a random part of its wait; new work does not wake it.
-        state = self.core.replicas.get(rep.rid)
+        hold = self.rng.uniform(0.0, self._hold_s(core, rep, report))
+        self.schedule(t + hold, self._reply, rep, None, t, ended, core)
+
+    @staticmethod
+    def _hold_s(core: RouterCore, rep: FakeReplica, report: Report) -> float:
+        state = core.replicas.get(rep.rid)
         busy = state is not None and len(state.seqs) > 0
-        wait = ROUTER.pull_wait_s if busy or len(self.core.queue) else ROUTER.idle_pull_wait_s
-        self.schedule(t + self.rng.uniform(0.0, wait), self._reply, rep, None, t, ended)
+        moving = report.sleep_level != report.sleep_goal and not report.sleep_error
+        return ROUTER.pull_wait_s if busy or len(core.queue) or report.weights_loading or moving \
+            else ROUTER.idle_pull_wait_s
+
+    def _late_report(self, t: float, rep: FakeReplica, report: Report, core: RouterCore, sent: int) -> None:
+        if core is not self.core:
+            return  # the router restarted with the call in its queue: nobody applies it
+        self.seen["late report applied after its resend" if rep.reports > sent else "late report applied first"] += 1
+        orders = self.answer(rep, core.on_report(report, t), core)
+        if not orders:  # held, then decided: that answer is lost too
+            self.schedule(t + self.rng.uniform(0.0, self._hold_s(core, rep, report)), self._late_decide, rep, core)
+
+    def _late_decide(self, t: float, rep: FakeReplica, core: RouterCore) -> None:
+        if core is self.core:
+            self.answer(rep, core.decide(rep.rid, t), core)
 
     def _pull_failed(self, t: float, rep: FakeReplica) -> None:
         rep.first = True  # replica.py: keep the deltas, sleep, send the model again
         self.schedule(t + RETRY_S, self._pull, rep)
 
-    def _reply(self, t: float, rep: FakeReplica, orders, reported_t: float, ended: int) -> None:
+    def _reply(self, t: float, rep: FakeReplica, orders, reported_t: float, ended: int, core: RouterCore) -> None:
         if orders is None:  # a held pull ends: the router decides, whether anybody still listens or not
-            orders = self.answer(rep, self.core.decide(rep.rid, t))
+            if core is not self.core:  # the router restarted while holding it: the call fails
+                return None if rep.gone else self._pull_failed(t, rep)
+            orders = self.answer(rep, core.decide(rep.rid, t), core)
         if rep.gone:
             return
         if t < rep.stalled_until or self.chance(self.faults.lost_reply):
+            if orders.control:
+                self.seen["reply with control orders lost"] += 1
             return self._pull_failed(t, rep)
         rep.unsent, rep.first = [], False
         if rep.engine_dead:  # the orders meet a dead engine: it says goodbye at once
             return self.schedule(t, self._pull, rep)
         rep.advance_to(t)
+        for cmd, arg in orders.control:
+            self._control(t, rep, cmd, arg)
+        ready_t = rep.load_end_t if rep.loading is not None else t  # replica.py awaits a load before new work
+        if self.waits_for_moves:
+            ready_t = max(ready_t, rep.move_end_t)
+        if orders.start and ready_t > t:
+            self.seen["work waited for a load or a move"] += 1
+            return self.schedule(ready_t, self._start_work, rep, orders, reported_t, ended)
+        self._start_work(t, rep, orders, reported_t, ended)
+
+    def _start_work(self, t: float, rep: FakeReplica, orders, reported_t: float, ended: int) -> None:
+        if rep.gone:
+            return
+        rep.advance_to(t)
+        for w in orders.start:
+            self._check_can_run(t, rep, w)
         rep.apply(orders, late_abort=self.chance(self.faults.late_abort))
         urgent = orders.work_waiting or bool(orders.give_up) or bool(rep.aborting())
         interval = orders.report_interval_s or ROUTER.report_interval_s
@@ -375,10 +643,122 @@ class Chaos:
 
     def _goodbye(self, t: float, rep: FakeReplica, report: Report) -> None:
         rep.gone = True
-        if t < rep.stalled_until or self.chance(self.faults.lost_goodbye):
+        if t < rep.stalled_until or t < self.router_down_until or self.chance(self.faults.lost_goodbye):
             return  # the router finds out after replica_timeout_s instead
         orders = self.core.on_report(report, t)
         assert not orders, f"a leaving replica was given orders: {orders}"
+
+    # -- control orders (replica.py _control, _load_weights, _move_sleep)
+    def _control(self, t: float, rep: FakeReplica, cmd: str, arg) -> None:
+        if cmd == "load_weights":
+            v = arg["version"]
+            if v in (rep.weights[0], rep.loading):
+                return  # a resent order of what is done or under way
+            start = max(t, rep.load_end_t)  # after any load in progress, never beside it
+            if self.waits_for_moves:
+                start = max(start, rep.move_end_t)
+            if rep.sleep_goal or start < rep.move_end_t:  # (a level-2 wake's reload is part of its move)
+                self.violations.append(f"{t:.3f} {rep.rid} loads version {v} from {start:.3f} with a move to level "
+                                       f"{rep.sleep_goal} ending at {rep.move_end_t:.3f}")
+            rep.load_end_t = end = start + self.rng.uniform(*LOAD_S)
+            rep.loading = v
+            self.schedule(end, self._load_done, rep, v, arg["path"])
+            if self.chance(self.faults.control_restart):
+                self.schedule(self.rng.uniform(t, end), self._restart_replica, rep)
+        elif cmd == "note_weights":
+            if arg["version"] > max(rep.weights[0], rep.noted[0]):
+                rep.noted = (arg["version"], arg["path"])
+        elif cmd in ("sleep", "wake"):
+            goal = int(arg) if cmd == "sleep" else 0
+            failed = rep.sleep_error is not None and t >= rep.move_end_t
+            if goal == rep.sleep_goal and not failed:
+                return  # a resent order of what is done or under way
+            rep.sleep_goal, rep.sleep_error = goal, None
+            start = max(t, rep.move_end_t, rep.load_end_t)  # after any move or load before it
+            rep.move_end_t = end = start + self.rng.uniform(*MOVE_S)
+            self.schedule(end, self._move_done, rep, goal, arg if cmd == "wake" else None)
+        else:
+            raise AssertionError(f"unknown control order {cmd!r}")
+
+    def _load_done(self, t: float, rep: FakeReplica, version: int, path: str) -> None:
+        if rep.gone:
+            return
+        rep.advance_to(t)
+        self._load(t, rep, version, path)
+        if rep.loading == version:  # not a later load's flag
+            rep.loading = None
+
+    def _load(self, t: float, rep: FakeReplica, version: int, path: str, broken_if_failed: bool = False) -> bool:
+        if self.chance(self.faults.load_fail):
+            rep.weights_error = (f"replica {rep.rid}: load_weights({path!r}): chaos", version)
+            self.failed_versions.add(version)
+            self.seen["load failed"] += 1
+            if broken_if_failed or self.rng.random() < 0.5:  # WeightsLoadBroken: Serve's health check restarts it
+                self.schedule(t + self.rng.uniform(*HEALTH_S), self._restart_replica, rep)
+            return False
+        self._check_nothing_current(t, rep, f"loaded weights version {version}")
+        rep.weights, rep.engine.version = (version, path), version
+        rep.weights_error = (None, rep.weights_error[1])
+        if rep.noted[0] <= version:
+            rep.noted = (0, "")
+        return True
+
+    def _move_done(self, t: float, rep: FakeReplica, goal: int, wake_order: Optional[dict]) -> None:
+        if rep.gone:
+            return
+        rep.advance_to(t)
+        if goal:
+            self._check_nothing_current(t, rep, f"went to sleep at level {goal}")
+            rep.sleep_level = goal
+            if self.chance(self.faults.control_restart):
+                self.schedule(t + self.rng.uniform(0.0, 2.0), self._restart_replica, rep)
+            return
+        if rep.sleep_level == 2:  # the weights were dropped: reload those the wake order names
+            version, path = wake_order.get("version", rep.weights[0]), wake_order.get("path") or ""
+            if (version or wake_order.get("path")) and not self._load(t, rep, version, path, broken_if_failed=True):
+                rep.sleep_error = f"replica {rep.rid}: wake: RuntimeError: no weights after a level-2 sleep"
+                return
+        rep.sleep_level = 0
+
+    def _restart_replica(self, t: float, rep: FakeReplica) -> None:
+        """Serve restarts it: a new incarnation, awake, with the config's model (version 0)."""
+        if rep.gone or rep.stopping or rep.engine_dead or self.fleet.get(rep.rid) is not rep:
+            return
+        rep.advance_to(t)
+        self.fleet_log.append((t, "restart", rep.rid))
+        if rep.loading is not None:
+            self.seen["replica restarted while loading"] += 1
+        if rep.sleep_level or rep.sleep_goal:
+            self.seen["replica restarted asleep"] += 1
+        rep.gone = True
+        self._start_replica(rep.rid, t + self.rng.uniform(0.1, 1.0))
+
+    def _check_can_run(self, t: float, rep: FakeReplica, work) -> None:
+        seq = self.core.seqs.get(work.seq_id)
+        batch = self.core.batches.get(seq.batch_id) if seq is not None else None
+        if batch is not None and rep.weights[0] != batch.weights_version:
+            self.violations.append(f"{t:.3f} {rep.rid} starts {work.seq_id}/{work.attempt} of a batch on version "
+                                   f"{batch.weights_version} holding version {rep.weights[0]}")
+        if not rep.awake(t):
+            self.violations.append(f"{t:.3f} {rep.rid} starts {work.seq_id}/{work.attempt} at sleep level "
+                                   f"{rep.sleep_level}, goal {rep.sleep_goal}, moves until {rep.move_end_t:.3f}")
+
+    def _check_no_replica_can_run(self, core: RouterCore) -> None:
+        """The router fails queued work for want of weights only when no replica can hold them: each
+        holds other weights and failed loading these (none is still loading them, by the router's
+        own count: ordered, not held, no error)."""
+        v = core.weights_version
+        loading = sorted(rid for rid, r in core.replicas.items()
+                         if r.weights_ordered == v and r.weights_version != v and rid not in core.weights_errors)
+        queued = sum(s.status is SeqStatus.QUEUED for s in core.seqs.values())
+        if loading and queued:
+            self.violations.append(f"{self.now:.3f} {queued} queued sequences failed for want of weights version "
+                                   f"{v} while {loading} still load it")
+
+    def _check_nothing_current(self, t: float, rep: FakeReplica, what: str) -> None:
+        current = [k for k in rep.held() if self.is_current(rep, k)]
+        if current:
+            self.violations.append(f"{t:.3f} {rep.rid} {what} while running {current}")
 
     def _fleet_event(self, t: float, kind: str) -> None:
         if self.calm:
@@ -392,27 +772,111 @@ class Chaos:
             self._start_replica(rid, t)
             return
         rep = self.rng.choice(live)
+        if kind == "restart":
+            return self._restart_replica(t, rep)
         rep.advance_to(t)
         self.fleet_log.append((t, kind, rep.rid))
         if kind == "die":
             rep.gone = True
         elif kind == "stall":
             rep.stalled_until = t + REPLICA_TIMEOUT_S + self.rng.uniform(0.5, 2.0)
-        elif kind == "restart":
-            rep.gone = True
-            self._start_replica(rep.rid, t + self.rng.uniform(0.1, 1.0))
         elif kind == "engine_death":
             rep.engine_dead = True
         elif kind == "leave":
             rep.stopping = True
 
+    # -- router side
+    def _expire(self, t: float) -> None:
+        core = self.core
+        core.expire(t)
+        for bid in core.drop_abandoned(t, self.abandon_s):
+            (b,) = [b for b in self.batches if b.bid == bid]
+            unfetched = t - b.fetched_t
+            assert b.abandon_t is not None and not b.released, f"{bid} dropped while its driver fetches it"
+            assert ABANDON_S < unfetched <= ABANDON_S + EXPIRE_EVERY_S + 1e-9, f"{bid}: {unfetched:.2f} s unfetched"
+            assert bid not in core.batches and not [k for k in core.groups if k[0] == bid]
+            left = [s for s in core.seqs.values() if s.batch_id == bid]
+            assert all(s.status is SeqStatus.GIVING_UP for s in left), [(s.seq_id, s.status) for s in left]
+            b.dropped_t = t
+            self.schedule(t + self.rng.uniform(0.1, 2.0), self._late_fetch, b)
+        self.schedule(t + EXPIRE_EVERY_S, self._expire)
+
+    def _timed_router_restart(self, t: float) -> None:
+        if not self.calm and not self._restart_router(t):
+            self.schedule(t + 0.3, self._timed_router_restart)
+
+    def _restart_router(self, t: float) -> bool:
+        """Serve restarts the router: a fresh RouterCore under another id takes the fleet over; the
+        old one's batches, held pulls and queued calls are gone. Placed where the live replicas agree
+        on the weights a new router can learn and load nothing (else it is put off, and after a
+        while skipped: test_a_restarted_router_takes_... and _gives_no_work_... show why), and on
+        one sleep goal. Returns False to be retried."""
+        live = self.live()
+        learnable = {rep.learnable() for rep in live} - {0}
+        goals = {rep.sleep_goal for rep in live} - {0}
+        if self.learning is not None or len(learnable) > 1 or len(goals) > 1 or any(r.loading for r in live):
+            self.restart_waits += 1
+            if self.restart_waits < 40:
+                return False
+            self.seen["router restart skipped"] += 1
+            return True
+        old = self.core
+        self.seen["router restarted " + ("asleep" if old.sleep.level else "mid-batch" if old.seqs else "idle")] += 1
+        self.core = self._new_core()
+        self.router_down_until = t + ROUTER_DOWN_S
+        self.learning = (t, [(rep, rep.sleep_goal, rep.learnable()) for rep in live])
+        self.schedule(t + ROUTER_DOWN_S, self._check_learned)
+        if any(rep.held() for rep in live):
+            self.schedule(t + ROUTER_DOWN_S + 2 * HELD_EVERY_S + 1.0, self._note_orphans)
+        return True
+
+    def _check_learned(self, t: float) -> None:
+        """Once every live replica reported to the restarted router, it knows the model, and, from
+        the replicas live at the restart that reported to it, the level the fleet sleeps at and the
+        highest weights version held or noted."""
+        core, (t0, snapshot) = self.core, self.learning
+        waiting = [r.rid for r in self.live() if r.reported_to is not core]
+        if waiting and t < t0 + 30.0:
+            return self.schedule(t + 0.2, self._check_learned)
+        assert not waiting, f"{waiting} never reported to the restarted router"
+        assert core.model == MODEL, "no replica sent its model to the restarted router"
+        told = [(goal, version) for rep, goal, version in snapshot if rep.reported_to is core]
+        if told:
+            level, version = max(g for g, _ in told), max(v for _, v in told)
+            assert core.sleep.level == level, f"a sleep level {level} fleet, learned as {core.sleep_status()}"
+            assert (core.weights_version, core.weights_path) == (version, f"/ckpt/{version}" if version else None), \
+                f"version {version} held or noted, learned {core.weights_status()}"
+        self.learning = None
+
+    def _note_orphans(self, t: float) -> None:
+        """An old router's attempt still held two listings after the restart must be given up."""
+        prefix = self.core.id_prefix
+        if any(not sid.startswith(prefix) for rep in self.live() for sid, _ in rep.held()):
+            self.orphans_due = True
+
     # -- driver side
     def _submit(self, t: float, b: Batch) -> None:
-        if not self.core.replicas:  # (RolloutClient waits for a replica too)
+        core = self.core
+        if not core.replicas or t < self.router_down_until:  # (RolloutClient waits for a replica too)
             return self.schedule(t + 0.2, self._submit, b)
-        b.bid = self.core.submit(b.requests, t)
-        b.seq_ids = {s.index: s.seq_id for s in self.core.seqs.values() if s.batch_id == b.bid}
-        assert len(b.seq_ids) == len(b.requests)
+        positions = [i for i in range(len(b.requests)) if i not in b.got]  # all, but after a router restart
+        try:
+            bid = core.submit([b.requests[i] for i in positions], t)
+        except NoLiveReplicaError as e:  # every replica failed loading the weights: the trainer tries again
+            assert "no replica holds weights version" in str(e) and core.weights_version in self.failed_versions, e
+            self.seen["submit refused: no replica holds the weights"] += 1
+            try:
+                core.update_weights(f"/ckpt/{core.weights_version + 1}")
+            except RuntimeError:
+                pass  # another batch runs, or the last update still loads
+            return self.schedule(t + 0.5, self._submit, b)
+        except RuntimeError as e:  # a restarted router kept the fleet asleep (or no engine woke): wake it
+            assert "no engine woke" in str(e) or "asleep" in str(e) and self.routers > 1, e
+            core.wake_fleet()
+            return self.schedule(t + 0.5, self._submit, b)
+        b.bid, b.core, b.version, b.positions = bid, core, core.batches[bid].weights_version, positions
+        b.cursor, b.order, b.fetched_t = 0, [], t
+        assert b.version == core.weights_version and len(core.batches[bid].results) == len(positions)
 
     def _cancel(self, t: float, b: Batch) -> None:
         if b.bid is None:
@@ -421,14 +885,168 @@ class Chaos:
         self.core.cancel(b.bid, t)
 
     def _fetch_some(self, t: float) -> None:
-        open_ = [b for b in self.batches if b.bid is not None and not b.released]
+        open_ = [b for b in self.batches
+                 if b.bid is not None and not b.settled and (b.abandon_t is None or t < b.abandon_t)]
         if open_:
-            fetch_batch(self.core, self.rng.choice(open_), t, self.rng)
+            b = self.rng.choice(open_)
+            stalest = min(open_, key=lambda b: b.fetched_t)
+            if self.abandon_s and t - stalest.fetched_t > self.abandon_s / 3:  # none but the abandoned one goes stale
+                b = stalest
+            self._fetch(t, b)
         self.schedule(t + self.rng.uniform(0.1, 1.5), self._fetch_some)
 
-    def _expire(self, t: float) -> None:
-        self.core.expire(t)
-        self.schedule(t + EXPIRE_EVERY_S, self._expire)
+    def _fetch(self, t: float, b: Batch) -> None:
+        try:
+            fetch_batch(self.core, b, t, self.rng)
+        except BatchLostError as e:
+            assert b.core is not self.core and b.bid in str(e), f"{b.bid}: {e}"
+            self.seen["batch lost with its router"] += 1
+            b.bid = None
+            self._submit(t, b)
+
+    def _late_fetch(self, t: float, b: Batch) -> None:
+        """The abandoned batch's driver comes back: its batch is gone, and the error says why."""
+        with pytest.raises(KeyError) as err:
+            self.core.fetch(b.bid, b.cursor, t)
+        why = str(err.value)
+        assert type(err.value) is KeyError and b.bid in why and "dropped" in why and "no fetch for" in why, why
+
+    # -- the driver's steps
+    def _begin_step(self, t: float) -> None:
+        if self.step_i >= len(self.steps):
+            return
+        self.step_t0 = t
+        for b in self.steps[self.step_i].batches:
+            self.schedule(t + b.submit_t, self._submit, b)
+        self.schedule(t + self.rng.uniform(0.1, 3.0), self._control_during_batch)
+        self.schedule(t + 0.2, self._wait_step)
+
+    def _wait_step(self, t: float) -> None:
+        batches = self.steps[self.step_i].batches
+        if not all(b.settled for b in batches):
+            if t - self.step_t0 > STEP_TIMEOUT_S:
+                self._time_out(t, batches)
+            return self.schedule(t + 0.2, self._wait_step)
+        self.plan, self.action_t0, self.retries = list(self.steps[self.step_i].then), None, 0
+        self._next_action(t)
+
+    def _next_action(self, t: float) -> None:
+        if self.learning is not None:  # the router restarted: its check comes first
+            return self.schedule(t + 0.2, self._next_action)
+        if not self.plan:
+            self.step_i += 1
+            return self._begin_step(t)
+        action = self.plan[0]
+        if self.action_t0 is None:
+            self.action_t0 = t
+        try:
+            done = self._act(t, action)
+        except RuntimeError as e:  # the last update still loads somewhere: RolloutClient's caller waits
+            assert "still loading" in str(e), e
+            self.seen["control refused while loading"] += 1
+            done = False
+        if done:
+            self.plan.pop(0)
+            self.action_t0 = None
+            return self.schedule(t + self.rng.uniform(0.0, 0.3), self._next_action)
+        assert t - self.action_t0 < SETTLE_LIMIT_S, (f"{action} not done after {SETTLE_LIMIT_S:.0f} s: "
+                                                     f"{self.core.weights_status()}, {self.core.sleep_status()}")
+        self.schedule(t + 0.2, self._next_action)
+
+    def _act(self, t: float, action: tuple) -> bool:
+        core, kind = self.core, action[0]
+        if kind == "update":
+            v, asleep = max(action[1], core.weights_version + 1), core.sleep.level
+            core.update_weights(f"/ckpt/{v}", v)
+            self.seen["update asleep" if asleep else "update"] += 1
+        elif kind == "sleep":
+            self.want_level = core.sleep_fleet(action[1])
+            self.seen[f"sleep at level {action[1]}"] += 1
+        elif kind == "wake":
+            core.wake_fleet()
+            self.want_level = 0
+        elif kind == "pause":
+            return t - self.action_t0 >= action[1]
+        elif kind == "settle":
+            return self._settled(t)
+        elif kind == "restart":
+            return self._restart_router(t)
+        return True
+
+    def _settled(self, t: float) -> bool:
+        """RolloutClient's waits: every replica at the fleet's sleep level or failed getting there;
+        awake, every replica holds the current weights or failed loading them (and after a failed
+        load the trainer tries a new update, twice at most)."""
+        core = self.core
+        if core.sleep.level != self.want_level:  # RolloutClient raises: the level was changed meanwhile
+            assert self.routers > 1, f"sleep level {core.sleep.level}, the driver's {self.want_level}"
+            self.seen["a restarted router took another sleep level"] += 1  # (the driver orders it again)
+            _ = core.sleep_fleet(self.want_level) if self.want_level else core.wake_fleet()
+            return False
+        sleep, weights = core.sleep_status(), core.weights_status()
+        expected = max(core.expected_replicas, len(core.replicas))
+        at = [rid for rid in core.replicas if sleep["replicas"].get(rid) == sleep["level"]]
+        if len(at) + len(sleep["errors"]) < expected:
+            return False
+        if sleep["level"]:
+            if self.chance(self.faults.join_asleep):
+                self.seen["join asleep"] += 1
+                self._fleet_event(t, "join")
+            return True
+        held = [rid for rid, rv in weights["replicas"].items() if rv == weights["version"]]
+        if len(held) + len(weights["errors"]) < expected:
+            return False
+        if weights["errors"] and self.retries < 2:
+            self.retries += 1
+            self.plan[1:1] = [("update", 0), ("settle",)]
+        return True
+
+    def _time_out(self, t: float, batches: list) -> None:
+        """The driver's timeout: it cancels the step's batches. Only where the router strands queued
+        work for want of replicas that failed loading its weights: every replica did, and the last
+        one holding them is gone (test_queued_work_is_failed_when_the_last_replica_..., fixed); or
+        chunked waits for them to start its first round (test_chunked_starts_..., fixed)."""
+        core = self.core
+        v = core.weights_version
+        failed = [rid for rid, r in core.replicas.items() if r.weights_version != v and rid in core.weights_errors]
+        queued = [s.seq_id for s in core.seqs.values() if s.status is SeqStatus.QUEUED]
+        usable = [rid for rid, r in core.replicas.items() if core.usable(r)]
+        stranded = core.replicas and len(failed) == len(core.replicas)
+        chunked_waits = (core.policy.name == "chunked" and core.policy.rounds == 0 and failed
+                         and len(usable) + len(failed) == len(core.replicas) >= core.expected_replicas)
+        assert queued and (stranded or chunked_waits), (
+            f"a step not done after {STEP_TIMEOUT_S:.0f} s: {core.weights_status()}, {core.sleep_status()}, "
+            f"seqs {[(s.seq_id, s.status.value, s.replica) for s in core.seqs.values()][:6]}")
+        self.seen["chunked waits for a failed replica" if chunked_waits else "queued work stranded"] += 1
+        for b in batches:
+            if b.bid is not None and not b.settled:
+                b.cancelled = True
+                core.cancel(b.bid, t)
+        self.step_t0 = t
+
+    def _control_during_batch(self, t: float) -> None:
+        core = self.core
+        if not core.seqs or self.learning is not None:
+            return
+        before = (core.weights_version, core.weights_path, core.sleep.level, dict(core.outbox))
+        with pytest.raises(RuntimeError, match="unfinished"):
+            core.update_weights("/ckpt/mid-batch", core.weights_version + 1)
+        with pytest.raises(RuntimeError, match="unfinished"):
+            core.sleep_fleet(self.rng.choice((1, 2)))
+        assert (core.weights_version, core.weights_path, core.sleep.level, dict(core.outbox)) == before
+        self.seen["control refused mid-batch"] += 1
+
+    def _converge(self, t: float) -> None:
+        """After the steps: a last update if a load failed somewhere, and a wake if not awake."""
+        core = self.core
+        try:
+            if core.weights_errors:
+                core.update_weights(f"/ckpt/{core.weights_version + 1}")
+        except RuntimeError as e:
+            assert "still loading" in str(e), e
+            return self.schedule(t + 0.3, self._converge)
+        if core.sleep.level or core.sleep.errors:
+            core.wake_fleet()
 
 
 def fetch_batch(core: RouterCore, b: Batch, t: float, rng: random.Random) -> None:
@@ -439,9 +1057,11 @@ def fetch_batch(core: RouterCore, b: Batch, t: float, rng: random.Random) -> Non
         again, _, _ = core.fetch(b.bid, old, t)
         assert [c.index for c in again[:b.cursor - old]] == b.order[old:b.cursor], "a re-fetch differs"
     new, cursor, done = core.fetch(b.bid, b.cursor, t)
+    b.fetched_t = t
     for c in new:
-        assert c.index not in b.got, f"{b.bid} index {c.index} fetched twice"
-        b.got[c.index] = c
+        i = b.positions[c.index]
+        assert c.batch_id == b.bid and i not in b.got, f"{b.bid} index {c.index} ({i}) fetched twice"
+        b.got[i], b.made_as[i] = c, (b.bid, c.index, b.version)
         b.order.append(c.index)
     assert cursor == len(b.order)
     b.cursor = cursor
@@ -451,10 +1071,10 @@ def fetch_batch(core: RouterCore, b: Batch, t: float, rng: random.Random) -> Non
 
 
 # ---- invariants ---------------------------------------------------------------------------------
-def expected_run(seq_id: str, req: SequenceRequest) -> list:
-    """The tokens an unmigrated, fault-free SimEngineCore run of the request gives."""
+def expected_run(seq_id: str, req: SequenceRequest, version: int = 0) -> list:
+    """The tokens an unmigrated, fault-free SimEngineCore run of the request gives on `version`."""
     length = min(req.hidden_length, req.sampling.max_tokens)
-    base = hash(seq_id) % VOCAB
+    base = (hash(seq_id) + WEIGHTS_SHIFT * version) % VOCAB
     return [(base + req.prompt_len + i) % VOCAB for i in range(length)]
 
 
@@ -463,10 +1083,14 @@ def first_difference(got: list, want: list) -> str:
     return f"first difference at token {i} of {len(got)} (want {len(want)}): got {got[i:i + 5]}, want {want[i:i + 5]}"
 
 
-def check_completion(c: Completion, seq_id: str, req: SequenceRequest, cancelled: bool) -> None:
-    want, got = expected_run(seq_id, req), list(c.token_ids)
+def check_completion(c: Completion, seq_id: str, req: SequenceRequest, cancelled: bool, version: int = 0,
+                     load_failed: bool = False) -> None:
+    want, got = expected_run(seq_id, req, version), list(c.token_ids)
     where = f"{seq_id} ({c.finish_reason}, migrations {c.migrations})"
-    if c.finish_reason == "abort":
+    if c.finish_reason == "error":  # queued work no replica can run: only when a load of its version failed
+        assert load_failed and f"no replica holds weights version {version}" in (c.error or ""), f"{where}: {c.error}"
+        assert got == want[:len(got)], f"{where}: not a prefix of its run: {first_difference(got, want)}"
+    elif c.finish_reason == "abort":
         assert cancelled, f"{where}: aborted, but its batch was not cancelled"
         assert got == want[:len(got)], f"{where}: not a prefix of its run: {first_difference(got, want)}"
     else:
@@ -476,7 +1100,7 @@ def check_completion(c: Completion, seq_id: str, req: SequenceRequest, cancelled
         assert c.logprobs is None, f"{where}: logprobs it did not ask for"
     else:
         assert c.logprobs is not None and len(c.logprobs) == len(got), f"{where}: logprobs do not match the tokens"
-    check_migrations(c, where, finished=c.finish_reason != "abort")
+    check_migrations(c, where, finished=c.finish_reason == "length")
 
 
 def check_migrations(c: Completion, where: str, finished: bool) -> None:
@@ -488,12 +1112,14 @@ def check_migrations(c: Completion, where: str, finished: bool) -> None:
         assert all(m.destination in c.replicas for m in c.migrations), f"{where}: ran on {c.replicas}"
 
 
-def check_batches(batches: list) -> None:
+def check_batches(batches: list, failed_versions: frozenset = frozenset()) -> None:
     for b in batches:
-        assert b.released and sorted(b.got) == list(range(len(b.requests))), f"{b.bid}: fetched {sorted(b.got)}"
+        if b.dropped_t is None:
+            assert b.released and sorted(b.got) == list(range(len(b.requests))), f"{b.bid}: fetched {sorted(b.got)}"
         for i, c in b.got.items():
-            assert (c.batch_id, c.index) == (b.bid, i)
-            check_completion(c, b.seq_ids[i], b.requests[i], b.cancelled)
+            bid, index, version = b.made_as[i]
+            assert (c.batch_id, c.index, c.weights_version) == (bid, index, version), (c.batch_id, c.index, bid, i)
+            check_completion(c, f"{bid}:{index}", b.requests[i], b.cancelled, version, version in failed_versions)
 
 
 def check_router_holds_nothing(core: RouterCore) -> None:
@@ -509,6 +1135,24 @@ def check_engines_idle(chaos: Chaos) -> None:
             assert not rep.held(), f"{rep.rid} still runs {rep.held()} (counters {chaos.core.counters})"
 
 
+def check_fleet_converged(chaos: Chaos) -> None:
+    """Every live replica holds the router's weights, loads nothing, is awake and keeps no note;
+    the router's status says the same of the same replicas."""
+    core, v = chaos.core, chaos.core.weights_version
+    live = {rid: rep for rid, rep in chaos.fleet.items() if not rep.gone}
+    assert sorted(core.replicas) == sorted(live), (sorted(core.replicas), sorted(live))
+    for rid, rep in live.items():
+        state = (rep.weights, rep.loading, rep.sleep_level, rep.sleep_goal, rep.sleep_error, rep.noted)
+        assert state == ((v, f"/ckpt/{v}" if v else ""), None, 0, 0, None, (0, "")), f"{rid}: {state}"
+    assert core.weights_status() == {"version": v, "path": f"/ckpt/{v}" if v else None,
+                                     "replicas": {rid: v for rid in live}, "errors": {}}
+    assert core.sleep_status() == {"level": 0, "replicas": {rid: 0 for rid in live}, "moving": [], "errors": {}}
+
+
+def check_no_violations(chaos: Chaos) -> None:
+    assert not chaos.violations, f"{len(chaos.violations)} violations: {chaos.violations[:4]}"
+
+
 class SupersededWork(AssertionError):
     """The router sent a replica work it had already requeued or replaced with a newer attempt."""
 
@@ -520,26 +1164,59 @@ def check_no_superseded_work(chaos: Chaos) -> None:
                              f"{chaos.superseded[:4]}; counters {chaos.core.counters}")
 
 
+def check_all(chaos: Chaos) -> Chaos:
+    """Every invariant but superseded work (the caller checks it)."""
+    check_batches(chaos.batches, frozenset(chaos.failed_versions))
+    check_router_holds_nothing(chaos.core)
+    check_engines_idle(chaos)
+    check_no_violations(chaos)
+    if chaos.orphans_due:  # (by whichever router was up then)
+        assert sum(core.counters["orphans_given_up"] for core in chaos.cores) > 0, chaos.core.counters
+    return chaos
+
+
 def run_case(policy: str, seed: int, faults: Optional[Faults] = None, replicas: Optional[int] = None,
-             batches: Optional[list] = None) -> Chaos:
-    """One randomized scenario, checked end to end (every invariant but superseded work, which
-    the caller checks)."""
-    rng = random.Random(f"{policy}/{seed}")
+             batches: Optional[list] = None, abandon: bool = False, restart: bool = False) -> Chaos:
+    """One randomized scenario of batches at random times, checked end to end. `abandon`: the
+    driver stops fetching the first batch soon after submitting it. `restart`: the router
+    restarts while the batches run."""
+    rng = random.Random(f"{policy}/{seed}" + ("/abandon" if abandon else "") + ("/restart" if restart else ""))
     if faults is None:
         faults = Faults.draw(rng)
     if batches is None:
         batches = [Batch(random_requests(rng, rng.randint(3, 8), 3), 0.05 if k == 0 else rng.uniform(0.1, 4.0))
                    for k in range(rng.randint(2, 4))]
-    chaos = Chaos(policy, rng.randrange(1 << 30), faults, replicas or rng.randint(3, 6), batches)
+    if abandon:
+        batches[0].abandon_t = batches[0].submit_t + rng.uniform(0.0, 1.5)
+    if restart:
+        faults.restart_router = rng.uniform(0.5, 5.0)
+    chaos = Chaos(policy, rng.randrange(1 << 30), faults, replicas or rng.randint(3, 6), batches,
+                  abandon_s=ABANDON_S if abandon else 0.0)
     chaos.run()
-    check_batches(batches)
-    check_router_holds_nothing(chaos.core)
-    check_engines_idle(chaos)
+    return check_all(chaos)
+
+
+def run_control_case(policy: str, seed: int, restart: bool = False) -> Chaos:
+    """RL steps with weight updates and sleeps under faults, checked end to end, the fleet's
+    convergence included. `restart`: the router restarts once at a random time and once while
+    the fleet sleeps."""
+    rng = random.Random(f"control/{policy}/{seed}" + ("/restart" if restart else ""))
+    n = rng.randint(2, 4)
+    steps = random_steps(rng, n, restart_asleep=restart)
+    faults = Faults.draw(rng, horizon=8.0 * n, control=True)
+    if restart:
+        faults.restart_router = rng.uniform(0.5, 8.0 * n)
+    batches = [b for s in steps for b in s.batches]
+    chaos = Chaos(policy, rng.randrange(1 << 30), faults, rng.randint(3, 5), batches, steps=steps)
+    chaos.run()
+    check_all(chaos)
+    check_fleet_converged(chaos)
     return chaos
 
 
 # ---- tests --------------------------------------------------------------------------------------
-SEEDS = {"steal": 8, "pull": 8, "least-loaded": 8, "chunked": 8, "scripted": 8}
+SEEDS = {"steal": 8, "pull": 8, "static": 8, "least-loaded": 8, "chunked": 8, "scripted": 8}
+CONTROL_SEEDS = 8
 
 
 @pytest.mark.parametrize("policy,seed", [(p, s) for p, n in SEEDS.items() for s in range(n)])
@@ -557,6 +1234,50 @@ def test_without_faults_nothing_is_lost_or_recovered(policy):
             c["stale_reports"]) == (0, 0, 0, 0, 0, 0), c
     if policy in ("steal", "scripted"):
         assert c["migrations"] > 0, c
+
+
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(CONTROL_SEEDS)])
+def test_weights_and_sleep_orders_under_faults(policy, seed):
+    check_no_superseded_work(run_control_case(policy, seed))
+
+
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(3)])
+def test_an_abandoned_batch_is_dropped_and_leaves_the_router(policy, seed):
+    chaos = run_case(policy, seed, abandon=True)
+    check_no_superseded_work(chaos)
+    abandoned = chaos.batches[0]
+    assert abandoned.dropped_t is not None, "the abandoned batch finished before it could be dropped"
+    assert abandoned.bid in chaos.core.dropped and all(b.dropped_t is None for b in chaos.batches[1:])
+
+
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(4)])
+def test_a_router_restart_mid_batch_loses_only_its_batches(policy, seed):
+    chaos = run_case(policy, seed, restart=True)
+    check_no_superseded_work(chaos)
+    assert chaos.routers == 2 and chaos.seen["router restarted mid-batch"] == 1, chaos.seen
+    assert chaos.seen["batch lost with its router"] > 0, chaos.seen
+
+
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(4)])
+def test_weights_and_sleep_orders_across_router_restarts(policy, seed):
+    chaos = run_control_case(policy, seed, restart=True)
+    check_no_superseded_work(chaos)
+    assert chaos.routers >= 2, chaos.seen
+
+
+def test_the_faults_happen():
+    """The harness does what its docstring says: every fault and path shows in a few cases."""
+    seen = Counter()
+    for policy, seed in (("pull", 0), ("steal", 1), ("least-loaded", 2), ("chunked", 3)):
+        seen += run_case(policy, seed).seen
+    for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 2, True),
+                                  ("steal", 3, True), ("chunked", 1, True)):
+        seen += run_control_case(policy, seed, restart).seen
+    wanted = {"late report applied first", "late report applied after its resend", "reply with control orders lost",
+              "load failed", "replica restarted while loading", "replica restarted asleep", "join asleep",
+              "update asleep", "update", "sleep at level 1", "sleep at level 2", "control refused mid-batch",
+              "router restarted asleep", "batch lost with its router"}
+    assert not wanted - set(seen), (wanted - set(seen), seen)
 
 
 def test_a_replica_back_after_its_timeout_has_its_old_attempts_given_up():
@@ -580,25 +1301,60 @@ def test_the_token_check_catches_a_lost_repeated_or_reordered_token():
     good = expected_run("b0:0", req)
     assert len(good) == 30 and good[0] == (hash("b0:0") + 3) % VOCAB
 
-    def completion(tokens, reason="length"):
-        return Completion(0, 0, tokens, [-1.0] * len(tokens), reason, replicas=["a"])
+    def completion(tokens, reason="length", error=None):
+        return Completion(0, 0, tokens, [-1.0] * len(tokens), reason, error, replicas=["a"])
 
     check_completion(completion(good), "b0:0", req, cancelled=False)
     check_completion(completion(good[:12], "abort"), "b0:0", req, cancelled=True)
     lost, repeated, swapped = good[:10] + good[11:] + [good[-1]], good[:10] + good[9:29], list(good)
     swapped[4], swapped[5] = swapped[5], swapped[4]
-    for bad in (lost, repeated, swapped, good[:-1], expected_run("b0:1", req)):
+    other_weights = expected_run("b0:0", req, version=2)
+    for bad in (lost, repeated, swapped, good[:-1], expected_run("b0:1", req), other_weights):
         with pytest.raises(AssertionError):
             check_completion(completion(bad), "b0:0", req, cancelled=False)
+    check_completion(completion(other_weights), "b0:0", req, cancelled=False, version=2)
+    with pytest.raises(AssertionError):  # the first half on version 1, the rest on version 2
+        check_completion(completion(expected_run("b0:0", req, 1)[:15] + other_weights[15:]), "b0:0", req, False, 2)
     with pytest.raises(AssertionError):
         check_completion(completion(good[1:13], "abort"), "b0:0", req, cancelled=True)
     with pytest.raises(AssertionError):
         check_completion(completion(good[:12], "abort"), "b0:0", req, cancelled=False)
     with pytest.raises(AssertionError):  # a logprob short
         check_completion(Completion(0, 0, good, [-1.0] * 29, "length", replicas=["a"]), "b0:0", req, False)
+    error = completion([], "error", "no replica holds weights version 3 ('/ckpt/3'): replica a: ...")
+    check_completion(error, "b0:0", req, cancelled=False, version=3, load_failed=True)
+    with pytest.raises(AssertionError):  # no load of it failed
+        check_completion(error, "b0:0", req, cancelled=False, version=3)
+    with pytest.raises(AssertionError):  # another error
+        check_completion(completion([], "error", "engine error"), "b0:0", req, False, 3, load_failed=True)
 
 
-# ---- bugs this harness found (fixed) ------------------------------------------------------------
+def test_the_weights_checks_catch_work_on_other_weights():
+    """A replica that loads under a running sequence, or starts one on other weights or asleep,
+    is a violation; a fleet that ends on other weights or asleep has not converged."""
+    chaos = Chaos("pull", 0, Faults(), 1, [])
+    core, rep = chaos.core, chaos.fleet["r0"]
+    chaos._pull(0.0, rep)
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=50), 0, 0, hidden_length=40)], 0.1)
+    (work,) = core.decide("r0", 0.1).start
+    chaos._check_can_run(0.1, rep, work)
+    assert not chaos.violations
+    rep.weights = (3, "/ckpt/3")
+    chaos._check_can_run(0.1, rep, work)
+    rep.weights, rep.sleep_goal = (0, ""), 1
+    chaos._check_can_run(0.1, rep, work)
+    rep.engine.submit(work)
+    chaos._check_nothing_current(0.2, rep, "loaded")
+    assert len(chaos.violations) == 3 and f"{bid}:0" in chaos.violations[2], chaos.violations
+    with pytest.raises(AssertionError):
+        check_no_violations(chaos)
+    core.cancel(bid, 0.3)
+    rep.engine.abort(rep.held())
+    with pytest.raises(AssertionError, match="r0"):  # asleep, version 3 where the router has 0
+        check_fleet_converged(chaos)
+
+
+# ---- bugs this harness found --------------------------------------------------------------------
 def _report(rid: str, held=None, model=None) -> Report:
     return Report(rid, f"{rid}-1", [], EngineStats(), model, CAPACITY, held=held)
 
@@ -638,3 +1394,144 @@ def test_a_sequence_cancelled_before_its_first_token_gets_empty_logprobs():
     (done,), _, finished = core.fetch(bid, 0)
     assert finished and done.finish_reason == "abort" and done.token_ids == []
     assert done.logprobs == []
+
+
+# ---- more bugs it found (fixed) -----------------------------------------------------------------
+def _control_report(rid: str, version: int = 0, loading: int = 0, error_version: int = 0, level: int = 0,
+                    goal: Optional[int] = None, noted: int = 0, progress=(), leaving: bool = False) -> Report:
+    """A replica's report of its weights (from /ckpt/<version>) and sleep state."""
+    return Report(rid, f"{rid}-1", list(progress), EngineStats(), MODEL, CAPACITY, version,
+                  f"replica {rid}: load_weights('/ckpt/{error_version}'): bad" if error_version else None,
+                  error_version, loading, f"/ckpt/{version}" if version else "", leaving=leaving, sleep_level=level,
+                  sleep_goal=level if goal is None else goal, weights_noted=noted,
+                  weights_noted_path=f"/ckpt/{noted}" if noted else "")
+
+
+def _loaded(policy: str = "pull", failed: str = "") -> RouterCore:
+    """a and b ordered to load version 1; a holds it, and `failed` (if any) failed loading it."""
+    core = RouterCore(make_policy(PolicyConfig(name=policy), COST), expected_replicas=2)
+    for rid in "ab":
+        core.on_report(_control_report(rid), 0.0)
+    core.update_weights("/ckpt/1")
+    for rid in "ab":
+        core.on_report(_control_report(rid), 0.1)  # the load orders
+    core.on_report(_control_report("a", version=1), 0.2)
+    if failed:
+        core.on_report(_control_report(failed, error_version=1), 0.2)
+    return core
+
+
+def _four(core: RouterCore, t: float) -> str:
+    return core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=20), i, 0) for i in range(4)], t)
+
+
+def test_a_replica_woken_while_it_still_goes_to_sleep_starts_its_work_after_the_moves(monkeypatch):
+    """sleep_fleet, then wake_fleet before a replica's move to level 1 ended (a driver that did not
+    wait for the sleep, or a replica that joined while the fleet slept: RolloutClient.wake then
+    returns at once, since status counts it at level 0). The replica queues the wake after its
+    sleep task and reports (0, 0), as an awake one does, so it gets the next batch's work. replica.py
+    starts that work only once its moves are done (tests/test_replica_sleep.py: it used to start it
+    while the engine went to sleep, and a load beside them too). Here the fake replica does the
+    same, and nothing runs on an engine that is not awake."""
+    monkeypatch.setattr(__import__(__name__), "MOVE_S", (2.0, 2.0))
+    chaos = Chaos("pull", 0, Faults(), 1, [])
+    assert chaos.waits_for_moves  # as replica.py does
+    core, rep = chaos.core, chaos.fleet["r0"]
+
+    def pull(t: float):  # a report and its answer, applied as replica.py applies them
+        report, ended = rep.build_report(t, land_aborts=True)
+        orders = core.on_report(report, t)
+        rep.unsent = []
+        for cmd, arg in orders.control:
+            chaos._control(t, rep, cmd, arg)
+        started_t = max(t, rep.move_end_t) if orders.start else t  # work waits for the moves
+        chaos._start_work(started_t, rep, orders, t, ended)
+        return [cmd for cmd, _ in orders.control], len(orders.start)
+
+    pull(0.0)
+    core.sleep_fleet(1)
+    assert pull(0.1) == (["sleep"], 0)  # its engine goes to sleep until 2.1
+    core.wake_fleet()
+    assert pull(0.2) == (["wake"], 0)  # queued after the sleep: awake again at 4.1
+    assert pull(0.3) == ([], 0) and (rep.sleep_level, rep.sleep_goal, rep.move_end_t) == (0, 0, 4.1)
+    assert core.sleep_status() == {"level": 0, "replicas": {"r0": 0}, "moving": [], "errors": {}}  # "awake"
+    _four(core, 0.35)
+    assert pull(0.4) == ([], 4)  # sent, and started at 4.1
+    assert not chaos.violations, chaos.violations
+
+
+def test_a_restarted_router_takes_the_highest_version_any_replica_holds_or_noted():
+    """Awake: a holds version 3; b failed loading it and holds 2. Asleep: both hold 2, a noted 3
+    (b's note was lost, or the router restarted before b pulled). If b reports first, the new
+    router takes version 2: awake, it orders a to load 2; asleep, the fleet wakes on 2 while the
+    driver's update_weights(3) returned (asleep) and its wake() waits for version 2 only."""
+    for a, b in ((_control_report("a", version=3), _control_report("b", version=2, error_version=3)),
+                 (_control_report("a", version=2, noted=3, level=1), _control_report("b", version=2, level=1))):
+        core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
+        core.on_report(b, 0.0)
+        core.on_report(a, 0.1)
+        assert (core.weights_version, core.weights_path) == (3, "/ckpt/3"), core.weights_status()
+
+
+def test_a_restarted_router_gives_no_work_to_a_replica_still_loading_other_weights():
+    """update_weights(3) while awake; the router restarts while the replicas still load it: they
+    report holding 2, loading 3, and the new router takes 2 (no replica holds 3 yet, and a report
+    does not say where a load comes from). A batch submitted now is tagged version 2 and goes to
+    them; replica.py awaits the load of 3 before it starts the work (run_control_case avoids
+    restarting there; _restart_router)."""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
+    for rid in "ab":
+        core.on_report(_control_report(rid, version=2, loading=3), 0.0)
+    bid = _four(core, 0.1)
+    assert core.batches[bid].weights_version == 2
+    assert not core.decide("a", 0.2).start
+
+
+def test_queued_work_is_not_failed_while_another_replica_still_loads_its_weights():
+    """A driver that submits right after update_weights (RolloutClient waits for the loads): a's
+    load fails while b's still runs, and the whole batch ends "error", although b holds the weights
+    a moment later. (The random control cases showed it with a driver that did not wait; they now
+    wait for every update, and check that queued work fails only when no replica still loads.)"""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
+    for t in (0.0, 0.1):
+        for rid in "ab":
+            core.on_report(_control_report(rid), t)
+    core.update_weights("/ckpt/1")
+    for rid in "ab":
+        core.on_report(_control_report(rid), 0.15)  # the load orders
+    bid = _four(core, 0.2)
+    core.on_report(_control_report("b", loading=1), 0.3)
+    core.on_report(_control_report("a", error_version=1), 0.4)
+    done, _, _ = core.fetch(bid, 0)
+    assert not done, [c.error for c in done]
+
+
+def test_queued_work_is_failed_when_the_last_replica_holding_its_weights_leaves():
+    """b failed loading version 1 (the driver's update_weights raised, and it went on); the batch
+    runs on a, which is then scaled away: its sequences come back to a queue that only b, which
+    can never run them, pulls from. The driver's fetch waits until its own timeout."""
+    core = _loaded(failed="b")
+    bid = _four(core, 0.3)
+    work = core.on_report(_control_report("a", version=1), 0.4).start
+    assert len(work) == 4
+    partials = [SeqProgress(w.seq_id, w.attempt, [5], None, "abort", num_tokens=1) for w in work]
+    core.on_report(_control_report("a", version=1, progress=partials, leaving=True), 0.5)
+    for t in (1.0, 30.0, 120.0):
+        core.on_report(_control_report("b", error_version=1), t)
+        core.expire(t)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and {c.finish_reason for c in done} == {"error"}, (len(core.queue), core.weights_status())
+
+
+def test_chunked_starts_its_first_round_without_a_replica_that_failed_loading():
+    """A fresh router (a startup, or a restart) under chunked; b failed loading the weights, a
+    holds them. The batch never starts (expire keeps the count: b pulls)."""
+    core = _loaded("chunked", failed="b")
+    _four(core, 0.3)
+    work = []
+    for t in (0.4, 30.0, 120.0):
+        work += core.on_report(_control_report("a", version=1), t).start
+        core.on_report(_control_report("b", error_version=1), t)
+        core.expire(t)
+    usable = [rid for rid, r in core.replicas.items() if core.usable(r)]
+    assert work, f"expected {core.expected_replicas} replicas, usable {usable}"

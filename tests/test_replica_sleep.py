@@ -157,3 +157,74 @@ def test_a_note_of_an_update_made_while_asleep_is_held_until_a_load_brings_it(tm
     assert r.noted == (2, "/ckpt/step2") and eng.calls == [("sleep", 2)]  # a note loads nothing
     run(r, ("wake", {"path": "/ckpt/step2", "version": 2}))
     assert (r.weights_version, r.weights_path, r.noted) == (2, "/ckpt/step2", (0, ""))
+
+
+class SlowSleepEngine(FakeEngine):
+    """Going to sleep takes a while: a wake (or a load) ordered meanwhile must wait for it."""
+    capacity, dead, ended = 8, None, 0
+
+    async def sleep(self, level):
+        self.calls.append(("sleep", level))
+        await asyncio.sleep(0.1)
+        self.asleep = level
+        self.calls.append(("asleep", level))
+
+    def submit(self, work):
+        self.calls.append(("start", work))
+
+    def drain(self):
+        return []
+
+    def held(self):
+        return []
+
+    def aborting(self):
+        return []
+
+    def stats(self):
+        from rollout_cluster.types import EngineStats
+        return EngineStats()
+
+
+def test_a_load_ordered_while_the_engine_still_goes_to_sleep_waits_for_the_moves():
+    eng = SlowSleepEngine()
+    r = replica(eng)
+    r.noted = (0, "")
+
+    async def go():
+        await r._control("sleep", 1)
+        await r._control("wake", {"path": None, "version": 0})  # before the sleep ended
+        await r._control("load_weights", {"path": "/ckpt/2", "version": 2})
+        await asyncio.gather(r.sleep_task, r.loading[1])
+
+    asyncio.run(go())
+    assert eng.calls == [("sleep", 1), ("asleep", 1), ("wake",), ("load", "/ckpt/2")]
+    assert (r.sleep_level, r.weights_version) == (0, 2)
+
+
+def test_work_sent_while_the_engine_still_moves_starts_once_it_is_awake():
+    """A wake that came while the engine still went to sleep reports (0, 0), as an awake replica
+    does, so the router may send work: the pull loop starts it after the moves."""
+    from rollout_cluster.types import Orders, Work, SamplingSpec
+
+    eng = SlowSleepEngine()
+    r = replica(eng)
+    r.noted, r.unsent, r.stopping, r.incarnation, r.model = (0, ""), [], False, "i1", None
+    work = Work("s", 1, [1, 2], SamplingSpec())
+    answers = [Orders(control=[("sleep", 1), ("wake", {"path": None, "version": 0})]), Orders(start=[work])]
+
+    class Router:
+        def __init__(self):
+            self.pull = self
+
+        def remote(self, report):
+            async def answer():
+                if not answers:
+                    r.stopping = True
+                    return Orders()
+                return answers.pop(0)
+            return answer()
+
+    r.router = Router()
+    asyncio.run(asyncio.wait_for(r._pull_loop(), 5))
+    assert eng.calls == [("sleep", 1), ("asleep", 1), ("wake",), ("start", work)]

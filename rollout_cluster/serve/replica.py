@@ -72,8 +72,10 @@ class EngineReplica:
             held, aborting = None, []
             if now - held_t >= HELD_EVERY_S:  # drained and listed together: consistent
                 held, aborting, held_t = self.engine.held(), self.engine.aborting(), now
+            # The model goes with the first report and every listing: a router that restarted
+            # while this replica's pulls went through learns it within HELD_EVERY_S.
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
-                            self.model if first else None, self.engine.capacity,
+                            self.model if first or held is not None else None, self.engine.capacity,
                             self.weights_version, self.weights_error, self.weights_error_version,
                             self.loading[0] if self.loading else 0, self.weights_path, held, aborting,
                             sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error,
@@ -94,8 +96,12 @@ class EngineReplica:
             try:
                 for cmd, arg in orders.control:
                     await self._control(cmd, arg)
-                if orders.start and self.loading:  # the router sends none while loading; be sure
-                    await self.loading[1]
+                moves = [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
+                if orders.start and moves:
+                    # The router sends no work while a load or a sleep move runs, as far as it knows:
+                    # a wake that came while the engine still went to sleep reports (0, 0), as an
+                    # awake replica does. Start it on the engine those moves leave, never beside them.
+                    await asyncio.gather(*moves, return_exceptions=True)
                 for work in orders.start:
                     self.engine.submit(work)
                 if orders.give_up:
@@ -160,9 +166,9 @@ class EngineReplica:
             if arg["version"] in (self.weights_version, self.loading and self.loading[0]):
                 return  # a resent order of what is done or under way
             # In the background: the replica keeps pulling (and reporting `loading`), so a load longer
-            # than router.replica_timeout_s does not look like a dead replica. After any load in
-            # progress, never beside it.
-            before = self.loading[1] if self.loading else None
+            # than router.replica_timeout_s does not look like a dead replica. After any load or
+            # sleep move in progress, never beside it.
+            before = [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
             task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"], before))
             self.loading = (arg["version"], task)
         elif cmd == "note_weights":  # asleep: the router orders the load at wake; keep it for a new router
@@ -237,10 +243,10 @@ class EngineReplica:
         if self.weights_error and self.weights_error_version == version:
             raise RuntimeError(self.weights_error)
 
-    async def _load_weights(self, path: str, version: int, before=None) -> None:
+    async def _load_weights(self, path: str, version: int, before=()) -> None:
         try:
-            if before is not None:
-                await asyncio.gather(before, return_exceptions=True)
+            if before:
+                await asyncio.gather(*before, return_exceptions=True)
             await self.engine.load_weights(path)
         except Exception as e:
             log.exception("replica %s: load_weights %r failed", self.replica_id, path)
