@@ -32,15 +32,21 @@ class FleetSleep:
         self.errors.clear()
 
     def record(self, replica_id: str, level: int, goal: int, error: Optional[str]) -> None:
-        if not self.ordered and goal and not self.level:
+        if not self.ordered and goal > self.level:
             # A restarted router: the replicas sleep because a driver said so, and a trainer may
-            # be using their memory. Keep them asleep until a driver says wake.
+            # be using their memory. Keep them asleep (at the deepest level one reports: a level-2
+            # sleeper told level 1 would wake without reloading) until a driver says wake.
             self.level = goal
         self.at[replica_id] = (level, goal)
         if level == self.level:
             self.errors.pop(replica_id, None)
         elif error and goal == self.level:
             self.errors[replica_id] = error
+
+    def settle(self) -> None:
+        """A driver submitted a batch: the fleet is awake from now on, whatever a late sleeper
+        reports (a restarted router learns a level only before that)."""
+        self.ordered = True
 
     def needs_order(self, replica_id: str) -> bool:
         """The replica was not told the fleet's level (it joined, or the reply was lost)."""

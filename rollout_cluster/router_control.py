@@ -82,6 +82,18 @@ class EngineControl:
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
         self._order_weights(rep)
 
+    def _refuse_while_learning_a_load(self) -> None:
+        """A restarted router that has not settled on the weights, while a replica loads some (the
+        router restarted during update_weights): a batch now would run on a version about to go."""
+        if not self.weights_learning:
+            return
+        loading = sorted(rid for rid, r in self.replicas.items() if r.weights_loading)
+        if loading:
+            v = max(self.replicas[rid].weights_loading for rid in loading)
+            raise RuntimeError(f"replica(s) {', '.join(loading[:4])} still load weights version {v}, ordered by a "
+                               "router before this one restarted: wait until status()['weights'] shows them held, "
+                               "or call update_weights again")
+
     def no_replica_can_load(self) -> bool:
         """Every live replica failed loading the current weights: none holds them, none still loads."""
         return bool(self.replicas) and all(rid in self.weights_errors for rid in self.replicas)

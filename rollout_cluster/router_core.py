@@ -114,6 +114,7 @@ class RouterCore(EngineControl):
         if not self.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
         self._refuse_while_asleep()
+        self._refuse_while_learning_a_load()
         if self.no_replica_can_load():
             raise NoLiveReplicaError(f"no replica holds weights version {self.weights_version} "
                                      f"({self.weights_path!r}): {'; '.join(sorted(self.weights_errors.values()))}")
@@ -121,7 +122,8 @@ class RouterCore(EngineControl):
         if bad is not None:  # refused whole, before anything is registered
             raise InputError(f"requests[{bad}]", requests[bad], "must be a SequenceRequest")
         bid = batch_id or f"{self.id_prefix}b{next(self._ids)}"
-        self.weights_learning = False  # this batch runs on the version known now
+        self.weights_learning = False  # this batch runs on the version known now, and awake
+        self.sleep.settle()
         batch = BatchState(bid, len(requests), now, [None] * len(requests), weights_version=self.weights_version,
                            fetched_t=now)
         self.batches[bid] = batch
@@ -252,8 +254,12 @@ class RouterCore(EngineControl):
         if (report.replica_id, report.incarnation) in self.departed:
             return Orders()  # a late pull of a replica that said goodbye: not a new replica
         rep = self._register(report, now)
-        self._sleep_report(rep, report)  # first: a load order waits for an engine that sleeps
-        self._weights_report(rep, report, now)
+        if not report.number or report.number > rep.last_report_number:
+            # A pull the router processes late (the replica gave up on it and pulled again) carries
+            # an older state than the one applied: its sleep and weights fields are not news.
+            rep.last_report_number = report.number
+            self._sleep_report(rep, report)  # first: a load order waits for an engine that sleeps
+            self._weights_report(rep, report, now)
         st = report.stats
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
             _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
@@ -353,6 +359,10 @@ class RouterCore(EngineControl):
             # that cannot be scheduled). Waiting for the rest would stall chunked's first round,
             # static's missing shares and update_weights; a replica that joins later raises it again.
             self.expected_replicas, self.surplus_joins, self.unfilled_leaves = live, 0, 0
+        if now - self.last_fleet_change_t > self.replica_timeout_s:
+            # The last replica holding the weights died and none came back in a replica timeout:
+            # if every one left failed loading them, nothing can run the queued work.
+            self._fail_queued_if_no_replica_can_load(now)
         return dead
 
     def set_fleet_target(self, replicas: int, now: float) -> None:

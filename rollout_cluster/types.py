@@ -276,6 +276,9 @@ class Report:
     # holds it, so that a router that restarts during the sleep learns it back.
     weights_noted: int = 0
     weights_noted_path: str = ""
+    # Counts up with every report the replica builds (0: not counted). A report the router gets
+    # after a newer one (a pull it processed late) has its progress applied, not its state.
+    number: int = 0
 
 
 @dataclass

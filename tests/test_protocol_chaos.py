@@ -32,12 +32,17 @@ per case:
   (so each replica sends its model again: an assumption about Serve), and the driver submits
   again what it had not received (as BatchAcrossRestarts does);
 - (control cases) RL steps: each step's batches, then the driver's update_weights, sleep_fleet
-  and wake_fleet in random orders, waiting for them to settle as RolloutClient does (for a sleep
-  or a wake, one time in five not), a new update when a load failed; an update_weights and a
-  sleep_fleet tried while a batch runs; a load that takes virtual time, fails (sometimes leaving
+  and wake_fleet in random orders, waiting for them to settle as RolloutClient does, but for an
+  update one time in three not, and for a sleep or a wake one time in five (the next batch then
+  goes in while the replicas load or move), a new update when a load failed (or when a restarted
+  router took an older version: RolloutClient raises "replaced meanwhile"); an update_weights and
+  a sleep_fleet tried while a batch runs; a load that takes virtual time, fails (sometimes leaving
   the engine broken: Serve restarts the replica), a replica restarting while it loads or sleeps,
-  a replica joining while the fleet sleeps, a router restart at a random time and one while the
-  fleet sleeps (also right after an update made asleep).
+  a replica joining while the fleet sleeps; (with restarts) a router restart at a random time,
+  one while the fleet sleeps (also right after an update made asleep) and one soon after an
+  update made awake, each whatever the fleet is doing then (mid-batch, mid-load, mid-move, the
+  replicas disagreeing on weights or sleep), but never two at once: a restart waits until the
+  last one was learned; the driver's timeout (STEP_TIMEOUT_S, generous) fails the case.
 Under the steal, pull, static, least-loaded, chunked and scripted policies, it asserts:
 1. every sequence of every batch comes back from fetch exactly once (across router restarts: once
    from one of the routers), and a fetch from an earlier cursor returns the same completions in
@@ -60,27 +65,35 @@ Under the steal, pull, static, least-loaded, chunked and scripted policies, it a
    replica starts a sequence while it holds other weights than its batch's or is not awake, nor
    loads weights or goes to sleep under a sequence the router counts as running there; an update
    or a sleep tried while a batch runs is refused and changes nothing; queued work fails for want
-   of weights only while no replica still loads them (by the router's own count); after the calm period every
-   live replica holds the router's version, loads nothing, is awake with no note left, and the
-   router's weights_status and sleep_status say so;
+   of weights only while no replica still loads them (by what the router knows: a load it ordered,
+   or one a replica reports), and no step's work is left unrun and unfailed until the driver's
+   timeout; after the calm period every live replica holds the router's version, loads nothing,
+   is awake with no note left, and the router's weights_status and sleep_status say so;
 10. (abandoned) the batch is dropped once it went abandoned_batch_s without a fetch, not before
    and within one housekeeping round after; a late fetch gets a KeyError naming why; its queued
    sequences are gone at once and the rest once given up;
-11. (restart) a fetch of an old batch raises BatchLostError; the old attempts still running are
-   given up as orphans; once every live replica reported, the new router has the model, the
-   fleet's sleep level and the highest weights version held or noted.
-The bugs it found are at the end as focused tests, all fixed. The fake replica waits for a sleep
-move in progress before it starts a load or new work, as replica.py now does. The random cases
-still step around what was fixed after they were written: the driver waits for every update to
-settle; a router restart is put off while the fleet disagrees on the weights or loads; a step's
-batches are cancelled (the driver's timeout) only where the router would strand queued work for
-want of replicas that failed loading. The token check
-is shown to fail on corrupted runs (test_the_token_check_catches_...) and the weights and sleep
-checks on a replica breaking them (test_the_weights_checks_...); test_the_faults_happen shows
+11. (restart) a fetch of an old batch raises BatchLostError; an old router's attempt that two
+   listings in a row show (not aborting) is given up in the answer to the second; once every live
+   replica reported, the new router has the model; until the driver first submits or updates, it
+   runs on the highest weights version any report it applied held or noted (loads that end after
+   the restart count: the version at the restart may be older), and until the driver first
+   orders a sleep or a wake, it sleeps at the highest level any report was going to, or is awake
+   if none was (check_learned). Once
+   the driver submitted, a restarted router may run on an older version than a replica holds
+   (one that reported later, or still loaded when the batch came): the batch's completions say
+   so, and that replica loads the batch's version back.
+The bugs it found are at the end as focused tests: the first ones fixed, the last six open
+(xfail, strict: five found by random cases once their workarounds went, one by reading). The fake replica waits for a sleep
+move in progress before it starts a load or new work, as replica.py now does. The token check
+is shown to fail on corrupted runs (test_the_token_check_catches_...), the weights and sleep
+checks on a replica breaking them (test_the_weights_checks_...), the restart checks on a router
+that learned wrong or keeps orphans (test_the_restart_checks_...); test_the_faults_happen shows
 every fault above happening. Removing the router's duplicate-offset check, its stale-report check
 or its reconciliation, letting work go to a replica without the weights or not awake, allowing an
-update mid-batch, not resending lost load or sleep orders, a drop that cancels nothing, or a
-restarted router under its old id (tried by hand) makes random cases fail.
+update mid-batch, not resending lost load or sleep orders, a drop that cancels nothing, a
+restarted router under its old id, one that learns only the first version reported or keeps
+an old router's orphans, or failing queued work while a replica still loads its weights (tried
+by hand) makes random cases fail.
 """
 from __future__ import annotations
 
@@ -100,7 +113,7 @@ from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
 from rollout_cluster.state import SeqStatus
-from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
+from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Orders, Report, SamplingSpec,
                                    SeqProgress, SequenceRequest)
 
 VOCAB = 4093  # prime, above any run's length (a repeat is never a full period); runs still wrap around it
@@ -125,7 +138,7 @@ LOAD_S = (0.2, 3.0)  # a load's virtual duration
 MOVE_S = (0.1, 1.5)  # a sleep or wake move's (a level-2 wake's reload included)
 HEALTH_S = (0.5, 2.0)  # a replica whose engine a load broke is restarted by Serve's health check after this
 SETTLE_LIMIT_S = 60.0  # a driver's wait for the fleet to settle fails after this
-STEP_TIMEOUT_S = 100.0  # a step's batches not done by then: the harness looks for why
+STEP_TIMEOUT_S = 150.0  # the driver's timeout: a step's batches not done by then fail the case
 ROUTER_DOWN_S = 1.0  # a restarting router answers no pull for this long
 ABANDON_S = 6.0  # abandoned cases' router.abandoned_batch_s
 
@@ -199,11 +212,6 @@ class FakeReplica:
     def awake(self, t: float) -> bool:
         return self.sleep_level == 0 and self.sleep_goal == 0 and t >= self.move_end_t
 
-    def learnable(self) -> int:
-        """The version a restarted router may learn from it: held (from a checkpoint) or noted."""
-        held = self.weights[0] if self.weights[1] else 0
-        return max(held, self.noted[0] if self.noted[1] else 0)
-
     def advance_to(self, t: float) -> None:
         e = self.engine
         while not self.engine_dead and self.clock < t and e.busy:
@@ -228,11 +236,12 @@ class FakeReplica:
         if t - self.held_t >= HELD_EVERY_S:  # drained and listed together: consistent
             held, aborting, self.held_t = self.held(), self.aborting(), t
         self.reports += 1
-        report = Report(self.rid, self.incarnation, list(self.unsent), self.stats(), MODEL if self.first else None,
+        report = Report(self.rid, self.incarnation, list(self.unsent), self.stats(),
+                        MODEL if self.first or held is not None else None,
                         CAPACITY, self.weights[0], self.weights_error[0], self.weights_error[1], self.loading or 0,
                         self.weights[1], held=held, aborting=aborting, sleep_level=self.sleep_level,
                         sleep_goal=self.sleep_goal, sleep_error=self.sleep_error, weights_noted=self.noted[0],
-                        weights_noted_path=self.noted[1])
+                        weights_noted_path=self.noted[1], number=self.reports)
         return report, ended
 
     def stats(self) -> EngineStats:
@@ -377,11 +386,13 @@ def random_requests(rng: random.Random, n_prompts: int, max_samples: int) -> lis
     return out
 
 
-def random_steps(rng: random.Random, n: int, restart_asleep: bool = False) -> list:
-    """`n` steps of one or two batches, each followed by a random plan. The driver waits for an
-    update to settle, as RolloutClient does (test_queued_work_is_not_failed_while_... shows why),
-    and one time in five does not wait for a sleep or a wake. `restart_asleep`: one step's plan
-    restarts the router while the fleet sleeps (after the update made asleep, when there is one)."""
+def random_steps(rng: random.Random, n: int, restart: bool = False) -> list:
+    """`n` steps of one or two batches, each followed by a random plan. One time in five the
+    driver does not wait for a sleep or a wake to settle, one time in three for an update
+    (RolloutClient waits; the router must stay correct either way): the next batch then goes in
+    while the replicas load or move. `restart`: one step's plan restarts the router while the
+    fleet sleeps (after the update made asleep, when there is one), and one soon after an update
+    made awake, while the replicas load it."""
     steps, version = [], 0
     for _ in range(n):
         batches = [Batch(random_requests(rng, rng.randint(2, 6), 3), 0.0)]
@@ -396,10 +407,16 @@ def random_steps(rng: random.Random, n: int, restart_asleep: bool = False) -> li
                 then.append(("sleep", level))
             elif kind == "pause":
                 then.append(("pause", rng.uniform(0.1, 3.0)))
-            elif kind != "settle" or (then and then[-1][0] == "update") or rng.random() < 0.8:
+            elif kind != "settle" or rng.random() < (0.67 if then[-1][0] == "update" else 0.8):
                 then.append((kind,))
         steps.append(Step(batches, then))
-    if restart_asleep:
+    if restart:
+        step = rng.choice(steps)
+        awake_update = next((i for i, a in enumerate(step.then) if a[0] == "update" and ("sleep", 1) not in
+                             step.then[:i] and ("sleep", 2) not in step.then[:i]), None)
+        if awake_update is None:
+            step.then[:0], awake_update = [("update", 0)], 0  # (a version above the router's)
+        step.then[awake_update + 1:awake_update + 1] = [("pause", rng.uniform(0.3, 2.5)), ("restart",)]
         candidates = [s for s in steps if ("wake",) in s.then]
         if not candidates:
             candidates = [steps[0]]
@@ -446,9 +463,11 @@ class Chaos:
         self.failed_versions: set = set()  # weights versions a load failed of, somewhere
         self.seen: Counter = Counter()  # which faults and paths happened
         self.router_down_until = -math.inf
-        self.learning: Optional[tuple] = None  # a restarted router's (t, sleep level, version) to learn back
-        self.restart_waits = 0
-        self.orphans_due = False  # old attempts still ran well after a router restart
+        self.learning: Optional[float] = None  # when the router restarted, until its learning is checked
+        self.learned_from: dict = {}  # a restarted RouterCore -> {"weights": [version], "sleep": [goal]} reported
+        self.driven: dict = {}  # a RouterCore -> what the driver ordered it ("weights", "sleep"): learned no more
+        self.driver_version = 0  # the weights version of the driver's last update_weights
+        self.old_listed: dict = {}  # (restarted core, replica) -> (its ReplicaState, {old attempt: listings in a row})
         # replica.py starts new work, and a load, only after any load or sleep move in progress
         # (test_replica_sleep.py); False emulates it as it was (test_a_replica_woken_while_...).
         self.waits_for_moves = True
@@ -475,12 +494,25 @@ class Chaos:
         core = RouterCore(make_policy(POLICIES[self.policy], self.cost), expected_replicas=self.initial_replicas,
                           replica_timeout_s=REPLICA_TIMEOUT_S, id_prefix=prefix)
         self.cores.append(core)
-        fail_queued = core._fail_queued
+        fail_queued, on_report, restarted = core._fail_queued, core.on_report, self.routers > 1
 
         def watched(why: str, now: float) -> None:  # (observed, unchanged)
             self._check_no_replica_can_run(core)
             fail_queued(why, now)
-        core._fail_queued = watched
+
+        def watched_report(report: Report, now: float, timer=None):  # (observed, unchanged)
+            if restarted:
+                seen = self.learned_from.setdefault(core, {"weights": [], "sleep": []})
+                driven = self.driven.get(core, ())
+                if "weights" not in driven:
+                    seen["weights"].append(reported_version(report))
+                if "sleep" not in driven:
+                    seen["sleep"].append(report.sleep_goal)
+            orders = on_report(report, now, timer)
+            if restarted and report.held is not None and not report.leaving:
+                self._check_orphans_given_up(core, report, orders)
+            return orders
+        core._fail_queued, core.on_report = watched, watched_report
         return core
 
     # -- plumbing
@@ -634,6 +666,11 @@ class Chaos:
         if rep.gone:
             return
         rep.advance_to(t)
+        if orders.start and self.waits_for_moves and (rep.sleep_level or rep.sleep_goal or rep.sleep_error):
+            # replica.py: the moves left no engine awake with its weights (a deep wake's reload
+            # failed): it runs nothing, and its next listing lacks the work, which the router resends
+            self.seen["work dropped: the moves left no awake engine"] += 1
+            orders.start = []
         for w in orders.start:
             self._check_can_run(t, rep, w)
         rep.apply(orders, late_abort=self.chance(self.faults.late_abort))
@@ -745,15 +782,38 @@ class Chaos:
 
     def _check_no_replica_can_run(self, core: RouterCore) -> None:
         """The router fails queued work for want of weights only when no replica can hold them: each
-        holds other weights and failed loading these (none is still loading them, by the router's
-        own count: ordered, not held, no error)."""
+        holds other weights and failed loading these (none is still loading them, by what the router
+        knows: ordered by it, or reported loading (ordered by the router before a restart), not held,
+        no error)."""
         v = core.weights_version
-        loading = sorted(rid for rid, r in core.replicas.items()
-                         if r.weights_ordered == v and r.weights_version != v and rid not in core.weights_errors)
+        loading = sorted(rid for rid, r in core.replicas.items() if v in (r.weights_ordered, r.weights_loading)
+                         and r.weights_version != v and rid not in core.weights_errors)
         queued = sum(s.status is SeqStatus.QUEUED for s in core.seqs.values())
         if loading and queued:
             self.violations.append(f"{self.now:.3f} {queued} queued sequences failed for want of weights version "
                                    f"{v} while {loading} still load it")
+
+    def _check_orphans_given_up(self, core: RouterCore, report: Report, orders) -> None:
+        """A restarted router gives up an attempt of the router before it (which it never knows)
+        that two listings in a row show, not aborting: in the answer to the second. It then needs
+        two listings in a row again (the give-up's reply may be lost). (This replaced a timed
+        guess, "still held two listings' time after the restart", that restarts at any time made
+        wrong: a replica cut off after one listing may end the attempt itself before the next.)"""
+        rid, state = report.replica_id, core.replicas.get(report.replica_id)
+        was, counts = self.old_listed.get((core, rid), (None, {}))
+        if was is not state:  # registered again: the router's listing history starts over
+            counts = {}
+        aborting = set(map(tuple, report.aborting))
+        old = [k for k in map(tuple, report.held) if not k[0].startswith(core.id_prefix) and k not in aborting]
+        counts = {k: counts.get(k, 0) + 1 for k in old}
+        for k, n in counts.items():
+            if n >= 2:
+                if k not in orders.give_up:
+                    self.violations.append(f"{self.now:.3f} {rid} listed {k} of an old router twice in a row; "
+                                           f"the answer gave up {orders.give_up}")
+                self.seen["old router's attempt given up as an orphan"] += 1
+                counts[k] = 0
+        self.old_listed[(core, rid)] = (state, counts)
 
     def _check_nothing_current(self, t: float, rep: FakeReplica, what: str) -> None:
         current = [k for k in rep.held() if self.is_current(rep, k)]
@@ -807,52 +867,51 @@ class Chaos:
 
     def _restart_router(self, t: float) -> bool:
         """Serve restarts the router: a fresh RouterCore under another id takes the fleet over; the
-        old one's batches, held pulls and queued calls are gone. Placed where the live replicas agree
-        on the weights a new router can learn and load nothing (else it is put off, and after a
-        while skipped: test_a_restarted_router_takes_... and _gives_no_work_... show why), and on
-        one sleep goal. Returns False to be retried."""
-        live = self.live()
-        learnable = {rep.learnable() for rep in live} - {0}
-        goals = {rep.sleep_goal for rep in live} - {0}
-        if self.learning is not None or len(learnable) > 1 or len(goals) > 1 or any(r.loading for r in live):
-            self.restart_waits += 1
-            if self.restart_waits < 40:
-                return False
-            self.seen["router restart skipped"] += 1
-            return True
-        old = self.core
+        old one's batches, held pulls and queued calls are gone. At any moment (mid-batch, mid-load,
+        mid-move, the fleet disagreeing on weights or sleep), but not while the last restart is
+        still being learned (a router that restarts is down, and a second restart at the same
+        moment is the same one). Returns False to be retried."""
+        if self.learning is not None:
+            return False
+        old, live = self.core, self.live()
         self.seen["router restarted " + ("asleep" if old.sleep.level else "mid-batch" if old.seqs else "idle")] += 1
+        if any(rep.loading is not None for rep in live):
+            self.seen["router restarted while loading"] += 1
+        if len({(rep.weights[0], rep.noted[0]) for rep in live}) > 1:
+            self.seen["router restarted on a fleet that disagrees on the weights"] += 1
+        if len({rep.sleep_goal for rep in live}) > 1 or any(t < rep.move_end_t for rep in live):
+            self.seen["router restarted mid-move"] += 1
         self.core = self._new_core()
         self.router_down_until = t + ROUTER_DOWN_S
-        self.learning = (t, [(rep, rep.sleep_goal, rep.learnable()) for rep in live])
+        self.learning = t
         self.schedule(t + ROUTER_DOWN_S, self._check_learned)
-        if any(rep.held() for rep in live):
-            self.schedule(t + ROUTER_DOWN_S + 2 * HELD_EVERY_S + 1.0, self._note_orphans)
         return True
 
     def _check_learned(self, t: float) -> None:
-        """Once every live replica reported to the restarted router, it knows the model, and, from
-        the replicas live at the restart that reported to it, the level the fleet sleeps at and the
-        highest weights version held or noted."""
-        core, (t0, snapshot) = self.core, self.learning
+        """Once every live replica reported to the restarted router, it knows the model; and, unless
+        the driver ordered it something first (`_order` checked it then), what `check_learned` says."""
+        core, t0 = self.core, self.learning
         waiting = [r.rid for r in self.live() if r.reported_to is not core]
         if waiting and t < t0 + 30.0:
             return self.schedule(t + 0.2, self._check_learned)
         assert not waiting, f"{waiting} never reported to the restarted router"
         assert core.model == MODEL, "no replica sent its model to the restarted router"
-        told = [(goal, version) for rep, goal, version in snapshot if rep.reported_to is core]
-        if told:
-            level, version = max(g for g, _ in told), max(v for _, v in told)
-            assert core.sleep.level == level, f"a sleep level {level} fleet, learned as {core.sleep_status()}"
-            assert (core.weights_version, core.weights_path) == (version, f"/ckpt/{version}" if version else None), \
-                f"version {version} held or noted, learned {core.weights_status()}"
+        for what in ("weights", "sleep"):
+            self._check_learned_until(core, what)
         self.learning = None
 
-    def _note_orphans(self, t: float) -> None:
-        """An old router's attempt still held two listings after the restart must be given up."""
-        prefix = self.core.id_prefix
-        if any(not sid.startswith(prefix) for rep in self.live() for sid, _ in rep.held()):
-            self.orphans_due = True
+    def _check_learned_until(self, core: RouterCore, what: str) -> None:
+        if core is not self.cores[0] and what not in self.driven.get(core, ()):
+            check_learned(core, what, self.learned_from.get(core, {}).get(what, []))
+
+    def _order(self, core: RouterCore, what: str, order, *args):
+        """The driver orders `core` something: a submit or an update ends a restarted router's
+        learning of the weights, a sleep or a wake its learning of the sleep level (once it goes
+        through: a refused one changes nothing). What it learned is checked first."""
+        self._check_learned_until(core, what)
+        result = order(*args)
+        self.driven.setdefault(core, set()).add(what)
+        return result
 
     # -- driver side
     def _submit(self, t: float, b: Batch) -> None:
@@ -861,20 +920,28 @@ class Chaos:
             return self.schedule(t + 0.2, self._submit, b)
         positions = [i for i in range(len(b.requests)) if i not in b.got]  # all, but after a router restart
         try:
-            bid = core.submit([b.requests[i] for i in positions], t)
+            bid = self._order(core, "weights", core.submit, [b.requests[i] for i in positions], t)
         except NoLiveReplicaError as e:  # every replica failed loading the weights: the trainer tries again
             assert "no replica holds weights version" in str(e) and core.weights_version in self.failed_versions, e
             self.seen["submit refused: no replica holds the weights"] += 1
             try:
-                core.update_weights(f"/ckpt/{core.weights_version + 1}")
+                self.driver_version = self._order(core, "weights", core.update_weights,
+                                                  f"/ckpt/{core.weights_version + 1}")
             except RuntimeError:
                 pass  # another batch runs, or the last update still loads
             return self.schedule(t + 0.5, self._submit, b)
-        except RuntimeError as e:  # a restarted router kept the fleet asleep (or no engine woke): wake it
+        except RuntimeError as e:
+            if "still load weights version" in str(e):  # a restarted router waits for the loads to end
+                assert self.routers > 1 and core.weights_learning, e
+                self.seen["submit refused: a restarted router's replicas still load"] += 1
+                return self.schedule(t + 0.5, self._submit, b)
+            # a restarted router kept the fleet asleep (or no engine woke): wake it
             assert "no engine woke" in str(e) or "asleep" in str(e) and self.routers > 1, e
-            core.wake_fleet()
+            self._order(core, "sleep", core.wake_fleet)
             return self.schedule(t + 0.5, self._submit, b)
         b.bid, b.core, b.version, b.positions = bid, core, core.batches[bid].weights_version, positions
+        if any(rep.loading is not None for rep in self.live()):
+            self.seen["submitted while loading"] += 1
         b.cursor, b.order, b.fetched_t = 0, [], t
         assert b.version == core.weights_version and len(core.batches[bid].results) == len(positions)
 
@@ -957,13 +1024,13 @@ class Chaos:
         core, kind = self.core, action[0]
         if kind == "update":
             v, asleep = max(action[1], core.weights_version + 1), core.sleep.level
-            core.update_weights(f"/ckpt/{v}", v)
+            self.driver_version = self._order(core, "weights", core.update_weights, f"/ckpt/{v}", v)
             self.seen["update asleep" if asleep else "update"] += 1
         elif kind == "sleep":
-            self.want_level = core.sleep_fleet(action[1])
+            self.want_level = self._order(core, "sleep", core.sleep_fleet, action[1])
             self.seen[f"sleep at level {action[1]}"] += 1
         elif kind == "wake":
-            core.wake_fleet()
+            self._order(core, "sleep", core.wake_fleet)
             self.want_level = 0
         elif kind == "pause":
             return t - self.action_t0 >= action[1]
@@ -980,8 +1047,23 @@ class Chaos:
         core = self.core
         if core.sleep.level != self.want_level:  # RolloutClient raises: the level was changed meanwhile
             assert self.routers > 1, f"sleep level {core.sleep.level}, the driver's {self.want_level}"
-            self.seen["a restarted router took another sleep level"] += 1  # (the driver orders it again)
-            _ = core.sleep_fleet(self.want_level) if self.want_level else core.wake_fleet()
+            self.seen["a restarted router took another sleep level"] += 1  # the driver orders it again...
+            if self.want_level and core.sleep.level:
+                # ...unless both sleep: a router restarted while a lost sleep order was resent took
+                # the other level, and sleep(level) refuses a change of level without a wake;
+                # asleep at either level the engines leave the trainer the GPUs.
+                self.want_level = core.sleep.level
+            else:
+                self._order(core, "sleep", core.sleep_fleet, self.want_level) if self.want_level \
+                    else self._order(core, "sleep", core.wake_fleet)
+            return False
+        if not core.sleep.level and core.weights_version < self.driver_version:
+            # A restarted router took an older version than the driver's update (it restarted while
+            # the replicas loaded, or before they heard of it): RolloutClient raises "replaced
+            # meanwhile", and the trainer updates again.
+            assert self.routers > 1, f"{core.weights_status()}, the driver's version {self.driver_version}"
+            self.seen["a restarted router took an older version"] += 1
+            self.plan[:0] = [("update", self.driver_version)]
             return False
         sleep, weights = core.sleep_status(), core.weights_status()
         expected = max(core.expected_replicas, len(core.replicas))
@@ -1002,27 +1084,16 @@ class Chaos:
         return True
 
     def _time_out(self, t: float, batches: list) -> None:
-        """The driver's timeout: it cancels the step's batches. Only where the router strands queued
-        work for want of replicas that failed loading its weights: every replica did, and the last
-        one holding them is gone (test_queued_work_is_failed_when_the_last_replica_..., fixed); or
-        chunked waits for them to start its first round (test_chunked_starts_..., fixed)."""
+        """The driver's timeout (RolloutClient cancels the batch and raises TimeoutError): the case
+        fails. STEP_TIMEOUT_S is far above what a step takes here, so the router stranded work: it
+        must run queued work or fail it ("no replica holds weights version v") once no replica can."""
         core = self.core
-        v = core.weights_version
-        failed = [rid for rid, r in core.replicas.items() if r.weights_version != v and rid in core.weights_errors]
-        queued = [s.seq_id for s in core.seqs.values() if s.status is SeqStatus.QUEUED]
-        usable = [rid for rid, r in core.replicas.items() if core.usable(r)]
-        stranded = core.replicas and len(failed) == len(core.replicas)
-        chunked_waits = (core.policy.name == "chunked" and core.policy.rounds == 0 and failed
-                         and len(usable) + len(failed) == len(core.replicas) >= core.expected_replicas)
-        assert queued and (stranded or chunked_waits), (
-            f"a step not done after {STEP_TIMEOUT_S:.0f} s: {core.weights_status()}, {core.sleep_status()}, "
-            f"seqs {[(s.seq_id, s.status.value, s.replica) for s in core.seqs.values()][:6]}")
-        self.seen["chunked waits for a failed replica" if chunked_waits else "queued work stranded"] += 1
-        for b in batches:
-            if b.bid is not None and not b.settled:
-                b.cancelled = True
-                core.cancel(b.bid, t)
-        self.step_t0 = t
+        usable = sorted(rid for rid, r in core.replicas.items() if core.usable(r))
+        unfetched = [len(b.requests) - len(b.got) for b in batches]
+        raise AssertionError(
+            f"a step not done after {STEP_TIMEOUT_S:.0f} s: unfetched {unfetched}; "
+            f"{core.weights_status()}, {core.sleep_status()}, usable {usable} of {core.expected_replicas} expected; "
+            f"seqs {[(s.seq_id, s.status.value, s.replica) for s in core.seqs.values()][:6]}; fleet {self.fleet_log}")
 
     def _control_during_batch(self, t: float) -> None:
         core = self.core
@@ -1041,12 +1112,13 @@ class Chaos:
         core = self.core
         try:
             if core.weights_errors:
-                core.update_weights(f"/ckpt/{core.weights_version + 1}")
+                self.driver_version = self._order(core, "weights", core.update_weights,
+                                                  f"/ckpt/{core.weights_version + 1}")
         except RuntimeError as e:
             assert "still loading" in str(e), e
             return self.schedule(t + 0.3, self._converge)
         if core.sleep.level or core.sleep.errors:
-            core.wake_fleet()
+            self._order(core, "sleep", core.wake_fleet)
 
 
 def fetch_batch(core: RouterCore, b: Batch, t: float, rng: random.Random) -> None:
@@ -1122,6 +1194,28 @@ def check_batches(batches: list, failed_versions: frozenset = frozenset()) -> No
             check_completion(c, f"{bid}:{index}", b.requests[i], b.cancelled, version, version in failed_versions)
 
 
+def reported_version(report: Report) -> int:
+    """The weights version a restarted router may learn from a report: held (from a checkpoint) or noted."""
+    held = report.weights_version if report.weights_path else 0
+    return max(held, report.weights_noted if report.weights_noted_path else 0)
+
+
+def check_learned(core: RouterCore, what: str, reported: list) -> None:
+    """A restarted router, until the driver first submits or updates, runs on the highest weights
+    version any report it applied held or noted (not the first reported: a load that ended after
+    the restart counts too); until the driver first orders a sleep or a wake, it sleeps at the
+    highest level any report was going to (a level-2 sleeper told to go to level 1 would wake
+    without reloading the weights it dropped: test_a_restarted_router_does_not_move_...), or is
+    awake if none was."""
+    if what == "weights":
+        version = max(reported, default=0)
+        assert (core.weights_version, core.weights_path) == (version, f"/ckpt/{version}" if version else None), \
+            f"version {version} held or noted, learned {core.weights_status()}"
+    else:
+        level = max(reported, default=0)
+        assert core.sleep.level == level, f"sleep goals {sorted(set(reported))} reported, learned {core.sleep_status()}"
+
+
 def check_router_holds_nothing(core: RouterCore) -> None:
     assert not core.seqs, f"sequences left: {list(core.seqs)}"
     assert len(core.queue) == 0 and not core.queue.reserved
@@ -1170,8 +1264,6 @@ def check_all(chaos: Chaos) -> Chaos:
     check_router_holds_nothing(chaos.core)
     check_engines_idle(chaos)
     check_no_violations(chaos)
-    if chaos.orphans_due:  # (by whichever router was up then)
-        assert sum(core.counters["orphans_given_up"] for core in chaos.cores) > 0, chaos.core.counters
     return chaos
 
 
@@ -1198,11 +1290,11 @@ def run_case(policy: str, seed: int, faults: Optional[Faults] = None, replicas: 
 
 def run_control_case(policy: str, seed: int, restart: bool = False) -> Chaos:
     """RL steps with weight updates and sleeps under faults, checked end to end, the fleet's
-    convergence included. `restart`: the router restarts once at a random time and once while
-    the fleet sleeps."""
+    convergence included. `restart`: the router restarts once at a random time, once while the
+    fleet sleeps and once soon after an update made awake (whatever the fleet does then)."""
     rng = random.Random(f"control/{policy}/{seed}" + ("/restart" if restart else ""))
     n = rng.randint(2, 4)
-    steps = random_steps(rng, n, restart_asleep=restart)
+    steps = random_steps(rng, n, restart=restart)
     faults = Faults.draw(rng, horizon=8.0 * n, control=True)
     if restart:
         faults.restart_router = rng.uniform(0.5, 8.0 * n)
@@ -1258,7 +1350,7 @@ def test_a_router_restart_mid_batch_loses_only_its_batches(policy, seed):
     assert chaos.seen["batch lost with its router"] > 0, chaos.seen
 
 
-@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(4)])
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(CONTROL_SEEDS)])
 def test_weights_and_sleep_orders_across_router_restarts(policy, seed):
     chaos = run_control_case(policy, seed, restart=True)
     check_no_superseded_work(chaos)
@@ -1270,13 +1362,16 @@ def test_the_faults_happen():
     seen = Counter()
     for policy, seed in (("pull", 0), ("steal", 1), ("least-loaded", 2), ("chunked", 3)):
         seen += run_case(policy, seed).seen
-    for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 2, True),
-                                  ("steal", 3, True), ("chunked", 1, True)):
+    for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 1, True),
+                                  ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True)):
         seen += run_control_case(policy, seed, restart).seen
     wanted = {"late report applied first", "late report applied after its resend", "reply with control orders lost",
               "load failed", "replica restarted while loading", "replica restarted asleep", "join asleep",
               "update asleep", "update", "sleep at level 1", "sleep at level 2", "control refused mid-batch",
-              "router restarted asleep", "batch lost with its router"}
+              "router restarted asleep", "batch lost with its router", "router restarted while loading",
+              "router restarted on a fleet that disagrees on the weights", "router restarted mid-move",
+              "submitted while loading", "a restarted router took an older version",
+              "old router's attempt given up as an orphan"}
     assert not wanted - set(seen), (wanted - set(seen), seen)
 
 
@@ -1354,6 +1449,36 @@ def test_the_weights_checks_catch_work_on_other_weights():
         check_fleet_converged(chaos)
 
 
+def test_the_restart_checks_catch_a_router_that_learned_wrong_or_keeps_orphans():
+    """A restarted router on a lower version than a report held or noted, at a lower sleep level
+    than one was going to (or asleep where none was), or that does not give up an old router's
+    attempt listed twice in a row, is a violation."""
+    chaos = Chaos("pull", 0, Faults(), 1, [])
+    chaos.core = core = chaos._new_core()  # a restarted one
+    for rid, version, noted, goal in (("a", 2, 0, 0), ("b", 2, 3, 1)):
+        core.on_report(Report(rid, f"{rid}-1", [], EngineStats(), MODEL, CAPACITY, version,
+                              weights_path=f"/ckpt/{version}", sleep_level=goal, sleep_goal=goal,
+                              weights_noted=noted, weights_noted_path=f"/ckpt/{noted}" if noted else ""), 0.1)
+    learned = chaos.learned_from[core]
+    assert learned == {"weights": [2, 3], "sleep": [0, 1]}, learned
+    for what in ("weights", "sleep"):
+        check_learned(core, what, learned[what])
+    with pytest.raises(AssertionError, match="version 4 held or noted"):
+        check_learned(core, "weights", learned["weights"] + [4])
+    for goals in ([0, 2], [0, 1, 2], [0]):
+        with pytest.raises(AssertionError, match="sleep goals"):
+            check_learned(core, "sleep", goals)
+    old = ("r1-b0:0", 1)
+    listing = Report("a", "a-1", [], EngineStats(), None, CAPACITY, held=[old])
+    chaos._check_orphans_given_up(core, listing, Orders())
+    assert not chaos.violations
+    chaos._check_orphans_given_up(core, listing, Orders(give_up=[old]))  # the second: given up
+    chaos._check_orphans_given_up(core, listing, Orders())  # (a lost give-up: two listings again)
+    assert not chaos.violations
+    chaos._check_orphans_given_up(core, listing, Orders())
+    assert len(chaos.violations) == 1 and "r1-b0:0" in chaos.violations[0], chaos.violations
+
+
 # ---- bugs this harness found --------------------------------------------------------------------
 def _report(rid: str, held=None, model=None) -> Report:
     return Report(rid, f"{rid}-1", [], EngineStats(), model, CAPACITY, held=held)
@@ -1398,13 +1523,14 @@ def test_a_sequence_cancelled_before_its_first_token_gets_empty_logprobs():
 
 # ---- more bugs it found (fixed) -----------------------------------------------------------------
 def _control_report(rid: str, version: int = 0, loading: int = 0, error_version: int = 0, level: int = 0,
-                    goal: Optional[int] = None, noted: int = 0, progress=(), leaving: bool = False) -> Report:
+                    goal: Optional[int] = None, noted: int = 0, progress=(), leaving: bool = False,
+                    number: int = 0) -> Report:
     """A replica's report of its weights (from /ckpt/<version>) and sleep state."""
     return Report(rid, f"{rid}-1", list(progress), EngineStats(), MODEL, CAPACITY, version,
                   f"replica {rid}: load_weights('/ckpt/{error_version}'): bad" if error_version else None,
                   error_version, loading, f"/ckpt/{version}" if version else "", leaving=leaving, sleep_level=level,
                   sleep_goal=level if goal is None else goal, weights_noted=noted,
-                  weights_noted_path=f"/ckpt/{noted}" if noted else "")
+                  weights_noted_path=f"/ckpt/{noted}" if noted else "", number=number)
 
 
 def _loaded(policy: str = "pull", failed: str = "") -> RouterCore:
@@ -1475,23 +1601,27 @@ def test_a_restarted_router_takes_the_highest_version_any_replica_holds_or_noted
 
 def test_a_restarted_router_gives_no_work_to_a_replica_still_loading_other_weights():
     """update_weights(3) while awake; the router restarts while the replicas still load it: they
-    report holding 2, loading 3, and the new router takes 2 (no replica holds 3 yet, and a report
-    does not say where a load comes from). A batch submitted now is tagged version 2 and goes to
-    them; replica.py awaits the load of 3 before it starts the work (run_control_case avoids
-    restarting there; _restart_router)."""
+    report holding 2, loading 3 (a report does not say where a load comes from). The new router
+    refuses a batch until the loads end, naming them, and gives a loading replica no work; then it
+    learns 3 from the replicas and the batch runs on 3."""
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
     for rid in "ab":
         core.on_report(_control_report(rid, version=2, loading=3), 0.0)
-    bid = _four(core, 0.1)
-    assert core.batches[bid].weights_version == 2
-    assert not core.decide("a", 0.2).start
+    with pytest.raises(RuntimeError, match=r"replica\(s\) a, b still load weights version 3, ordered by a "
+                                           r"router before this one restarted"):
+        _four(core, 0.1)
+    assert not core.usable(core.replicas["a"])
+    for rid in "ab":
+        core.on_report(_control_report(rid, version=3), 0.2)
+    bid = _four(core, 0.3)
+    assert core.batches[bid].weights_version == 3 and core.decide("a", 0.4).start  # (pull: its fair share)
 
 
 def test_queued_work_is_not_failed_while_another_replica_still_loads_its_weights():
     """A driver that submits right after update_weights (RolloutClient waits for the loads): a's
     load fails while b's still runs, and the whole batch ends "error", although b holds the weights
-    a moment later. (The random control cases showed it with a driver that did not wait; they now
-    wait for every update, and check that queued work fails only when no replica still loads.)"""
+    a moment later. (The random control cases showed it with a driver that did not wait, as they
+    again do one time in three, and check that queued work fails only when no replica still loads.)"""
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
     for t in (0.0, 0.1):
         for rid in "ab":
@@ -1535,3 +1665,137 @@ def test_chunked_starts_its_first_round_without_a_replica_that_failed_loading():
         core.expire(t)
     usable = [rid for rid, r in core.replicas.items() if core.usable(r)]
     assert work, f"expected {core.expected_replicas} replicas, usable {usable}"
+
+
+# ---- bugs the harness found once its workarounds went (open: xfail until fixed) -----------------
+# Found by random cases that are not among the seeds above (named in each docstring as
+# run_control_case's arguments), but the last; each test is its smallest form.
+def test_a_restarted_router_does_not_put_the_fleet_to_sleep_under_a_running_batch():
+    """The router restarts mid-batch while b is still asleep (its wake order was lost, it was cut
+    off through the wake, or the driver did not wait for the wake). The driver resubmits its batch
+    as soon as a replica reported: it runs on a. Then b reports asleep, and the new router takes
+    the fleet for asleep (it learns a sleep level from reports until a driver orders one, batch or
+    no batch): it orders a to sleep under the four sequences it runs, and gives no replica work
+    again. (("scripted", 203, True) timed out so.)"""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
+    core.on_report(_control_report("a"), 0.0)
+    _four(core, 0.1)
+    assert len(core.on_report(_control_report("a"), 0.2).start) == 4
+    core.on_report(_control_report("b", level=1), 0.3)
+    orders = core.on_report(_control_report("a"), 0.4)
+    assert core.sleep.level == 0 and ("sleep", 1) not in orders.control, (core.sleep_status(), orders.control)
+
+
+def test_a_restarted_router_runs_a_batch_submitted_while_the_replicas_load_new_weights():
+    """update_weights(1) on a fleet of the config's model; the router restarts while a loads it
+    (a reports version 0, loading 1: a report does not say where a load comes from), and a batch
+    comes at once (a resubmission after the restart, or a driver that did not wait). The new router
+    tags it version 0. The load ends: a holds 1 and is not usable for version 0, and _order_weights
+    sends no load order without a path (version 0 has none); the router learns no more while the
+    batch runs. It never runs and never fails. (("least-loaded", 142, True), ("least-loaded", 201,
+    True), ("scripted", 276, True) and ("steal", 282, True) timed out so.)"""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=1)
+    core.on_report(_control_report("a", loading=1), 0.0)
+
+    def submit(t: float) -> Optional[str]:
+        try:
+            return _four(core, t)
+        except RuntimeError:  # (a router that refuses a batch while it learns: the driver tries again)
+            return None
+
+    bid, work = submit(0.1), []
+    for t in (0.5, 1.0, 30.0, 120.0):
+        work += core.on_report(_control_report("a", version=1), t).start
+        core.expire(t)
+        bid = bid or submit(t)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished or (work and core.batches[bid].weights_version == 1), (core.weights_status(), len(core.queue))
+
+
+def test_a_late_pull_does_not_make_a_sleeping_replica_look_awake():
+    """A pull a sent while awake is processed late (the call timed out at a, which pulled again):
+    by then a sleeps at level 2, its current pull is held, and the driver has called wake. The
+    router applies the stale report's (0, 0) as a's state (a report carries nothing to tell it is
+    older than one applied): sleep_status counts a awake (RolloutClient.wake returns), the wake
+    order goes with the late pull's answer, which nobody reads, and a's held pull is answered with
+    the next batch's work while a still sleeps. (("least-loaded", 257, True), ("chunked", 272,
+    True) and ("scripted", 215, True) started work, or a load, on a sleeping replica so.)"""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=1)
+    core.on_report(_control_report("a", number=1), 0.0)
+    late = _control_report("a", number=2)  # sent at 0.05, applied at 2.1
+    core.sleep_fleet(2)
+    assert core.on_report(_control_report("a", number=3), 0.1).control == [("sleep", 2)]
+    assert not core.on_report(_control_report("a", level=2, number=4), 2.0)  # asleep: this pull is held
+    core.wake_fleet()
+    core.on_report(late, 2.1)
+    _four(core, 2.2)
+    levels = core.sleep_status()["replicas"]
+    assert levels == {"a": 2} and not core.decide("a", 2.3).start, levels  # (the held pull ends)
+
+
+def test_work_sent_during_a_sleep_move_does_not_start_on_an_engine_that_failed_to_wake(monkeypatch):
+    """sleep_fleet(2), then wake_fleet before r0's move to level 2 ended: r0 queues the wake after
+    the sleep and reports (0, 0), so it gets the next batch's work, which it starts once its moves
+    are done (test_a_replica_woken_while_it_still_goes_to_sleep_...). But the wake's reload of the
+    weights fails: the engine stays at level 2 (replica.py: sleep_error, and `broken` until Serve
+    restarts it), and the work starts on it all the same: replica.py's pull loop awaits the moves
+    with return_exceptions and submits (vLLM would run it on the weights a level-2 sleep dropped).
+    The same when the moves ended before a held pull's answer came. (("chunked", 356, True),
+    ("chunked", 96, False), ("chunked", 117, False) and ("least-loaded", 282, False).)"""
+    monkeypatch.setattr(__import__(__name__), "MOVE_S", (4.0, 4.0))
+    chaos = Chaos("pull", 0, Faults(), 1, [])
+    core, rep = chaos.core, chaos.fleet["r0"]
+
+    def run_until(t: float) -> None:
+        while chaos.events[0][0] <= t:
+            chaos._step(math.inf, None)
+
+    run_until(0.5)
+    core.update_weights("/ckpt/1", 1)
+    run_until(6.0)
+    assert rep.weights == (1, "/ckpt/1")
+    core.sleep_fleet(2)
+    run_until(7.5)
+    assert rep.sleep_goal == 2 and rep.move_end_t > 8.0  # going to sleep
+    core.wake_fleet()
+    _four(core, 7.6)
+    chaos.faults.load_fail = 1.0  # the wake's reload fails
+    run_until(20.0)
+    assert rep.sleep_error and rep.gone, "r0's wake did not fail"  # (and Serve restarted it)
+    check_no_violations(chaos)
+
+
+def test_queued_work_is_failed_when_the_last_replica_holding_its_weights_dies():
+    """As test_queued_work_is_failed_when_the_last_replica_holding_its_weights_leaves, but a dies
+    (silently: expired after replica_timeout_s) and nothing replaces it (its node is gone). A
+    replica timeout later the router counts the fleet as b alone (expire lowers expected_replicas),
+    and refuses a new batch (no replica can load the weights), yet keeps this one queued for good:
+    remove_replica fails queued work only for a replica that leaves. (("scripted", 293, False) and
+    ("steal", 264, False) timed out so.)"""
+    core = _loaded(failed="b")
+    core.replica_timeout_s = 5.0
+    bid = _four(core, 0.3)
+    assert len(core.on_report(_control_report("a", version=1), 0.4).start) == 4
+    for t in (1.0, 6.0, 12.0, 30.0, 120.0):  # a pulls no more
+        core.on_report(_control_report("b", error_version=1), t)
+        core.expire(t)
+    assert core.expected_replicas == 1
+    with pytest.raises(NoLiveReplicaError, match="no replica holds weights version 1"):
+        _four(core, 121.0)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and {c.finish_reason for c in done} == {"error"}, (len(core.queue), core.weights_status())
+
+
+def test_a_restarted_router_does_not_move_a_level_2_sleeper_to_level_1():
+    """sleep(1), wake (a's wake order lost), sleep(2): b sleeps at level 2 while a, whose pull
+    has not gone through yet, still sleeps at level 1. The router restarts and a reports first: the
+    new router takes level 1 (FleetSleep.record keeps the first goal reported) and orders b to
+    level 1. vLLM ignores a sleep while asleep ("Executor is already sleeping"), replica.py then
+    reports level 1, and its wake reloads nothing (only a level-2 wake does): b runs on the weights
+    its level-2 sleep dropped. (Found reading the new restart paths, not by a random case: none of
+    600 restart cases had the fleet's goals differ at a restart. The fake replica does not model
+    the dropped weights; check_learned would flag the lower level.)"""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
+    core.on_report(_control_report("a", level=1), 0.0)
+    orders = core.on_report(_control_report("b", level=2), 0.1)
+    assert ("sleep", 1) not in orders.control and core.sleep.level == 2, (orders.control, core.sleep_status())

@@ -39,6 +39,7 @@ class EngineReplica:
     # it failed, and the move under way (it runs after any load or move before it)
     sleep_level, sleep_goal, sleep_error, sleep_task = 0, 0, None, None
     noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
+    report_number = 0  # counts the reports built (Report.number)
 
     async def __init__(self, router, config: dict):
         self.cfg = load_config(config)
@@ -74,12 +75,14 @@ class EngineReplica:
                 held, aborting, held_t = self.engine.held(), self.engine.aborting(), now
             # The model goes with the first report and every listing: a router that restarted
             # while this replica's pulls went through learns it within HELD_EVERY_S.
+            self.report_number += 1
             report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
                             self.model if first or held is not None else None, self.engine.capacity,
                             self.weights_version, self.weights_error, self.weights_error_version,
                             self.loading[0] if self.loading else 0, self.weights_path, held, aborting,
                             sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error,
-                            weights_noted=self.noted[0], weights_noted_path=self.noted[1])
+                            weights_noted=self.noted[0], weights_noted_path=self.noted[1],
+                            number=self.report_number)
             try:
                 # Bounded: a call to a router killed under it can stay unanswered for good (Serve's
                 # handle does not always fail it), and past replica_timeout_s the router has taken
@@ -102,6 +105,11 @@ class EngineReplica:
                     # a wake that came while the engine still went to sleep reports (0, 0), as an
                     # awake replica does. Start it on the engine those moves leave, never beside them.
                     await asyncio.gather(*moves, return_exceptions=True)
+                    if self.sleep_level or self.sleep_error or self.broken or self.sleep_goal:
+                        # The moves left no engine awake with its weights (a deep wake's reload
+                        # failed, say): run nothing. The next listing lacks this work, and the
+                        # router sends it elsewhere.
+                        orders.start = []
                 for work in orders.start:
                     self.engine.submit(work)
                 if orders.give_up:

@@ -136,8 +136,30 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
         lengths = [50] * 16
         results = collect(client, client.submit(batch(500, lengths)), len(lengths))
         assert [len(c.token_ids) for c in results] == lengths
+
+        # From outside Ray: Serve's REST route on the dashboard, with the cluster's token
+        # (k8s/README.md). The router learns the new size from the join.
+        assert rest_scale(2) == 200
+        st = client.wait_ready(2, 600)
+        assert st["expected_replicas"] == 2 and st["router_id"] == router_id
+        lengths = [100] * 128
+        results = collect(client, client.submit(batch(600, lengths)), len(lengths))
+        assert [len(c.token_ids) for c in results] == lengths and len({c.replicas[0] for c in results}) == 2
     finally:
         serve.delete(APP)
+
+
+def rest_scale(replicas: int) -> int:
+    import urllib.request
+    from pathlib import Path
+
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:8265/api/v1/applications/{APP}/deployments/EngineReplica/scale",
+        data=json.dumps({"target_num_replicas": replicas}).encode(), method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as answer:
+        return answer.status
 
 
 def test_the_started_app_scales_from_the_driver(client):
