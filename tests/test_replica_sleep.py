@@ -223,34 +223,33 @@ def run_pull_loop(r, answers: list) -> None:
     asyncio.run(asyncio.wait_for(r._pull_loop(), 5))
 
 
-def test_work_sent_while_the_engine_still_moves_starts_once_it_is_awake():
-    """A wake that came while the engine still went to sleep reports (0, 0), as an awake replica
-    does, so the router may send work: the pull loop starts it after the moves."""
-    from rollout_cluster.types import Orders, Work, SamplingSpec
+def sleep_wake_then_work(eng) -> tuple:
+    """A replica over `eng` told to sleep and, before that ends, to wake; the next answer is work."""
+    from rollout_cluster.types import Orders, SamplingSpec, Work
 
-    eng = SlowSleepEngine()
     r = replica(eng)
     r.noted, r.unsent, r.stopping, r.incarnation, r.model = (0, ""), [], False, "i1", None
     work = Work("s", 1, [1, 2], SamplingSpec())
-    answers = [Orders(control=[("sleep", 1), ("wake", {"path": None, "version": 0})]), Orders(start=[work])]
-    run_pull_loop(r, answers)
+    run_pull_loop(r, [Orders(control=[("sleep", 1), ("wake", {"path": None, "version": 0})]), Orders(start=[work])])
+    return r, work
+
+
+def test_work_sent_while_the_engine_still_moves_starts_once_it_is_awake():
+    """A wake that came while the engine still went to sleep reports (0, 0), as an awake replica
+    does, so the router may send work: the pull loop starts it after the moves."""
+    eng = SlowSleepEngine()
+    r, work = sleep_wake_then_work(eng)
     assert eng.calls == [("sleep", 1), ("asleep", 1), ("wake",), ("start", work)]
 
 
 def test_work_sent_while_the_engine_moves_does_not_start_if_it_failed_to_wake():
     """The same, but the wake fails: the work is not started on an engine that sleeps (its next
     listing lacks it, so the router sends it elsewhere)."""
-    from rollout_cluster.types import Orders, Work, SamplingSpec
-
     class WakeFails(SlowSleepEngine):
         async def wake(self):
             self.calls.append(("wake",))
             raise RuntimeError("cannot wake")
 
     eng = WakeFails()
-    r = replica(eng)
-    r.noted, r.unsent, r.stopping, r.incarnation, r.model = (0, ""), [], False, "i1", None
-    work = Work("s", 1, [1, 2], SamplingSpec())
-    answers = [Orders(control=[("sleep", 1), ("wake", {"path": None, "version": 0})]), Orders(start=[work])]
-    run_pull_loop(r, answers)
+    r, work = sleep_wake_then_work(eng)
     assert eng.calls == [("sleep", 1), ("asleep", 1), ("wake",)] and "cannot wake" in r.sleep_error
