@@ -110,8 +110,10 @@ class Router:
         deadline = time.monotonic() + wait
         while not self.core.replicas or self.core.model is None:
             if time.monotonic() >= deadline:
+                what = (f"{len(self.core.replicas)} replicas pull, but none has said which model it runs"
+                        if self.core.replicas else "no live engine replica")
                 raise NoLiveReplicaError(
-                    f"no live engine replica after {wait:.0f} s (router.submit_wait_for_replica_s): "
+                    f"{what} after {wait:.0f} s (router.submit_wait_for_replica_s): "
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
         bid = self.core.submit(requests, time.monotonic())
