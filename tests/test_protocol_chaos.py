@@ -42,7 +42,14 @@ per case:
   one while the fleet sleeps (also right after an update made asleep) and one soon after an
   update made awake, each whatever the fleet is doing then (mid-batch, mid-load, mid-move, the
   replicas disagreeing on weights or sleep), but never two at once: a restart waits until the
-  last one was learned; the driver's timeout (STEP_TIMEOUT_S, generous) fails the case.
+  last one was learned; the driver's timeout (STEP_TIMEOUT_S, generous) fails the case;
+- (scale cases) the fleet is resized while batches run: a driver's target (set_fleet_target(n),
+  then Serve starts replicas, some after more than replica_timeout_s, some never, or stops some
+  gracefully, in the calm period too), declarative joins and graceful leaves with no target,
+  deaths Serve replaces after a delay (a new replica id, sometimes before the dead one timed
+  out), deaths it does not replace, replica restarts and stalls, and router restarts (a fresh
+  core counts the config's replicas), often ending on a target; their calm period
+  (SCALE_CALM_S) outlasts a dead replica's timeout and then expire's settling timeout.
 Under the steal, pull, static, least-loaded, chunked and scripted policies, it asserts:
 1. every sequence of every batch comes back from fetch exactly once (across router restarts: once
    from one of the routers), and a fetch from an earlier cursor returns the same completions in
@@ -81,19 +88,26 @@ Under the steal, pull, static, least-loaded, chunked and scripted policies, it a
    if none was (check_learned). Once
    the driver submitted, a restarted router may run on an older version than a replica holds
    (one that reported later, or still loaded when the batch came): the batch's completions say
-   so, and that replica loads the batch's version back.
-The bugs it found are at the end as focused tests: the first ones fixed, the last six open
-(xfail, strict: five found by random cases once their workarounds went, one by reading). The fake replica waits for a sleep
+   so, and that replica loads the batch's version back;
+12. (scale) after the calm period the router's replicas are the live fleet and expected_replicas
+   is its size (an overshoot expire settles; an undershoot, which nothing settles, fails), and
+   a probe batch of three sequences per replica is done within PROBE_LIMIT_S, under
+   static.ORPHAN_SHARE_S (chunked's first round starts; no static share is stranded), static's
+   shares running on every live replica. The settling rule hides an overshoot in these cases,
+   so test_the_count_follows_the_fleet_before_the_settling_rule checks each change at once.
+   (A leave that always lowers the count, or no settling rule, makes random cases fail.)
+The bugs it found are at the end as focused tests, all fixed (the last six: five found by random
+cases once their workarounds went, one by reading). The fake replica waits for a sleep
 move in progress before it starts a load or new work, as replica.py now does. The token check
 is shown to fail on corrupted runs (test_the_token_check_catches_...), the weights and sleep
 checks on a replica breaking them (test_the_weights_checks_...), the restart checks on a router
 that learned wrong or keeps orphans (test_the_restart_checks_...); test_the_faults_happen shows
-every fault above happening. Removing the router's duplicate-offset check, its stale-report check
-or its reconciliation, letting work go to a replica without the weights or not awake, allowing an
-update mid-batch, not resending lost load or sleep orders, a drop that cancels nothing, a
-restarted router under its old id, one that learns only the first version reported or keeps
-an old router's orphans, or failing queued work while a replica still loads its weights (tried
-by hand) makes random cases fail.
+every fault above happening (test_the_scale_events_happen every scale event). Removing the
+router's duplicate-offset check, its stale-report check or its reconciliation, letting work go
+to a replica without the weights or not awake, allowing an update mid-batch, not resending lost
+load or sleep orders, a drop that cancels nothing, a restarted router under its old id, one that
+learns only the first version reported or keeps an old router's orphans, or failing queued work
+while a replica still loads its weights (tried by hand) makes random cases fail.
 """
 from __future__ import annotations
 
@@ -433,8 +447,9 @@ class Chaos:
     steps one after another."""
 
     def __init__(self, policy: str, seed: int, faults: Faults, replicas: int, batches: list,
-                 steps: Optional[list] = None, abandon_s: float = 0.0):
+                 steps: Optional[list] = None, abandon_s: float = 0.0, calm_s: Optional[float] = None):
         self.rng = random.Random(seed)
+        self.calm_s = calm_s
         self.faults = faults
         self.policy = policy
         self.cost = STEAL_COST if policy == "steal" else COST
@@ -562,7 +577,7 @@ class Chaos:
             rep.stalled_until = -math.inf
         if self.steps:
             self.schedule(self.now, self._converge)
-        end = self.now + (CONTROL_CALM_S if self.steps else CALM_S)
+        end = self.now + (self.calm_s or (CONTROL_CALM_S if self.steps else CALM_S))
         while self.events[0][0] <= end:
             self._step(end, None)
 
@@ -824,8 +839,22 @@ class Chaos:
         if self.calm:
             return
         live = self.live()
-        if kind in SHRINKING and len(live) < 2 or not live:
+        if kind == "target":
+            return self._scale_to(t, self.rng.randint(1, 6))
+        if kind == "router":
+            return self._timed_router_restart(t)
+        if kind in SHRINKING + ("replace",) and len(live) < 2 or not live:
             kind = "join"
+        if kind == "replace":  # it dies (silently or its engine), and Serve starts another in its place
+            rep = self.rng.choice(live)
+            rep.advance_to(t)
+            self.fleet_log.append((t, "replace", rep.rid))
+            if self.rng.random() < 0.7:
+                rep.gone = True
+            else:
+                rep.engine_dead = True
+            delay = self.rng.uniform(0.2, 2.5 * REPLICA_TIMEOUT_S)  # before the dead one timed out, or after
+            return self.schedule(t + delay, self._serve_join, "replacement", rep)
         if kind == "join":
             rid = f"j{next(self._joins)}"
             self.fleet_log.append((t, kind, rid))
@@ -844,6 +873,41 @@ class Chaos:
             rep.engine_dead = True
         elif kind == "leave":
             rep.stopping = True
+
+    def _scale_to(self, t: float, n: int) -> None:
+        """The driver scales the fleet to `n` (RolloutClient.scale): the router counts n at once,
+        then Serve adds replicas (some slowly, some it never places) or stops some gracefully."""
+        self.core.set_fleet_target(n, t)
+        self.seen["fleet target set"] += 1
+        live = self.live()
+        for _ in range(n - len(live)):
+            if self.rng.random() < 0.2:
+                self.seen["target replica never placed"] += 1
+                continue
+            delay = self.rng.uniform(0.05, 1.5 * REPLICA_TIMEOUT_S)
+            if delay > REPLICA_TIMEOUT_S:
+                self.seen["target replica placed slowly"] += 1
+            self.schedule(t + delay, self._serve_join, "target join", None)
+        for rep in self.rng.sample(live, max(0, len(live) - n)):
+            self.schedule(t + self.rng.uniform(0.0, 2.0), self._serve_leave, rep)
+
+    def _serve_join(self, t: float, why: str, dead: Optional[FakeReplica]) -> None:
+        if self.calm:
+            return  # not placed before the calm period: never
+        if dead is not None and dead.rid in self.core.replicas:
+            self.seen["replacement joined before the dead one expired"] += 1
+        rid = f"s{next(self._joins)}"
+        self.fleet_log.append((t, why, rid))
+        self._start_replica(rid, t)
+
+    def _serve_leave(self, t: float, rep: FakeReplica) -> None:
+        """Serve stops a replica gracefully (a scale-down): it hands its work back and says goodbye.
+        (In the calm period too: Serve always carries a scale-down out.)"""
+        if rep.gone or rep.stopping or rep.engine_dead or len(self.live()) < 2:
+            return
+        rep.advance_to(t)
+        self.fleet_log.append((t, "scale-down leave", rep.rid))
+        rep.stopping = True
 
     # -- router side
     def _expire(self, t: float) -> None:
@@ -1306,6 +1370,69 @@ def run_control_case(policy: str, seed: int, restart: bool = False) -> Chaos:
     return chaos
 
 
+SCALE_EVENTS = ("target", "target", "replace", "replace", "join", "leave", "die", "restart", "stall", "router")
+SCALE_CALM_S = 2 * REPLICA_TIMEOUT_S + 3.0  # a dead replica's timeout, then expire's settling timeout
+PROBE_LIMIT_S = 20.0  # the probe batch must be done by then (under static.ORPHAN_SHARE_S: nothing stranded)
+
+
+def check_fleet_counted(chaos: Chaos) -> None:
+    """After a calm period longer than replica_timeout_s with no fleet change, the router counts
+    the live fleet: exactly the replicas that pull."""
+    core = chaos.core
+    live = sorted(rid for rid, rep in chaos.fleet.items() if not rep.gone)
+    assert sorted(core.replicas) == live, (sorted(core.replicas), live, chaos.fleet_log)
+    assert core.expected_replicas == len(live), (
+        f"expected_replicas {core.expected_replicas} after the calm period, live fleet {live} "
+        f"(surplus_joins {core.surplus_joins}, unfilled_leaves {core.unfilled_leaves}); fleet {chaos.fleet_log}")
+
+
+def run_probe(chaos: Chaos) -> Batch:
+    """A last batch on the counted fleet, three sequences per live replica, no fault: it must be
+    done within PROBE_LIMIT_S (chunked's first round starts, static strands no share), and under
+    static every live replica runs its share of it."""
+    live = sorted(rid for rid, rep in chaos.fleet.items() if not rep.gone)
+    spec = SamplingSpec(max_tokens=40, logprobs=None)
+    probe = Batch([SequenceRequest([7, 8, 9], spec, i, 0, hidden_length=30) for i in range(3 * len(live))], 0.0)
+    chaos.batches.append(probe)
+    t0 = chaos.now
+    chaos.schedule(t0, chaos._submit, probe)
+
+    def stranded() -> None:
+        raise AssertionError(f"the probe batch is not done {PROBE_LIMIT_S:.0f} s after it went in: fetched "
+                             f"{len(probe.got)} of {len(probe.requests)}; expected_replicas "
+                             f"{chaos.core.expected_replicas}, live {live}; fleet {chaos.fleet_log}")
+    while not probe.settled:
+        chaos._step(t0 + PROBE_LIMIT_S, stranded)
+    end = chaos.now + 2.0
+    while chaos.events[0][0] <= end:
+        chaos._step(end, None)
+    if chaos.policy == "static":
+        ran = {c.replicas[0] for c in probe.got.values()}
+        assert ran == set(live), f"static's shares ran on {sorted(ran)}, live fleet {live}"
+    return probe
+
+
+def run_scale_case(policy: str, seed: int) -> Chaos:
+    """Batches while the fleet is scaled: driver targets (set_fleet_target, then Serve's joins or
+    graceful leaves, some slow, some never placed), declarative joins and leaves, deaths Serve
+    replaces (before the dead one timed out, or after), deaths it does not, replica restarts,
+    stalls and router restarts (a fresh core counts the config's replicas), over the usual report
+    faults. After the calm period the router counts the live fleet; then a probe batch runs on it."""
+    rng = random.Random(f"scale/{policy}/{seed}")
+    faults = Faults.draw(rng, horizon=10.0)
+    faults.fleet = sorted((rng.uniform(0.2, 10.0), rng.choice(SCALE_EVENTS)) for _ in range(rng.randint(3, 8)))
+    if rng.random() < 0.5:  # the fleet ends where a driver's target put it (a count under the fleet stays under)
+        faults.fleet.append((rng.uniform(10.0, 12.0), "target"))
+    batches = [Batch(random_requests(rng, rng.randint(3, 8), 3), 0.05 if k == 0 else rng.uniform(0.1, 8.0))
+               for k in range(rng.randint(2, 4))]
+    chaos = Chaos(policy, rng.randrange(1 << 30), faults, rng.randint(2, 5), batches, calm_s=SCALE_CALM_S)
+    chaos.run()
+    check_fleet_counted(chaos)
+    run_probe(chaos)
+    check_fleet_counted(chaos)
+    return check_all(chaos)
+
+
 # ---- tests --------------------------------------------------------------------------------------
 SEEDS = {"steal": 8, "pull": 8, "static": 8, "least-loaded": 8, "chunked": 8, "scripted": 8}
 CONTROL_SEEDS = 8
@@ -1373,6 +1500,83 @@ def test_the_faults_happen():
               "submitted while loading", "a restarted router took an older version",
               "old router's attempt given up as an orphan"}
     assert not wanted - set(seen), (wanted - set(seen), seen)
+
+
+SCALE_SEEDS = 10
+
+
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(SCALE_SEEDS)])
+def test_the_router_counts_a_scaled_fleet(policy, seed):
+    check_no_superseded_work(run_scale_case(policy, seed))
+
+
+def test_the_scale_events_happen():
+    """The scale cases do what run_scale_case says: every kind of fleet change shows."""
+    seen, kinds = Counter(), Counter()
+    for policy in sorted(POLICIES):
+        for seed in range(4):
+            chaos = run_scale_case(policy, seed)
+            seen += chaos.seen
+            kinds.update(kind for _, kind, _ in chaos.fleet_log)
+    wanted = {"fleet target set", "target replica never placed", "target replica placed slowly",
+              "replacement joined before the dead one expired", "batch lost with its router"}
+    assert not wanted - set(seen), (wanted - set(seen), seen)
+    wanted_kinds = {"replace", "replacement", "target join", "scale-down leave", "join", "leave", "die"}
+    assert not wanted_kinds - set(kinds), kinds
+    assert sum(v for k, v in seen.items() if k.startswith("router restarted")) > 0, seen
+
+
+def test_the_count_follows_the_fleet_before_the_settling_rule():
+    """The random scale cases check the count only after a calm period, where expire's settling
+    rule hides an overshoot. Here each change is checked at once, within one replica timeout:
+    a replacement that came before its dead predecessor timed out is taken back when it does,
+    a leave lowers the count, a driver's target holds through the leaves and joins it causes, and
+    a restarted router raises its config's count to the fleet that pulls."""
+    core = RouterCore(make_policy(POLICIES["static"], COST), expected_replicas=3,
+                      replica_timeout_s=REPLICA_TIMEOUT_S)
+    fleet = {"r0", "r1", "r2"}
+
+    def pull(t: float, *rids: str) -> None:
+        for rid in rids or sorted(fleet):
+            core.on_report(_report(rid, model=MODEL), t)
+        core.expire(t)
+
+    def count() -> tuple:
+        return core.expected_replicas, len(core.replicas)
+    pull(0.0)
+    assert count() == (3, 3)
+    fleet.discard("r2")  # r2 dies; Serve's replacement s0 comes before r2 times out
+    fleet.add("s0")
+    pull(1.0)
+    assert count() == (4, 4) and core.surplus_joins == 1
+    for t in (2.0, 3.0, 4.0, 5.5):
+        pull(t)
+    assert count() == (3, 3) and core.surplus_joins == 0  # r2 expired: its replacement's join taken back
+    core.on_report(replace(_report("r1"), leaving=True), 6.0)  # a declarative scale-down
+    fleet.discard("r1")
+    assert count() == (2, 2)
+    core.set_fleet_target(4, 7.0)  # the driver scales to 4: two join, slowly
+    pull(7.0)
+    assert count() == (4, 2)
+    fleet.update({"s1", "s2"})
+    pull(9.0)
+    assert count() == (4, 4)
+    core.set_fleet_target(1, 10.0)  # ...then to 1: three leave
+    for rid in ("r0", "s0", "s1"):
+        core.on_report(replace(_report(rid), leaving=True), 10.5)
+        fleet.discard(rid)
+        assert core.expected_replicas == 1
+    pull(11.0)
+    assert count() == (1, 1)
+    core = RouterCore(make_policy(POLICIES["static"], COST), expected_replicas=3,
+                      replica_timeout_s=REPLICA_TIMEOUT_S)
+    pull(20.0)  # a restarted router with the config's 3 over a fleet of 1: it settles after a timeout
+    assert count() == (3, 1)
+    pull(20.0 + REPLICA_TIMEOUT_S + 0.1)
+    assert count() == (1, 1)
+    fleet.update({"s3", "s4", "s5", "s6"})  # ...and a fleet grown past the config raises it at once
+    pull(30.0)
+    assert count() == (5, 5)
 
 
 def test_a_replica_back_after_its_timeout_has_its_old_attempts_given_up():
@@ -1667,7 +1871,7 @@ def test_chunked_starts_its_first_round_without_a_replica_that_failed_loading():
     assert work, f"expected {core.expected_replicas} replicas, usable {usable}"
 
 
-# ---- bugs the harness found once its workarounds went (open: xfail until fixed) -----------------
+# ---- bugs the harness found once its workarounds went (fixed) ----------------------------------
 # Found by random cases that are not among the seeds above (named in each docstring as
 # run_control_case's arguments), but the last; each test is its smallest form.
 def test_a_restarted_router_does_not_put_the_fleet_to_sleep_under_a_running_batch():
