@@ -258,7 +258,8 @@ class RolloutClient:
         takes work once its engine is up. The router counts `replicas` at once (static's shares,
         chunked's first round). Returns its status once exactly `replicas` replicas pull and Serve
         runs as many. Past `timeout_s` (replicas that no node can host, say) it raises
-        TimeoutError with Serve's replica states; the target stays, and Serve keeps trying. Growing a sleeping fleet is refused (wake() first). Uses Serve's external scaling
+        TimeoutError with Serve's replica states; the target stays, and Serve keeps trying.
+        Growing a sleeping fleet is refused (wake() first). Uses Serve's external scaling
         API: `RolloutClient.start` enables it; an app from a Serve config needs
         `external_scaler_enabled: true` on its application. A RayService's own num_replicas
         applies again only when its EngineReplica entry in serveConfigV2 changes (k8s/README.md)."""

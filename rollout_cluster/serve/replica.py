@@ -99,7 +99,7 @@ class EngineReplica:
             try:
                 for cmd, arg in orders.control:
                     await self._control(cmd, arg)
-                moves = [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
+                moves = self._moves_in_progress()
                 if orders.start and moves:
                     # The router sends no work while a load or a sleep move runs, as far as it knows:
                     # a wake that came while the engine still went to sleep reports (0, 0), as an
@@ -176,7 +176,7 @@ class EngineReplica:
             # In the background: the replica keeps pulling (and reporting `loading`), so a load longer
             # than router.replica_timeout_s does not look like a dead replica. After any load or
             # sleep move in progress, never beside it.
-            before = [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
+            before = self._moves_in_progress()
             task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"], before))
             self.loading = (arg["version"], task)
         elif cmd == "note_weights":  # asleep: the router orders the load at wake; keep it for a new router
@@ -191,6 +191,10 @@ class EngineReplica:
             before = [t for t in (self.sleep_task, self.loading and self.loading[1]) if t]
             reload = arg if cmd == "wake" else None
             self.sleep_task = asyncio.get_running_loop().create_task(self._move_sleep(goal, reload, before))
+
+    def _moves_in_progress(self) -> list:
+        """The weights load and the sleep move still running (each waits for those before it)."""
+        return [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
 
     def _reload_source(self) -> Optional[str]:
         """Where a level-2 sleeper reloads its weights from at wake: the latest checkpoint, else the
