@@ -5,7 +5,9 @@ The driver still holds every request: it submits the sequences it has not receiv
 router, and puts their completions back in their place. A sequence is received once; one that
 was running when the router went is generated again from its prompt (its partial tokens went
 with the router), so it is a fresh sample of the same request, and the output distribution is
-unchanged. Pure bookkeeping: RolloutClient's sync and async loops drive it.
+unchanged. It is asked for on the weights version the first submission ran on: a new router on
+other weights (another driver's update_weights) refuses it, and the batch fails, rather than mix
+two policies' samples. Pure bookkeeping: RolloutClient's sync and async loops drive it.
 """
 from __future__ import annotations
 
@@ -25,13 +27,17 @@ class BatchAcrossRestarts:
         self.cursor = 0  # how far the current router batch has been fetched
         self.positions = list(range(len(requests)))  # the current router batch's index -> place in `requests`
         self.offset_s = 0.0  # seconds from the first submission to the current one
+        self.weights_version = None  # what the first submission ran on: every resubmission asks for it
 
     @property
     def done(self) -> bool:
         return self.received == len(self.requests)
 
-    def submitted(self, batch_id: str, offset_s: float = 0.0) -> None:
-        self.batch_id, self.cursor, self.offset_s = batch_id, 0, offset_s
+    def submitted(self, answer: dict, offset_s: float = 0.0) -> None:
+        """The router's answer to a submission: {"batch_id", "weights_version"}."""
+        self.batch_id, self.cursor, self.offset_s = answer["batch_id"], 0, offset_s
+        if self.weights_version is None:
+            self.weights_version = answer["weights_version"]
 
     def take(self, new: list, cursor: int) -> list:
         """Place the completions one fetch returned; returns them, placed."""
@@ -49,6 +55,12 @@ class BatchAcrossRestarts:
     def timed_out(self, timeout_s: float) -> TimeoutError:
         return TimeoutError(f"batch {self.batch_id}: {self.received} of {len(self.requests)} sequences done after "
                             f"{timeout_s:g} s (timeout_s); the batch was cancelled")
+
+    def on_other_weights(self, lost: BatchLostError, refusal: Exception) -> BatchLostError:
+        """The new router holds other weights than the batch ran on: what to raise."""
+        return BatchLostError(f"{lost.args[0] if lost.args else lost}; {self.received} of {len(self.requests)} "
+                              f"sequences were received on weights version {self.weights_version}, and the rest "
+                              f"cannot be generated on the same weights: {refusal}")
 
     def resubmission(self, lost: BatchLostError) -> list:
         """The requests to submit again after the router lost the current batch."""

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Optional, Sequence, Union
 
 from .batch_follow import BatchAcrossRestarts
 from .config import ClusterConfig, load_config
-from .types import BatchLostError, Completion, InputError, SamplingSpec, SequenceRequest, is_int
+from .types import BatchLostError, Completion, InputError, SamplingSpec, SequenceRequest, WeightsVersionError, is_int
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 3600.0
@@ -339,27 +339,37 @@ class RolloutClient:
             ray.shutdown()
 
     # ---- generation -----------------------------------------------------------------------
-    def submit(self, requests: list, wait_for_replica_s: Optional[float] = None) -> str:
+    def submit(self, requests: list, wait_for_replica_s: Optional[float] = None,
+               weights_version: Optional[int] = None) -> str:
         """Queue a batch and return its id without waiting; fetch it with router.fetch, as
         run_requests does. A batch nobody fetches from for router.abandoned_batch_s (900 s) is taken
         for one whose driver died, and dropped: a trainer that submits step k+1 and trains on step k
-        for longer must fetch meanwhile, or raise the setting."""
-        return self.router.submit.remote(requests, wait_for_replica_s).result(
+        for longer must fetch meanwhile, or raise the setting. With `weights_version`, a fleet on
+        other weights refuses the batch (WeightsVersionError, an InputError)."""
+        return self._submit(requests, wait_for_replica_s, weights_version)["batch_id"]
+
+    def _submit(self, requests: list, wait_for_replica_s: Optional[float], weights_version: Optional[int]) -> dict:
+        """{"batch_id", "weights_version"}: the batch's id and the weights it runs on."""
+        return self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
             timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
 
     def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                  progress: bool = False, timeout_s: Optional[float] = None,
-                 hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None) -> list:
+                 hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None,
+                 weights_version: Optional[int] = None) -> list:
         """One Completion per (prompt, sample), in input order. Without `sampling`, the app's
-        `sampling` section (sampling_defaults) applies to every prompt."""
+        `sampling` section (sampling_defaults) applies to every prompt. `weights_version` (the
+        version update_weights returned) makes sure every sample comes from those weights: a fleet
+        on others refuses the batch (WeightsVersionError). Without it the batch runs on the current
+        weights, and a resubmission after a router restart asks for the same ones."""
         requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths)
-        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s)
+        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version)
 
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
-                     wait_for_replica_s: Optional[float] = None) -> list:
+                     wait_for_replica_s: Optional[float] = None, weights_version: Optional[int] = None) -> list:
         follow = BatchAcrossRestarts(requests, self.max_router_restarts)
         t0 = time.monotonic()
-        follow.submitted(self.submit(requests, wait_for_replica_s))
+        follow.submitted(self._submit(requests, wait_for_replica_s, weights_version))
         self.last_batch_id = follow.batch_id
         bar = _bar(len(requests), progress)
         deadline = t0 + (timeout_s or self.timeout_s)
@@ -374,7 +384,11 @@ class RolloutClient:
             except BatchLostError as lost:
                 again = follow.resubmission(lost)
                 self._note_restart(follow, lost, len(again))
-                follow.submitted(self.submit(again, wait_for_replica_s), time.monotonic() - t0)
+                try:
+                    answer = self._submit(again, wait_for_replica_s, follow.weights_version)
+                except WeightsVersionError as other:
+                    raise follow.on_other_weights(lost, other) from other
+                follow.submitted(answer, time.monotonic() - t0)
                 self.last_batch_id = follow.batch_id
                 continue
             except Exception as e:
@@ -413,9 +427,11 @@ class RolloutClient:
                     lost.args[0] if lost.args else lost, again, follow.received, len(follow.requests))
 
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
-                     timeout_s: Optional[float] = None) -> AsyncIterator[Completion]:
-        """Completions as they finish (not in input order). Without `sampling`, as generate. A
-        router restart resubmits what was not yielded yet, as generate does."""
+                     timeout_s: Optional[float] = None,
+                     weights_version: Optional[int] = None) -> AsyncIterator[Completion]:
+        """Completions as they finish (not in input order). Without `sampling`, and with
+        `weights_version`, as generate. A router restart resubmits what was not yielded yet, on
+        the same weights, as generate does."""
         if sampling is None:
             status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
             sampling = SamplingSpec(**status.get("sampling_defaults", {}))
@@ -423,7 +439,8 @@ class RolloutClient:
         follow = BatchAcrossRestarts(requests, self.max_router_restarts)
         t0 = time.monotonic()
         deadline = t0 + (timeout_s or self.timeout_s)
-        follow.submitted(await asyncio.wait_for(self.router.submit.remote(requests, None), self.call_timeout_s))
+        follow.submitted(await asyncio.wait_for(self.router.submit_batch.remote(requests, None, weights_version),
+                                                self.call_timeout_s))
         gone = None
         while not follow.done:
             if time.monotonic() > deadline:
@@ -438,8 +455,12 @@ class RolloutClient:
             except BatchLostError as lost:
                 again = follow.resubmission(lost)
                 self._note_restart(follow, lost, len(again))
-                bid = await asyncio.wait_for(self.router.submit.remote(again, None), self.call_timeout_s)
-                follow.submitted(bid, time.monotonic() - t0)
+                try:
+                    answer = await asyncio.wait_for(
+                        self.router.submit_batch.remote(again, None, follow.weights_version), self.call_timeout_s)
+                except WeightsVersionError as other:
+                    raise follow.on_other_weights(lost, other) from other
+                follow.submitted(answer, time.monotonic() - t0)
                 continue
             except Exception as e:
                 gone = self._router_gone(e, gone)

@@ -12,7 +12,7 @@ from typing import Optional
 
 from .fleet_sleep import SLEEP_LEVELS, FleetSleep
 from .state import ReplicaState
-from .types import InputError, Orders, Report, is_int
+from .types import InputError, Orders, Report, WeightsVersionError, is_int
 
 
 class EngineControl:
@@ -81,6 +81,27 @@ class EngineControl:
         elif rep.weights_ordered == v and report.weights_loading != v and not self._order_pending(rep.replica_id):
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
         self._order_weights(rep)
+
+    def check_batch_weights(self, version) -> None:
+        """A batch that names its weights version runs on it or is refused: a trainer that updated
+        to version v gets no sample of another version (after a router restart, another driver's
+        update_weights). None: the batch runs on the current version."""
+        if version is None:
+            return
+        if not is_int(version) or version < 0:
+            raise InputError("weights_version", version, "must be an integer >= 0 (a version update_weights set), "
+                             "or None for the current one")
+        if version != self.weights_version:
+            learning = (f"; this router is new (or restarted) and has learned it from {len(self.replicas)} "
+                        "replica(s) so far"
+                        if self.learning_weights_below(version) else "")
+            raise WeightsVersionError("weights_version", version,
+                                      f"the fleet's weights are version {self.weights_version} "
+                                      f"({self.weights_path or 'the config model'!r}){learning}: the batch was not run")
+
+    def learning_weights_below(self, version) -> bool:
+        """A restarted router that may not have heard yet of `version` from its replicas."""
+        return is_int(version) and self.weights_learning and version > self.weights_version
 
     def _refuse_while_learning_a_load(self) -> None:
         """A restarted router that has not settled on the weights, while a replica loads some (the

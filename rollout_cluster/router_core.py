@@ -109,10 +109,13 @@ class RouterCore(EngineControl):
         self._init_control()  # weights and sleep (router_control.py)
 
     # ---- driver side --------------------------------------------------------------------
-    def submit(self, requests: list, now: float, batch_id: Optional[str] = None) -> str:
-        """Queue a batch of SequenceRequests. Invalid ones finish at once with an error."""
+    def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
+               weights_version: Optional[int] = None) -> str:
+        """Queue a batch of SequenceRequests. Invalid ones finish at once with an error. With
+        `weights_version`, the batch is refused unless the fleet's weights are that version."""
         if not self.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
+        self.check_batch_weights(weights_version)
         self._refuse_while_asleep()
         self._refuse_while_learning_a_load()
         if self.no_replica_can_load():

@@ -22,6 +22,23 @@ class InputError(ValueError):
         super().__init__(f"{field_name}={shown}: {why}")
         self.field = field_name
 
+    def __reduce__(self):
+        # Pickled across Ray (a router's refusal reaches the driver): pickle's default would call
+        # the class with the message alone, and the driver would get a deserialization error.
+        return _rebuilt_input_error, (type(self), self.args[0], self.field)
+
+
+def _rebuilt_input_error(cls, message: str, field_name: str) -> InputError:
+    error = cls.__new__(cls)
+    ValueError.__init__(error, message)
+    error.field = field_name
+    return error
+
+
+class WeightsVersionError(InputError):
+    """A batch asked for weights (`weights_version`) other than those the fleet holds: it was not
+    run, so that an RL step's samples all come from the policy the trainer meant."""
+
 
 class BatchLostError(KeyError):
     """A batch the router does not hold because the router that ran it is gone: it restarted,

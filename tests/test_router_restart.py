@@ -16,7 +16,7 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
 from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
-                                   SeqProgress, SequenceRequest)
+                                   SeqProgress, SequenceRequest, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=64)
 
@@ -52,9 +52,12 @@ class FakeRouter:
         self.before_fetch = []  # one callable is taken and run before each fetch: faults
         self.restart()
         self.submit, self.fetch, self.cancel = Method(self._submit), Method(self._fetch), Method(self._cancel)
+        self.submit_batch = Method(self._submit_batch)
 
-    def restart(self) -> None:
+    def restart(self, weights: tuple = (0, "")) -> None:
+        """A new router; its replica reports holding `weights` (version, path)."""
         self.generation += 1
+        self.weights = weights
         self.core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix=f"r{self.generation}-")
         self.now = 0.0
         self.report([], model=ModelInfo(1000, 4096))
@@ -62,10 +65,16 @@ class FakeRouter:
 
     def report(self, progress, model=None):
         self.now += 0.01
-        return self.core.on_report(Report("a", f"inc{self.generation}", progress, EngineStats(), model, 64), self.now)
+        version, path = self.weights
+        return self.core.on_report(Report("a", f"inc{self.generation}", progress, EngineStats(), model, 64,
+                                          weights_version=version, weights_path=path), self.now)
 
-    def _submit(self, requests, wait_for_replica_s=None):
-        return self.core.submit(requests, self.now)
+    def _submit(self, requests, wait_for_replica_s=None, weights_version=None):
+        return self.core.submit(requests, self.now, weights_version=weights_version)
+
+    def _submit_batch(self, requests, wait_for_replica_s=None, weights_version=None):
+        bid = self._submit(requests, wait_for_replica_s, weights_version)
+        return {"batch_id": bid, "weights_version": self.core.batches[bid].weights_version}
 
     def _cancel(self, batch_id):
         return self.core.cancel(batch_id, self.now)
@@ -172,11 +181,11 @@ def test_stream_yields_each_sequence_once_across_a_restart():
 def test_the_follower_places_completions_and_refuses_one_twice():
     reqs = requests(5)
     follow = BatchAcrossRestarts(reqs)
-    follow.submitted("r1-b0")
+    follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
     follow.take([Completion(0, 0, [1], None, "length", index=0, finish_time_s=1.0)], 1)
     again = follow.resubmission(BatchLostError("gone"))
     assert again == reqs[1:] and follow.positions == [1, 2, 3, 4]
-    follow.submitted("r2-b0", offset_s=10.0)
+    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, offset_s=10.0)
     (c,) = follow.take([Completion(3, 0, [1], None, "length", index=2, finish_time_s=2.0)], 1)
     assert (c.index, c.finish_time_s) == (3, 12.0)  # its place, and seconds since the first submission
     with pytest.raises(RuntimeError, match="sequence 3 returned twice"):
@@ -196,3 +205,39 @@ def test_a_fetch_left_unanswered_is_asked_again_and_a_router_that_never_answers_
     client.call_timeout_s = 0.6
     with pytest.raises(TimeoutError, match=r"the router has not answered for \d+ s .*call_timeout_s=0.6"):
         client.run_requests(reqs)
+
+
+def test_a_resubmission_asks_for_the_weights_the_batch_ran_on():
+    router, reqs = FakeRouter(per_fetch=3), requests(12)
+    router.restart(weights=(2, "/ckpt/step-2"))
+    router.before_fetch = [lambda: None, lambda: router.restart(weights=(2, "/ckpt/step-2"))]
+    client = client_over(router)
+    results = client.run_requests(reqs)
+    check_every_sequence_once_in_place(results, reqs)
+    assert {c.weights_version for c in results} == {2} and client.router_restarts == 1
+
+    # The new router holds other weights (another driver's update_weights): the batch fails,
+    # saying how much was received on which version, rather than mix two policies' samples.
+    router.restart(weights=(2, "/ckpt/step-2"))
+    router.before_fetch = [lambda: None, lambda: router.restart(weights=(3, "/ckpt/step-3"))]
+    with pytest.raises(BatchLostError, match=r"3 of 12 sequences were received on weights version 2.*"
+                                             r"weights_version=2: the fleet's weights are version 3 \('/ckpt/step-3'\): the batch was not run"):
+        client.run_requests(reqs)
+
+    async def collect():
+        return [c async for c in client.stream([[1, 2]] * 4, SamplingSpec(n=2, max_tokens=5))]
+    router.restart(weights=(2, "/ckpt/step-2"))
+    router.before_fetch = [lambda: None, lambda: router.restart(weights=(3, "/ckpt/step-3"))]
+    with pytest.raises(BatchLostError, match=r"received on weights version 2.*version 3"):
+        asyncio.run(collect())
+
+
+def test_a_batch_pinned_to_other_weights_is_refused_at_once_not_resubmitted():
+    router, reqs = FakeRouter(), requests(4)
+    router.restart(weights=(5, "/ckpt/step-5"))
+    client = client_over(router)
+    with pytest.raises(WeightsVersionError, match=r"weights_version=4: the fleet's weights are version 5"):
+        client.run_requests(reqs, weights_version=4)
+    assert not router.core.batches and client.router_restarts == 0
+    results = client.run_requests(reqs, weights_version=5)
+    assert [c.weights_version for c in results] == [5] * 4

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     try:
         client.wait_ready(cfg.replicas if deployed else 1)
         version = client.update_weights(a.weights) if a.weights else None
-        summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s)
+        summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s, weights_version=version)
         if version is not None:
             summary["weights_version"] = version
     finally:

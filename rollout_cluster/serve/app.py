@@ -11,6 +11,7 @@ from ray import serve
 from starlette.requests import Request
 
 from ..config import ClusterConfig, load_config, to_dict
+from ..types import WeightsVersionError
 from .replica import EngineReplica
 from .router import Router
 
@@ -21,7 +22,8 @@ class Gateway:
     - GET  /<app>           the router's status as JSON (health checks, dashboards);
     - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (one request a
       line), answered with the output JSONL once every sequence is done. `?timeout_s=` bounds the
-      wait (default 3600); past it the batch is cancelled and the answer is 504.
+      wait (default 3600); past it the batch is cancelled and the answer is 504. `?weights_version=`
+      runs it only on those weights: a fleet on others answers 409.
     For trainers that are not Python; a Python driver uses RolloutClient (streaming, no HTTP limits)."""
 
     def __init__(self, router, replicas, sampling_defaults: dict = None):
@@ -51,12 +53,18 @@ class Gateway:
         except ValueError:
             return JSONResponse({"error": f"timeout_s={request.query_params['timeout_s']!r}: not a number"},
                                 status_code=400)
+        version = request.query_params.get("weights_version")
+        if version is not None and not version.isdigit():
+            return JSONResponse({"error": f"weights_version={version!r}: must be an integer >= 0"}, status_code=400)
+        version = None if version is None else int(version)
         lines = (await request.body()).decode("utf-8", errors="replace").splitlines()
         requests, errors = read_requests(lines, self.sampling_defaults)
         results = [None] * len(requests)
         if requests:
             try:
-                bid = await self.router.submit.remote(requests)
+                bid = await self.router.submit.remote(requests, None, version)
+            except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
+                return JSONResponse({"error": str(e)}, status_code=409)
             except Exception as e:  # no live replica, weights not loadable: say why
                 return JSONResponse({"error": str(e)}, status_code=503)
             try:

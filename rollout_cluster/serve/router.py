@@ -24,6 +24,9 @@ from ..router_core import NoLiveReplicaError, RouterCore
 from ..types import Orders, Report
 
 log = logging.getLogger("ray.serve")
+# A batch that names a weights version newer than a new router knows waits this long after the
+# first replica reports, for the others: twice the longest report interval a fleet is told.
+WEIGHTS_LEARN_WAIT_S = 10.0
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -105,18 +108,31 @@ class Router:
         orders.report_interval_s = self.cfg.router.report_interval_for(len(core.replicas))
         return orders
 
-    async def submit(self, requests: list, wait_for_replica_s: float | None = None) -> str:
+    async def submit(self, requests: list, wait_for_replica_s: float | None = None,
+                     weights_version: int | None = None) -> str:
+        """Queue a batch; returns its id. Waits up to `wait_for_replica_s` for a replica that says
+        which model it runs and, with `weights_version`, for a restarted router to learn that
+        version from its replicas; a batch on other weights is refused (WeightsVersionError)."""
         wait = self.cfg.router.submit_wait_for_replica_s if wait_for_replica_s is None else wait_for_replica_s
         deadline = time.monotonic() + wait
-        while not self.core.replicas or self.core.model is None:
-            if time.monotonic() >= deadline:
-                what = (f"{len(self.core.replicas)} replicas pull, but none has said which model it runs"
-                        if self.core.replicas else "no live engine replica")
+        core, learn_until = self.core, None
+        while True:
+            now = time.monotonic()
+            ready = bool(core.replicas) and core.model is not None
+            if ready and not core.learning_weights_below(weights_version):
+                break
+            if ready:  # replicas report their weights as they join: the rest join soon or hold the same
+                learn_until = learn_until or now + WEIGHTS_LEARN_WAIT_S
+                if now >= min(learn_until, deadline):
+                    break  # core.submit refuses it, naming both versions
+            elif now >= deadline:
+                what = (f"{len(core.replicas)} replicas pull, but none has said which model it runs"
+                        if core.replicas else "no live engine replica")
                 raise NoLiveReplicaError(
                     f"{what} after {wait:.0f} s (router.submit_wait_for_replica_s): "
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
-        bid = self.core.submit(requests, time.monotonic())
+        bid = core.submit(requests, time.monotonic(), weights_version=weights_version)
         if self.core.trace is not None:
             self.submit_t[bid] = self.core.batches[bid].submitted_t
         self.batch_progress[bid] = asyncio.Event()
@@ -124,6 +140,13 @@ class Router:
         if self.core.batches[bid].order:
             self.batch_progress[bid].set()
         return bid
+
+    async def submit_batch(self, requests: list, wait_for_replica_s: float | None = None,
+                           weights_version: int | None = None) -> dict:
+        """`submit`, answering {"batch_id", "weights_version"}: the version the batch runs on,
+        which a driver asks for again if it must resubmit after a router restart."""
+        bid = await self.submit(requests, wait_for_replica_s, weights_version)
+        return {"batch_id": bid, "weights_version": self.core.batches[bid].weights_version}
 
     async def fetch(self, batch_id: str, cursor: int = 0, wait_s: float = 1.0) -> tuple:
         """(new completions, cursor, done). Waits up to `wait_s` for something new."""

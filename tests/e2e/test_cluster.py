@@ -112,8 +112,13 @@ def test_http_generate_takes_and_returns_the_jsonl_format(client, tmp_path):
     _check_jsonl_output(tmp_path / "out.jsonl")
     with urllib.request.urlopen(base, timeout=60) as r:  # GET: the router's status
         assert "replicas" in json.loads(r.read())
+    version = client.status()["weights"]["version"]
     for req, code, said in [(urllib.request.Request(f"{base}/generate?timeout_s=soon", data=body, method="POST"),
                              400, "timeout_s='soon'"),
+                            (urllib.request.Request(f"{base}/generate?weights_version=v1", data=body, method="POST"),
+                             400, "weights_version='v1'"),
+                            (urllib.request.Request(f"{base}/generate?weights_version={version + 5}", data=body,
+                                                    method="POST"), 409, f"fleet's weights are version {version}"),
                             (urllib.request.Request(f"{base}/generate", method="GET"), 405, "POST /generate")]:
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=60)

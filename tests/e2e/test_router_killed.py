@@ -40,6 +40,9 @@ def new_router_status(client, old_id: str, timeout_s: float = 300) -> dict:
 
 def test_generate_returns_every_sequence_once_across_a_router_restart(client, fresh_policy):
     fresh_policy("pull")
+    # The same weights as a new version: the new router must learn it from the replicas, and the
+    # resubmission asks for it (the batch's samples all come from one version).
+    version = client.update_weights(str(ROOT / "models" / "tiny-llama"))
     old_id = client.status()["router_id"]
     lengths = [20] * 16 + [1200] * 48  # the short ones are fetched before the kill, the long ones run
     requests = expand([[60 + i, 7, 8] for i in range(len(lengths))],
@@ -68,6 +71,7 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
     assert [c.index for c in results] == list(range(len(lengths)))
     assert [len(c.token_ids) for c in results] == lengths
     assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.token_ids) for c in results)
+    assert {c.weights_version for c in results} == {version}
     first = {c.batch_id for c in results if c.batch_id.startswith(old_id[:6])}
     again = [c for c in results if not c.batch_id.startswith(old_id[:6])]
     assert len(first) == 1 and again  # the first router's one batch, then the new router's

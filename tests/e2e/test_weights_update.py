@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from rollout_cluster.model_maker import make_model
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.types import SamplingSpec, WeightsVersionError
 
 from e2e_support import ROOT, VENV_BIN, ray_env
 
@@ -45,6 +45,10 @@ def test_update_weights_reloads_every_replica_and_back(client, tmp_path):
     assert set(client.status()["weights"]["replicas"].values()) == {v1}
     after = tokens(client)
     assert {c.weights_version for c in after} == {v1}
+    # A trainer that names the version it trains gets exactly those weights, or a refusal
+    assert {c.weights_version for c in client.generate(PROMPTS[:1], GREEDY, weights_version=v1)} == {v1}
+    with pytest.raises(WeightsVersionError, match=rf"weights_version={v0}: the fleet's weights are version {v1}"):
+        client.generate(PROMPTS, GREEDY, weights_version=v0)
     assert len({c.replicas[0] for c in after}) == 2  # both replicas served with the new weights
     assert by_prompt(after) != by_prompt(before)
     # The prefix cache was reset with the weights: `after` did not reuse the KV `before` left
