@@ -383,7 +383,8 @@ class RolloutClient:
                     timeout_s=self.call_timeout_s)
             except BatchLostError as lost:
                 again = follow.resubmission(lost)
-                self._note_restart(follow, lost, len(again))
+                note_restart(follow, lost, len(again))
+                self._count_restart()
                 try:
                     answer = self._submit(again, wait_for_replica_s, follow.weights_version)
                 except WeightsVersionError as other:
@@ -392,7 +393,7 @@ class RolloutClient:
                 self.last_batch_id = follow.batch_id
                 continue
             except Exception as e:
-                gone = self._router_gone(e, gone)  # it died under the call: ask the next one
+                gone = router_gone(e, gone, self.call_timeout_s)  # it died under the call: ask the next one
                 time.sleep(0.5)
                 continue
             gone = None
@@ -403,29 +404,6 @@ class RolloutClient:
             bar.close()
         return follow.results
 
-    def _router_gone(self, error: Exception, since: Optional[float]) -> float:
-        """A fetch failed because the router's process died under the call, or the call went
-        unanswered for call_timeout_s (a call to a router killed under it can be). Serve starts a
-        new router, which answers the next fetch with BatchLostError; fetching again is safe (a
-        fetch only reads). Anything else, or a router gone for longer than call_timeout_s more,
-        is raised. Returns since when it is gone."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
-        now = time.monotonic()
-        if not isinstance(error, (RayActorError, ActorUnavailableError, TimeoutError)):
-            raise error
-        if since is not None and now - since > self.call_timeout_s:
-            raise TimeoutError(f"the router has not answered for {now - since:.0f} s since it died "
-                               f"(call_timeout_s={self.call_timeout_s:g}): {error}") from error
-        if since is None:
-            log.warning("the router died under a fetch (%r); waiting for Serve's new one", error)
-        return now if since is None else since
-
-    def _note_restart(self, follow: BatchAcrossRestarts, lost: BatchLostError, again: int) -> None:
-        self.router_restarts += 1
-        log.warning("%s; submitting the %d sequences not received again (%d of %d received)",
-                    lost.args[0] if lost.args else lost, again, follow.received, len(follow.requests))
-
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                      timeout_s: Optional[float] = None,
                      weights_version: Optional[int] = None) -> AsyncIterator[Completion]:
@@ -435,59 +413,81 @@ class RolloutClient:
         if sampling is None:
             status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
             sampling = SamplingSpec(**status.get("sampling_defaults", {}))
-        requests = expand(prompts, sampling)
-        follow = BatchAcrossRestarts(requests, self.max_router_restarts)
-        t0 = time.monotonic()
-        deadline = t0 + (timeout_s or self.timeout_s)
-        follow.submitted(await asyncio.wait_for(self.router.submit_batch.remote(requests, None, weights_version),
-                                                self.call_timeout_s))
-        gone = None
-        while not follow.done:
-            if time.monotonic() > deadline:
-                try:
-                    await asyncio.wait_for(self.router.cancel.remote(follow.batch_id), self.call_timeout_s)
-                except Exception:
-                    pass
-                raise follow.timed_out(timeout_s or self.timeout_s)
-            try:
-                new, cursor, _ = await asyncio.wait_for(
-                    self.router.fetch.remote(follow.batch_id, follow.cursor, 1.0), self.call_timeout_s)
-            except BatchLostError as lost:
-                again = follow.resubmission(lost)
-                self._note_restart(follow, lost, len(again))
-                try:
-                    answer = await asyncio.wait_for(
-                        self.router.submit_batch.remote(again, None, follow.weights_version), self.call_timeout_s)
-                except WeightsVersionError as other:
-                    raise follow.on_other_weights(lost, other) from other
-                follow.submitted(answer, time.monotonic() - t0)
-                continue
-            except Exception as e:
-                gone = self._router_gone(e, gone)
-                await asyncio.sleep(0.5)
-                continue
-            gone = None
-            for c in follow.take(new, cursor):
-                yield c
+        async for c in follow_batch(self.router, expand(prompts, sampling), timeout_s or self.timeout_s,
+                                    self.call_timeout_s, self.max_router_restarts, weights_version,
+                                    on_restart=self._count_restart):
+            yield c
+
+    def _count_restart(self) -> None:
+        self.router_restarts += 1
 
 
-async def completions(router, batch_id: str, total: int, timeout_s: float,
-                      call_timeout_s: float = 120.0) -> AsyncIterator[Completion]:
-    """The completions of a submitted batch as they finish, long-polling the router's `fetch`.
-    Past `timeout_s` the batch is cancelled and TimeoutError raised. The HTTP route uses it (it runs
-    in the router, so a router restart ends the request: RolloutClient.stream resubmits instead)."""
-    deadline = time.monotonic() + timeout_s
-    cursor, done = 0, False
-    while not done:
+def router_gone(error: Exception, since: Optional[float], call_timeout_s: float) -> float:
+    """A fetch failed because the router's process died under the call, or the call went
+    unanswered for call_timeout_s (a call to a router killed under it can be). Serve starts a
+    new router, which answers the next fetch with BatchLostError; fetching again is safe (a
+    fetch only reads). Anything else, or a router gone for longer than call_timeout_s more,
+    is raised. Returns since when it is gone."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    now = time.monotonic()
+    if not isinstance(error, (RayActorError, ActorUnavailableError, TimeoutError)):
+        raise error
+    if since is not None and now - since > call_timeout_s:
+        raise TimeoutError(f"the router has not answered for {now - since:.0f} s since it died "
+                           f"(call_timeout_s={call_timeout_s:g}): {error}") from error
+    if since is None:
+        log.warning("the router died under a fetch (%r); waiting for Serve's new one", error)
+    return now if since is None else since
+
+
+def note_restart(follow: BatchAcrossRestarts, lost: BatchLostError, again: int) -> None:
+    log.warning("%s; submitting the %d sequences not received again (%d of %d received)",
+                lost.args[0] if lost.args else lost, again, follow.received, len(follow.requests))
+
+
+async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,
+                       max_restarts: int = 3, weights_version: Optional[int] = None,
+                       on_restart=None) -> AsyncIterator[Completion]:
+    """Submit `requests` as one batch and yield its completions as they finish, long-polling the
+    router's `fetch`. A router restart loses the batch: what was not yielded yet is submitted
+    again, on the weights the first submission ran on (batch_follow.py), at most `max_restarts`
+    times. Past `timeout_s` the batch is cancelled and TimeoutError raised. RolloutClient.stream
+    and the HTTP route (serve/app.py, a deployment of its own that outlives the router) use it."""
+    follow = BatchAcrossRestarts(requests, max_restarts)
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    follow.submitted(await asyncio.wait_for(router.submit_batch.remote(requests, None, weights_version),
+                                            call_timeout_s))
+    gone = None
+    while not follow.done:
         if time.monotonic() > deadline:
             try:
-                await asyncio.wait_for(router.cancel.remote(batch_id), call_timeout_s)
+                await asyncio.wait_for(router.cancel.remote(follow.batch_id), call_timeout_s)
             except Exception:
                 pass
-            raise TimeoutError(f"batch {batch_id}: {cursor} of {total} sequences done after {timeout_s:g} s "
-                               "(timeout_s); the batch was cancelled")
-        new, cursor, done = await asyncio.wait_for(router.fetch.remote(batch_id, cursor, 1.0), call_timeout_s)
-        for c in new:
+            raise follow.timed_out(timeout_s)
+        try:
+            new, cursor, _ = await asyncio.wait_for(
+                router.fetch.remote(follow.batch_id, follow.cursor, 1.0), call_timeout_s)
+        except BatchLostError as lost:
+            again = follow.resubmission(lost)
+            note_restart(follow, lost, len(again))
+            if on_restart is not None:
+                on_restart()
+            try:
+                answer = await asyncio.wait_for(
+                    router.submit_batch.remote(again, None, follow.weights_version), call_timeout_s)
+            except WeightsVersionError as other:
+                raise follow.on_other_weights(lost, other) from other
+            follow.submitted(answer, time.monotonic() - t0)
+            continue
+        except Exception as e:
+            gone = router_gone(e, gone, call_timeout_s)
+            await asyncio.sleep(0.5)
+            continue
+        gone = None
+        for c in follow.take(new, cursor):
             yield c
 
 

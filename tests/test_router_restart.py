@@ -11,7 +11,7 @@ from ray.exceptions import ActorDiedError
 
 from rollout_cluster.batch_follow import BatchAcrossRestarts
 from rollout_cluster.config import PolicyConfig
-from rollout_cluster.driver import RolloutClient
+from rollout_cluster.driver import RolloutClient, follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
@@ -241,3 +241,22 @@ def test_a_batch_pinned_to_other_weights_is_refused_at_once_not_resubmitted():
     assert not router.core.batches and client.router_restarts == 0
     results = client.run_requests(reqs, weights_version=5)
     assert [c.weights_version for c in results] == [5] * 4
+
+
+def test_follow_batch_cancels_a_batch_past_its_timeout():
+    """The follower the HTTP route and stream share: past timeout_s the batch is cancelled, so
+    its sequences stop taking engine time, and TimeoutError names how far it got."""
+    router, reqs = FakeRouter(per_fetch=1), requests(6)
+
+    async def follow():
+        got = []
+        with pytest.raises(TimeoutError, match=r"of 6 sequences done after 0.3 s \(timeout_s\); the batch was cancelled"):
+            async for c in follow_batch(router, reqs, timeout_s=0.3, call_timeout_s=5.0):
+                got.append(c)
+                await asyncio.sleep(0.1)
+        return got
+    got = asyncio.run(follow())
+    (batch,) = router.core.batches.values()
+    assert batch.cancelled and 1 <= len(got) < 6
+    left = [s for s in router.core.seqs.values() if s.batch_id == batch.batch_id]
+    assert left and all(s.cancelled for s in left)  # the rest stop, not left to run

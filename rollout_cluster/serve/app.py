@@ -26,10 +26,11 @@ class Gateway:
       runs it only on those weights: a fleet on others answers 409.
     For trainers that are not Python; a Python driver uses RolloutClient (streaming, no HTTP limits)."""
 
-    def __init__(self, router, replicas, sampling_defaults: dict = None):
+    def __init__(self, router, replicas, sampling_defaults: dict = None, call_timeout_s: float = 120.0):
         self.router = router
         self.replicas = replicas
         self.sampling_defaults = sampling_defaults or {}  # the config's `sampling`: what a line leaves out
+        self.call_timeout_s = call_timeout_s
 
     async def __call__(self, request: Request):
         from starlette.responses import JSONResponse
@@ -45,7 +46,7 @@ class Gateway:
     async def _generate(self, request: Request):
         from starlette.responses import JSONResponse, Response
 
-        from ..driver import completions
+        from ..driver import follow_batch
         from ..jsonl_io import merge_results, read_requests
 
         try:
@@ -61,17 +62,18 @@ class Gateway:
         requests, errors = read_requests(lines, self.sampling_defaults)
         results = [None] * len(requests)
         if requests:
+            # The router is a deployment of its own: if it restarts, what was not received is
+            # submitted again to the new one, as RolloutClient does.
             try:
-                bid = await self.router.submit.remote(requests, None, version)
+                async for c in follow_batch(self.router, requests, timeout_s, self.call_timeout_s,
+                                            weights_version=version):
+                    results[c.index] = c
             except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
                 return JSONResponse({"error": str(e)}, status_code=409)
-            except Exception as e:  # no live replica, weights not loadable: say why
-                return JSONResponse({"error": str(e)}, status_code=503)
-            try:
-                async for c in completions(self.router, bid, len(requests), timeout_s):
-                    results[c.index] = c
             except TimeoutError as e:
                 return JSONResponse({"error": str(e)}, status_code=504)
+            except Exception as e:  # no live replica, weights not loadable, batch lost: say why
+                return JSONResponse({"error": str(e)}, status_code=503)
         records = merge_results(len(lines), requests, results, errors)
         body = "".join(json.dumps(r) + "\n" for r in records)
         return Response(body, media_type="application/x-ndjson")
@@ -105,7 +107,7 @@ def build_app(cfg: ClusterConfig):
     # Each POST /generate holds a Gateway slot until its batch is done: Serve's default of 5 would
     # let five batches block GET / (health checks) and every further batch.
     gateway = Gateway.options(max_ongoing_requests=cfg.router.max_ongoing_requests)
-    return gateway.bind(router, replicas, cfg.sampling.spec_fields())
+    return gateway.bind(router, replicas, cfg.sampling.spec_fields(), cfg.router.call_timeout_s)
 
 
 def build(args: dict):

@@ -2,8 +2,11 @@
 batches): a driver's generate still returns every sequence once, in its place, by submitting
 again what it had not received. A fleet that sleeps keeps sleeping through the restart, and
 wakes on the weights an update made while it slept names."""
+import json
+import os
 import threading
 import time
+import urllib.request
 
 import pytest
 import ray
@@ -22,6 +25,17 @@ def kill_router() -> str:
     (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#Router#" in a["name"]]
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
     return actor["name"]
+
+
+def kill_router_once_finished(client, n: int, caller: threading.Thread, out: dict) -> None:
+    """Kill the router once a batch has `n` sequences finished and its caller (a driver, or the
+    Gateway) has had time to fetch them: the rest are still running."""
+    deadline = time.monotonic() + 300
+    while not any(b["finished"] >= n for b in client.status()["batch_ids"].values()):
+        assert time.monotonic() < deadline and caller.is_alive(), out
+        time.sleep(0.2)
+    time.sleep(1.5)  # the caller's long-poll fetches them
+    kill_router()
 
 
 def new_router_status(client, old_id: str, timeout_s: float = 300) -> dict:
@@ -58,12 +72,7 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
     restarts = client.router_restarts
     driver = threading.Thread(target=run)
     driver.start()
-    deadline = time.monotonic() + 300
-    while not any(b["finished"] >= 16 for b in client.status()["batch_ids"].values()):
-        assert time.monotonic() < deadline and driver.is_alive(), out
-        time.sleep(0.2)
-    time.sleep(1.5)  # the driver's long-poll fetches them
-    kill_router()
+    kill_router_once_finished(client, 16, driver, out)
     driver.join(300)
     assert not driver.is_alive(), f"generate still waits 300 s after the kill: {client.status()}"
     assert "error" not in out, out.get("error")
@@ -85,6 +94,41 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
         assert time.monotonic() < deadline, client.status()
         time.sleep(0.5)
     assert len(client.generate([[9, 9, 9]], SamplingSpec(n=4, max_tokens=8, ignore_eos=True))) == 4
+
+
+def test_http_generate_answers_every_line_across_a_router_restart(client, fresh_policy):
+    """The HTTP route runs in the Gateway, a deployment of its own: it submits again what the
+    killed router's batch had not returned, as the driver does, and answers every line."""
+    fresh_policy("pull")
+    base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{client.app_name}"
+    lengths = [16] * 4 + [1500] * 20
+    lines = [json.dumps({"prompt_token_ids": [80 + i, 7], "max_tokens": n, "ignore_eos": True, "logprobs": 0})
+             for i, n in enumerate(lengths)]
+    out = {}
+
+    def post():
+        try:
+            req = urllib.request.Request(f"{base}/generate?timeout_s=600", data=("\n".join(lines) + "\n").encode(),
+                                         method="POST")
+            with urllib.request.urlopen(req, timeout=700) as r:
+                out["status"], out["body"] = r.status, r.read().decode()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            out["error"] = e
+
+    old_id = client.status()["router_id"]
+    sender = threading.Thread(target=post)
+    t0 = time.monotonic()
+    sender.start()
+    kill_router_once_finished(client, 4, sender, out)
+    killed_s = time.monotonic() - t0
+    sender.join(400)
+    assert not sender.is_alive() and "error" not in out, out.get("error") or "no answer 400 s after the kill"
+    records = [json.loads(line) for line in out["body"].splitlines()]
+    assert out["status"] == 200 and len(records) == len(lengths)
+    assert [len(r["token_ids"]) for r in records] == lengths
+    assert all(r["finish_reason"] == "length" and len(r["logprobs"]) == n for r, n in zip(records, lengths))
+    assert min(r["finish_time_s"] for r in records[4:]) > killed_s  # the long ones: made by the new router
+    assert new_router_status(client, old_id)["router_id"] != old_id
 
 
 def test_a_sleeping_fleet_sleeps_through_a_router_restart_and_wakes_on_the_update(client, tmp_path):
