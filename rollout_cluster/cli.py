@@ -42,7 +42,8 @@ def cmd_generate(a) -> int:
     else:
         client = RolloutClient.start(a.config, address=a.address)
     try:
-        summary = run_jsonl(client, a.input, a.output, progress=not a.quiet, timeout_s=a.timeout_s)
+        summary = run_jsonl(client, a.input, a.output, progress=not a.quiet, timeout_s=a.timeout_s,
+                            weights_version=a.weights_version)
     finally:
         if not a.app_name:
             client.shutdown()
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--address", default=None, help="Ray address; default: start a local cluster")
     p.add_argument("--app-name", default=None, help="use an app that already runs instead of starting one")
     p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--weights-version", type=int, default=None,
+                   help="run only on this weights version (update-weights prints it); other weights refuse the batch")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(fn=cmd_generate)
 

@@ -92,11 +92,13 @@ JSONL_IN = [
 def test_cli_generate_jsonl(client, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, JSONL_IN)
+    version = client.status()["weights"]["version"]  # pinned: the batch runs on these weights only
     run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "generate", "--app-name", client.app_name,
-                          "--address", "auto", "--input", str(src), "--output", str(dst), "--quiet"],
+                          "--address", "auto", "--input", str(src), "--output", str(dst), "--quiet",
+                          "--weights-version", str(version)],
                          env=ray_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    _check_jsonl_output(dst)
+    assert {o["weights_version"] for o in _check_jsonl_output(dst) if o["finish_reason"] != "error"} == {version}
 
 
 def test_http_generate_takes_and_returns_the_jsonl_format(client, tmp_path):
