@@ -5,7 +5,9 @@ The driver still holds every request: it submits the sequences it has not receiv
 router, and puts their completions back in their place. A sequence is received once; one that
 was running when the router went is generated again from its prompt (its partial tokens went
 with the router), so it is a fresh sample of the same request, and the output distribution is
-unchanged. It is asked for on the weights version the first submission ran on: a new router on
+unchanged, unless the new router took over what the old one's segments generated: each
+resubmitted sequence names its id under the lost router (router_adoption.py). It is asked for
+on the weights version the first submission ran on: a new router on
 other weights (another driver's update_weights) refuses it, and the batch fails, rather than mix
 two policies' samples. Pure bookkeeping: RolloutClient's sync and async loops drive it.
 """
@@ -28,6 +30,7 @@ class BatchAcrossRestarts:
         self.positions = list(range(len(requests)))  # the current router batch's index -> place in `requests`
         self.offset_s = 0.0  # seconds from the first submission to the current one
         self.weights_version = None  # what the first submission ran on: every resubmission asks for it
+        self.previous_ids: list = []  # the resubmission's sequence ids under the lost router
 
     @property
     def done(self) -> bool:
@@ -69,5 +72,8 @@ class BatchAcrossRestarts:
                                  f"sequences were received, and the rest were submitted again {self.restarts} "
                                  "times already (max_router_restarts)") from lost
         self.restarts += 1
+        old_index = {at: j for j, at in enumerate(self.positions)}
         self.positions = [i for i, c in enumerate(self.results) if c is None]
+        # what each was called under the lost router: the new one may hold its output so far
+        self.previous_ids = [f"{self.batch_id}:{old_index[at]}" for at in self.positions]
         return [self.requests[i] for i in self.positions]

@@ -181,7 +181,10 @@ class RolloutClient:
         weights. Raises if a batch is unfinished, or with every replica's error once each replica
         has either loaded or failed. A replica whose load failed gets no work until a later update
         succeeds; one that vLLM left half loaded also restarts (Serve's health check) and loads again.
-        While the engines sleep it returns at once: they load at wake(), which waits for it."""
+        While the engines sleep it returns at once: they load at wake(), which waits for it. A load
+        still running (a replacement replica loading the current weights) is waited for first,
+        within `timeout_s`: the router refuses a second load beside it."""
+        self._wait_for_loads(time.monotonic() + timeout_s)
         v = self.router.update_weights.remote(path, version).result(timeout_s=self.call_timeout_s)
         if self.status()["sleep"]["level"]:
             return v  # asleep: the engines load it when they wake (wake() waits for it)
@@ -202,6 +205,16 @@ class RolloutClient:
                 raise TimeoutError(f"update_weights: {len(held)} of {max(expected, len(w['replicas']))} replicas "
                                    f"hold version {v} after {timeout_s:.0f} s")
             time.sleep(0.1)
+
+    def _wait_for_loads(self, deadline: float) -> None:
+        """Until every awake replica holds the current weights or failed loading them (past the
+        deadline the router's refusal names the loads)."""
+        while time.monotonic() < deadline:
+            st = self.status()
+            w = st["weights"]
+            if st["sleep"]["level"] or all(v == w["version"] or rid in w["errors"] for rid, v in w["replicas"].items()):
+                return
+            time.sleep(0.2)
 
     def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
         """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs
@@ -348,9 +361,10 @@ class RolloutClient:
         other weights refuses the batch (WeightsVersionError, an InputError)."""
         return self._submit(requests, wait_for_replica_s, weights_version)["batch_id"]
 
-    def _submit(self, requests: list, wait_for_replica_s: Optional[float], weights_version: Optional[int]) -> dict:
+    def _submit(self, requests: list, wait_for_replica_s: Optional[float], weights_version: Optional[int],
+                previous_ids: Optional[list] = None) -> dict:
         """{"batch_id", "weights_version"}: the batch's id and the weights it runs on."""
-        return self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
+        return self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version, previous_ids).result(
             timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
 
     def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
@@ -386,7 +400,7 @@ class RolloutClient:
                 note_restart(follow, lost, len(again))
                 self._count_restart()
                 try:
-                    answer = self._submit(again, wait_for_replica_s, follow.weights_version)
+                    answer = self._submit(again, wait_for_replica_s, follow.weights_version, follow.previous_ids)
                 except WeightsVersionError as other:
                     raise follow.on_other_weights(lost, other) from other
                 follow.submitted(answer, time.monotonic() - t0)
@@ -477,7 +491,8 @@ async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s:
                 on_restart()
             try:
                 answer = await asyncio.wait_for(
-                    router.submit_batch.remote(again, None, follow.weights_version), call_timeout_s)
+                    router.submit_batch.remote(again, None, follow.weights_version, follow.previous_ids),
+                    call_timeout_s)
             except WeightsVersionError as other:
                 raise follow.on_other_weights(lost, other) from other
             follow.submitted(answer, time.monotonic() - t0)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .policy.base import Decision, Policy
+from .router_adoption import OrphanAdoption
 from .router_control import EngineControl
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
 from .types import (BatchLostError, Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec,
@@ -64,7 +65,7 @@ class BatchState:
     cancelled: bool = False  # cancel() was called: the driver may fetch the aborts, or be gone
 
 
-class RouterCore(EngineControl):
+class RouterCore(EngineControl, OrphanAdoption):
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = ""):
@@ -98,7 +99,7 @@ class RouterCore(EngineControl):
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
                          "duplicate_reports": 0, "handed_back": 0, "recovered": 0,
-                         "orphans_given_up": 0}
+                         "orphans_given_up": 0, "orphan_outputs_kept": 0, "adopted": 0, "adopted_tokens": 0}
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
@@ -107,12 +108,15 @@ class RouterCore(EngineControl):
         self.step_samples: list = []
         self._ids = itertools.count()
         self._init_control()  # weights and sleep (router_control.py)
+        self._init_adoption()  # a restarted router takes over its predecessor's output (router_adoption.py)
 
     # ---- driver side --------------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
-               weights_version: Optional[int] = None) -> str:
+               weights_version: Optional[int] = None, previous_ids: Optional[list] = None) -> str:
         """Queue a batch of SequenceRequests. Invalid ones finish at once with an error. With
-        `weights_version`, the batch is refused unless the fleet's weights are that version."""
+        `weights_version`, the batch is refused unless the fleet's weights are that version.
+        `previous_ids` (one per request, or None): the ids the sequences had under a router that
+        restarted; what that router's segments generated is taken over (router_adoption.py)."""
         if not self.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
         self.check_batch_weights(weights_version)
@@ -124,6 +128,8 @@ class RouterCore(EngineControl):
         bad = next((i for i, r in enumerate(requests) if not isinstance(r, SequenceRequest)), None)
         if bad is not None:  # refused whole, before anything is registered
             raise InputError(f"requests[{bad}]", requests[bad], "must be a SequenceRequest")
+        if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)):
+            raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
         bid = batch_id or f"{self.id_prefix}b{next(self._ids)}"
         self.weights_learning = False  # this batch runs on the version known now, and awake
         self.sleep.settle()
@@ -144,6 +150,8 @@ class RouterCore(EngineControl):
                 continue
             self.seqs[seq.seq_id] = seq
             self.queue.push(seq)
+        if previous_ids is not None:
+            self._claim_orphans([self.seqs.get(f"{bid}:{i}") for i in range(len(requests))], previous_ids, now)
         return bid
 
     def _validate(self, req: SequenceRequest) -> Optional[str]:
@@ -324,12 +332,15 @@ class RouterCore(EngineControl):
         # ignored; give them up to free the slots. Only when two listings in a row show them: a
         # final report can be drained while its attempt is still listed.
         known = {(s.seq_id, s.attempt) for s in rep.seqs.values()}
+        self._note_orphans(rep, frozenset(sid for sid, attempt in have if (sid, attempt) not in known))
         unknown = frozenset(k for k in have if k not in known and k not in aborting)
         orphans = sorted(unknown & rep.unknown_held)
         rep.unknown_held = unknown.difference(orphans)
         if orphans:
             self.counters["orphans_given_up"] += len(orphans)
-            self.outbox.setdefault(rep.replica_id, Orders()).give_up.extend(orphans)
+            orders = self.outbox.setdefault(rep.replica_id, Orders())
+            orders.give_up.extend(orphans)
+            orders.report_whole.extend(orphans)  # the driver may submit them again: continue them then
         for seq in rep.seqs.values():
             key = (seq.seq_id, seq.attempt)
             if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
@@ -366,6 +377,7 @@ class RouterCore(EngineControl):
             # The last replica holding the weights died and none came back in a replica timeout:
             # if every one left failed loading them, nothing can run the queued work.
             self._fail_queued_if_no_replica_can_load(now)
+        self._expire_orphans(now)
         return dead
 
     def set_fleet_target(self, replicas: int, now: float) -> None:
@@ -447,6 +459,8 @@ class RouterCore(EngineControl):
 
     def _apply(self, rep: ReplicaState, p, now: float) -> None:
         seq = self.seqs.get(p.seq_id)
+        if seq is None and self._orphan_final(rep, p, now):
+            return
         if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
                 or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
             self.counters["stale_reports"] += 1

@@ -99,6 +99,8 @@ class ReplicaState:
     weights_loading: int = 0  # the version it reports loading now (0: none): its weights are about to change
     last_report_number: int = 0  # Report.number of the newest report whose state was applied
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
+    listed: bool = False  # it sent this router a listing of what it holds (Report.held)
+    orphan_ids: frozenset = frozenset()  # seq ids of the attempts it held at that listing the router did not know
 
     @property
     def load(self) -> int:

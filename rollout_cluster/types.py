@@ -146,6 +146,7 @@ class Migration:
     # "policy": the policy moved it. "replica_left": Serve stopped its replica, which handed it
     # back with every token. "replica_lost": its replica died or restarted; it continued from its
     # last reported tokens (what the replica made after its last report was generated again).
+    # "router_restart": the router that ran it restarted; the new one took over its output so far.
     reason: str = "policy"
 
 
@@ -230,6 +231,9 @@ class SeqProgress:
     # Tokens of this attempt reported before this delta (-1: not tracked). A report the router
     # applied but whose reply was lost comes again; the router drops what it already has.
     offset: int = -1
+    # A final report of the whole output (Orders.report_whole): the segment's prompt, which is the
+    # sequence's prompt and, for a continuation, the tokens of its earlier segments.
+    prompt_token_ids: Optional[list] = None
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -304,6 +308,9 @@ class Orders:
 
     start: list = field(default_factory=list)  # Work
     give_up: list = field(default_factory=list)  # (seq_id, attempt)
+    # Of those given up: attempts whose final report must carry their whole output (offset 0), not
+    # a delta. A restarted router asks it of its predecessor's segments, to continue them.
+    report_whole: list = field(default_factory=list)
     # ("load_weights", {"path", "version"}) | ("note_weights", {"path", "version"}: asleep, load at wake)
     # | ("sleep", level) | ("wake", {"path", "version"}): before `start`
     control: list = field(default_factory=list)

@@ -50,6 +50,7 @@ class FakeRouter:
         self.per_fetch = per_fetch
         self.generation = 0
         self.before_fetch = []  # one callable is taken and run before each fetch: faults
+        self.previous_ids = []  # each submission's previous_ids
         self.restart()
         self.submit, self.fetch, self.cancel = Method(self._submit), Method(self._fetch), Method(self._cancel)
         self.submit_batch = Method(self._submit_batch)
@@ -66,14 +67,17 @@ class FakeRouter:
     def report(self, progress, model=None):
         self.now += 0.01
         version, path = self.weights
+        held = [(w.seq_id, w.attempt) for w in getattr(self, "running", [])]  # the replica's listing
         return self.core.on_report(Report("a", f"inc{self.generation}", progress, EngineStats(), model, 64,
-                                          weights_version=version, weights_path=path), self.now)
+                                          weights_version=version, weights_path=path, held=held, aborting=[]),
+                                   self.now)
 
-    def _submit(self, requests, wait_for_replica_s=None, weights_version=None):
-        return self.core.submit(requests, self.now, weights_version=weights_version)
+    def _submit(self, requests, wait_for_replica_s=None, weights_version=None, previous_ids=None):
+        self.previous_ids.append(previous_ids)
+        return self.core.submit(requests, self.now, weights_version=weights_version, previous_ids=previous_ids)
 
-    def _submit_batch(self, requests, wait_for_replica_s=None, weights_version=None):
-        bid = self._submit(requests, wait_for_replica_s, weights_version)
+    def _submit_batch(self, requests, wait_for_replica_s=None, weights_version=None, previous_ids=None):
+        bid = self._submit(requests, wait_for_replica_s, weights_version, previous_ids)
         return {"batch_id": bid, "weights_version": self.core.batches[bid].weights_version}
 
     def _cancel(self, batch_id):
@@ -260,3 +264,18 @@ def test_follow_batch_cancels_a_batch_past_its_timeout():
     assert batch.cancelled and 1 <= len(got) < 6
     left = [s for s in router.core.seqs.values() if s.batch_id == batch.batch_id]
     assert left and all(s.cancelled for s in left)  # the rest stop, not left to run
+
+
+def test_a_resubmission_names_each_sequences_id_under_the_lost_router():
+    """So that the new router can hand it what the old one's segment generated (router_adoption.py)."""
+    router, reqs = FakeRouter(per_fetch=3), requests(10)
+    router.before_fetch = [lambda: None, router.restart, lambda: None, router.restart]
+    results = client_over(router).run_requests(reqs)
+    check_every_sequence_once_in_place(results, reqs)
+    first, second, third = router.previous_ids
+    assert first is None
+    # 3 received from r1's batch (its indices 0-2): the other 7, by their index there
+    assert second == [f"r1-b0:{i}" for i in range(3, 10)]
+    # r2's batch held places 3-9 at its indices 0-6, and 3 more came back from it: 3 + 3 received
+    assert third == [f"r2-b0:{i}" for i in range(3, 7)]
+    assert [c.batch_id for c in results] == ["r1-b0"] * 3 + ["r2-b0"] * 3 + ["r3-b0"] * 4

@@ -138,3 +138,31 @@ def test_a_refusal_survives_the_trip_from_the_router_to_the_driver():
                   WeightsVersionError("weights_version", 2, "the fleet's weights are version 3")):
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and str(back) == str(error) and back.field == error.field
+
+
+def test_update_weights_waits_for_a_load_in_progress_before_it_orders_another():
+    """A replacement replica that joined loads the current weights; the router would refuse a
+    second load beside it, so the driver waits for it (found in CI: an update right after a
+    replica was replaced failed)."""
+    from rollout_cluster.driver import RolloutClient
+
+    calls = []
+
+    def status(held: dict, version: int = 1) -> dict:
+        return {"weights": {"version": version, "path": f"/ckpt/{version}", "replicas": held, "errors": {}},
+                "sleep": {"level": 0}, "expected_replicas": 2}
+
+    statuses = [status({"a": 1, "b": 0})] * 3 + [status({"a": 1, "b": 1})] + [status({"a": 2, "b": 2}, 2)] * 5
+
+    class Handle:
+        def __getattr__(self, name):
+            def remote(*args):
+                calls.append(name)
+                value = statuses.pop(0) if name == "status" else 2
+                return type("R", (), {"result": lambda self, timeout_s=None: value})()
+            return type("M", (), {"remote": staticmethod(remote)})()
+
+    client = object.__new__(RolloutClient)
+    client.router, client.call_timeout_s, client.config = Handle(), 5.0, None
+    assert client.update_weights("/ckpt/2", timeout_s=30) == 2
+    assert calls.index("update_weights") == 4  # after the fourth status: b held version 1 by then

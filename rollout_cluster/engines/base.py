@@ -52,6 +52,12 @@ class EngineAdapter(ABC):
     def held(self) -> list:
         """Every (seq_id, attempt) submitted and not yet reported finished."""
 
+    def report_whole(self, keys: list) -> None:
+        """Make the final reports of these attempts carry their whole output (tokens and logprobs
+        from the first, offset 0) instead of the last delta: a restarted router, which never got
+        the earlier deltas, continues them. An engine that cannot keeps its deltas (the router then
+        generates those sequences again)."""
+
     def aborting(self) -> list:
         """The held attempts already given up whose final report is still to come (an engine
         whose give_up finishes at once has none)."""

@@ -7,6 +7,8 @@ tokens) are far smaller than the offline LLM class's and cost 22 % on an RL batc
 """
 from __future__ import annotations
 
+from array import array
+
 import asyncio
 import logging
 import os
@@ -114,6 +116,7 @@ class VllmEngine(EngineAdapter):
         self.tasks: dict = {}  # (seq_id, attempt) -> asyncio.Task
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.aborted: set = set()
+        self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
         self.pending: list = []
         self.ended = 0
         self.dead = None
@@ -147,6 +150,7 @@ class VllmEngine(EngineAdapter):
         final = None
         cached = None  # the prefix-cache hit, reported once, with the segment's first progress
         produced = 0  # tokens of this attempt so far: each delta's offset
+        made, made_lps = array("i"), array("d")  # all of them, for a final report of the whole output
         try:
             prompt = TokensPrompt(prompt_token_ids=work.prompt_token_ids)
             if work.sampling.cache_salt is not None:
@@ -172,15 +176,23 @@ class VllmEngine(EngineAdapter):
                     if cached is None:
                         n = getattr(out, "num_cached_tokens", None)
                         cached = hit = n if isinstance(n, int) and n >= 0 else -1
-                    self.pending.append(SeqProgress(work.seq_id, work.attempt, toks,
-                                                    sampled_logprobs(toks, o.logprobs), reason, cached_tokens=hit,
-                                                    offset=produced))
+                    lps = sampled_logprobs(toks, o.logprobs)
+                    made.extend(toks)
+                    if lps is not None:
+                        made_lps.extend(lps)
+                    if reason and key in self.whole:
+                        self.pending.append(self._whole(work, made, made_lps, reason))
+                    else:
+                        self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
+                                                        cached_tokens=hit, offset=produced))
                     produced += len(toks)
             if final is None:  # stream ended without a finished output: only an abort does that
-                self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
+                self.pending.append(self._whole(work, made, made_lps, "abort") if key in self.whole else
+                                    SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
                 self.ended += 1
         except asyncio.CancelledError:
-            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
+            self.pending.append(self._whole(work, made, made_lps, "abort") if key in self.whole else
+                                SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
             self.ended += 1
         except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
             if self._engine_died(e):  # not the sequence's fault: no final, it continues elsewhere
@@ -194,6 +206,17 @@ class VllmEngine(EngineAdapter):
             self.tasks.pop(key, None)
             self.context.pop(key, None)
             self.aborted.discard(key)
+            self.whole.discard(key)
+
+    @staticmethod
+    def _whole(work: Work, made: array, made_lps: array, reason: str) -> SeqProgress:
+        """The final report of an attempt with its whole output (report_whole)."""
+        lps = made_lps.tolist() if work.sampling.logprobs is not None and len(made_lps) == len(made) else None
+        return SeqProgress(work.seq_id, work.attempt, made.tolist(), lps, reason, offset=0,
+                           prompt_token_ids=list(work.prompt_token_ids or ()))
+
+    def report_whole(self, keys: list) -> None:
+        self.whole.update(tuple(k) for k in keys if tuple(k) in self.tasks)
 
     def _mark_dead(self, e: Exception) -> None:
         if self.dead is None:

@@ -112,6 +112,8 @@ class EngineReplica:
                         orders.start = []
                 for work in orders.start:
                     self.engine.submit(work)
+                if orders.report_whole:  # before the abort's final report
+                    self.engine.report_whole(orders.report_whole)
                 if orders.give_up:
                     await self.engine.give_up(orders.give_up)
             except Exception as e:

@@ -109,7 +109,7 @@ class Router:
         return orders
 
     async def submit(self, requests: list, wait_for_replica_s: float | None = None,
-                     weights_version: int | None = None) -> str:
+                     weights_version: int | None = None, previous_ids: list | None = None) -> str:
         """Queue a batch; returns its id. Waits up to `wait_for_replica_s` for a replica that says
         which model it runs and, with `weights_version`, for a restarted router to learn that
         version from its replicas; a batch on other weights is refused (WeightsVersionError)."""
@@ -132,7 +132,7 @@ class Router:
                     f"{what} after {wait:.0f} s (router.submit_wait_for_replica_s): "
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
-        bid = core.submit(requests, time.monotonic(), weights_version=weights_version)
+        bid = core.submit(requests, time.monotonic(), weights_version=weights_version, previous_ids=previous_ids)
         if self.core.trace is not None:
             self.submit_t[bid] = self.core.batches[bid].submitted_t
         self.batch_progress[bid] = asyncio.Event()
@@ -142,10 +142,11 @@ class Router:
         return bid
 
     async def submit_batch(self, requests: list, wait_for_replica_s: float | None = None,
-                           weights_version: int | None = None) -> dict:
+                           weights_version: int | None = None, previous_ids: list | None = None) -> dict:
         """`submit`, answering {"batch_id", "weights_version"}: the version the batch runs on,
-        which a driver asks for again if it must resubmit after a router restart."""
-        bid = await self.submit(requests, wait_for_replica_s, weights_version)
+        which a driver asks for again if it must resubmit after a router restart (with the
+        sequences' `previous_ids` under the router that restarted)."""
+        bid = await self.submit(requests, wait_for_replica_s, weights_version, previous_ids)
         return {"batch_id": bid, "weights_version": self.core.batches[bid].weights_version}
 
     async def fetch(self, batch_id: str, cursor: int = 0, wait_s: float = 1.0) -> tuple:

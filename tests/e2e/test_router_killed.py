@@ -58,7 +58,9 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
     # resubmission asks for it (the batch's samples all come from one version).
     version = client.update_weights(str(ROOT / "models" / "tiny-llama"))
     old_id = client.status()["router_id"]
-    lengths = [20] * 16 + [1200] * 48  # the short ones are fetched before the kill, the long ones run
+    # The short ones are fetched before the kill; the long ones still run when the new router
+    # lists them (it takes 15-30 s to answer here), so it takes their output over.
+    lengths = [20] * 16 + [2000] * 48
     requests = expand([[60 + i, 7, 8] for i in range(len(lengths))],
                       [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
     out = {}
@@ -88,6 +90,10 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
 
     st = new_router_status(client, old_id)
     assert all(c.batch_id.startswith(st["router_id"][:6]) for c in again)
+    # What the old router's segments generated was kept: those sequences continued from it
+    taken = [c for c in again if [m.reason for m in c.migrations] == ["router_restart"]]
+    assert taken and st["counters"]["adopted"] >= len(taken), [c.migrations for c in again]
+    assert all(0 < c.migrations[0].at_token <= 2000 and c.replicas[0] in st["replicas"] for c in taken)
     # the segments the old router had running were given up, not left to fill the slots
     deadline = time.monotonic() + 60
     while any(r["running"] for r in client.status()["replicas"].values()):

@@ -1,0 +1,175 @@
+"""A restarted router takes over what its predecessor's segments generated. RouterCore mixes it in.
+
+The router keeps a batch in memory, so a router that restarts loses its batches, and the driver
+submits the sequences it has not received again (batch_follow.py). The replicas, though, still
+run the old router's segments. The new router gives them up as orphans (RouterCore._reconcile)
+and asks for their whole output in the final report (Orders.report_whole), not a delta. It keeps
+that output for ORPHAN_KEEP_S, by the old sequence id. A resubmitted sequence names its old id
+(`previous_ids`), and takes the output over: it continues from it as after a migration
+(prompt + partial), or finishes at once if the segment had ended. Its Completion records the
+take-over as a Migration with reason "router_restart". Taken only when it is exact: the segment
+ran on the batch's weights version, its prompt starts with the request's, and the logprobs asked
+for are all there. Otherwise the sequence is generated again from its prompt, as before.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Optional
+
+from .state import SeqState, SeqStatus
+from .types import Migration, SeqProgress
+
+ORPHAN_KEEP_S = 600.0  # how long an orphan's output waits for its driver to submit the sequence again
+ORPHANS_KEPT = 1 << 16  # and how many of them, at most (the oldest go first)
+# A resubmitted sequence whose old segment may still run (a replica lists it, or some replica has
+# not listed what it runs yet) waits at most this long for its output before it starts from its
+# prompt: replicas list what they run every 2 s, and an orphan is given up at its second listing.
+# It waits out of the queue (QUEUED, and in `awaiting_orphans`).
+ADOPT_WAIT_S = 10.0
+
+
+@dataclass
+class OrphanOutput:
+    """An old router's segment, ended on a replica: the whole output it produced (compact arrays,
+    as the router keeps a live sequence's tokens)."""
+
+    replica_id: str
+    weights_version: int
+    attempt: int
+    prompt_token_ids: array  # the segment's prompt: the sequence's, then its earlier segments' tokens
+    token_ids: array
+    logprobs: Optional[array]
+    finish_reason: str
+    t: float
+
+    @classmethod
+    def of(cls, rep, p: SeqProgress, now: float) -> "OrphanOutput":
+        return cls(rep.replica_id, rep.weights_version, p.attempt, array("i", p.prompt_token_ids),
+                   array("i", p.token_ids), None if p.logprobs is None else array("d", p.logprobs),
+                   p.finish_reason, now)
+
+
+class OrphanAdoption:
+    """Needs RouterCore's seqs, batches, queue, replicas, expected_replicas, counters,
+    record_tokens and _finish."""
+
+    def _init_adoption(self) -> None:
+        self.orphan_outputs: dict = {}  # old seq_id -> OrphanOutput, in arrival order
+        self.awaiting_orphans: dict = {}  # old seq_id -> (new seq_id, since): resubmitted before it ended
+        self.orphan_listings: dict = {}  # old seq_id -> how many replicas listed it running, at their last listing
+
+    def _note_orphans(self, rep, ids: frozenset) -> None:
+        """A replica's listing: `ids` are the sequences it runs that this router does not know."""
+        first = not rep.listed
+        rep.listed = True
+        for sid in rep.orphan_ids - ids:
+            left = self.orphan_listings.get(sid, 0) - 1
+            if left > 0:
+                self.orphan_listings[sid] = left
+            else:
+                self.orphan_listings.pop(sid, None)
+                if sid in self.awaiting_orphans and self._every_replica_listed():
+                    self._stop_waiting(sid)  # it ended without a whole output: from the prompt
+        for sid in ids - rep.orphan_ids:
+            self.orphan_listings[sid] = self.orphan_listings.get(sid, 0) + 1
+        rep.orphan_ids = ids
+        if first and self.awaiting_orphans and self._every_replica_listed():
+            # now known not to run anywhere: from the prompt, without waiting
+            for old in [o for o in self.awaiting_orphans if o not in self.orphan_listings]:
+                self._stop_waiting(old)
+
+    def _every_replica_listed(self) -> bool:
+        return len(self.replicas) >= self.expected_replicas and all(r.listed for r in self.replicas.values())
+
+    def _may_still_run(self, old: str) -> bool:
+        return old in self.orphan_listings or not self._every_replica_listed()
+
+    def _stop_waiting(self, old: str) -> None:
+        sid, _ = self.awaiting_orphans.pop(old)
+        seq = self.seqs.get(sid)
+        if seq is not None and seq.status is SeqStatus.QUEUED:
+            self.queue.push(seq)
+
+    def _orphan_final(self, rep, p: SeqProgress, now: float) -> bool:
+        """An unknown attempt's final report. If it is a whole output, keep it for the sequence's
+        resubmission, or hand it to that sequence at once. Returns whether it was taken."""
+        if p.finish_reason is None:
+            return False
+        if p.offset != 0 or p.prompt_token_ids is None or p.finish_reason == "error":
+            if p.seq_id in self.awaiting_orphans:
+                self._stop_waiting(p.seq_id)  # ended, and its output went with the old router
+            return False
+        out = OrphanOutput.of(rep, p, now)
+        waiting = self.awaiting_orphans.pop(p.seq_id, None)
+        if waiting is not None:
+            seq = self.seqs.get(waiting[0])
+            if seq is not None:
+                adopted = self._adopt(seq, out, now)
+                if seq.status is SeqStatus.QUEUED:
+                    self.queue.push(seq)  # it runs now, continued or from its prompt
+                if adopted:
+                    return True
+        kept = self.orphan_outputs.get(p.seq_id)
+        if kept is None or kept.attempt < out.attempt:  # the old router's latest attempt of it
+            self.orphan_outputs[p.seq_id] = out
+            self.counters["orphan_outputs_kept"] += 1
+        while len(self.orphan_outputs) > ORPHANS_KEPT:
+            self.orphan_outputs.pop(next(iter(self.orphan_outputs)))
+        return True
+
+    def _claim_orphans(self, seqs: list, previous_ids: list, now: float) -> None:
+        """Resubmitted sequences (None: refused as invalid), each with the id it had under the router
+        that restarted (or None)."""
+        for seq, old in zip(seqs, previous_ids):
+            if old is None or seq is None or seq.status is not SeqStatus.QUEUED:
+                continue
+            out = self.orphan_outputs.pop(old, None)
+            if out is None:
+                if self._may_still_run(old):  # wait for its output a little
+                    self.awaiting_orphans[old] = (seq.seq_id, now)
+                    self.queue.remove(seq)
+            elif not self._adopt(seq, out, now):
+                self.orphan_outputs[old] = out  # not this one's (another prompt): it may still be claimed
+
+    def _adopt(self, seq: SeqState, out: OrphanOutput, now: float) -> bool:
+        """Give `seq`, queued and never run, the orphan's output, if it is exactly this sequence's."""
+        if seq.status is not SeqStatus.QUEUED or seq.attempt or seq.generated or not self.record_tokens:
+            return False
+        req = seq.request
+        batch = self.batches.get(seq.batch_id)
+        if batch is None or out.weights_version != batch.weights_version or req.prompt_token_ids is None:
+            return False
+        prompt = req.prompt_token_ids
+        if out.prompt_token_ids[:len(prompt)].tolist() != prompt:
+            return False
+        earlier = out.prompt_token_ids[len(prompt):]  # a continuation's earlier segments (no logprobs)
+        tokens = earlier + out.token_ids
+        wants_logprobs = req.sampling.logprobs is not None
+        if wants_logprobs and (earlier or out.logprobs is None or len(out.logprobs) != len(out.token_ids)):
+            return False
+        if len(tokens) > req.sampling.max_tokens:
+            return False
+        seq.token_ids = tokens
+        seq.logprobs = out.logprobs if wants_logprobs else None
+        seq.generated = len(tokens)
+        seq.replicas.append(out.replica_id)
+        seq.migrations.append(Migration(out.replica_id, None, seq.generated, now - seq.submitted_t, "router_restart"))
+        self.counters["adopted"] += 1
+        self.counters["adopted_tokens"] += len(tokens)
+        # "length" may be the old router's cut (a chunk, a hidden length's stop): the end only at a cap
+        hidden = req.hidden_length
+        at_cap = seq.generated >= req.sampling.max_tokens or (hidden is not None and seq.generated >= hidden)
+        if out.finish_reason == "stop" or at_cap:
+            self.queue.remove(seq)
+            self._finish(seq, "stop" if out.finish_reason == "stop" else "length", now, out.replica_id)
+        else:
+            self.queue.push(seq)  # a continuation now: the continuations' lane
+        return True
+
+    def _expire_orphans(self, now: float) -> None:
+        for old in [k for k, o in self.orphan_outputs.items() if now - o.t > ORPHAN_KEEP_S]:
+            del self.orphan_outputs[old]
+        for old, (sid, t) in list(self.awaiting_orphans.items()):
+            if sid not in self.seqs or now - t >= ADOPT_WAIT_S:
+                self._stop_waiting(old)  # no output came: from its prompt
