@@ -397,6 +397,7 @@ class RouterCore(EngineControl, OrphanAdoption):
         rep = self.replicas.pop(replica_id, None)
         if rep is None:
             return
+        self._note_orphans(rep, frozenset())  # what it ran of a predecessor's runs nowhere now
         self.counters["replica_leaves" if leaving else "replica_deaths"] += 1
         if leaving or goodbye:
             self.departed[(replica_id, rep.incarnation)] = None

@@ -246,3 +246,18 @@ def test_of_two_attempts_the_old_router_made_the_latest_is_kept():
     assert core.orphan_outputs["r1-b0:2"].attempt == 2
     bid = core.submit([request(logprobs=None)], 2.0, previous_ids=["r1-b0:2"])
     assert list(core.seqs[f"{bid}:0"].token_ids) == [6, 7, 7, 7]
+
+
+def test_a_replica_that_goes_takes_its_listing_of_old_segments_with_it():
+    core = new_router()
+    core.on_report(report(held=[("r1-b0:1", 1)]), 0.5)
+    bid = core.submit([request()], 1.0, previous_ids=["r1-b0:1"])
+    assert core.orphan_listings == {"r1-b0:1": 1} and core.awaiting_orphans
+    core.on_report(Report("b", "i1", [], EngineStats(), ModelInfo(1000, 4096), 4, held=[], aborting=[]), 1.1)
+    core.remove_replica("a", 1.2)  # died with the old segment: it runs nowhere now
+    assert not core.orphan_listings
+    # b's listing shows nothing old; the fleet counts 2, so one that has not joined may still hold it
+    assert not core.decide("b", 1.3).start
+    core.expire(1.0 + router_adoption.ADOPT_WAIT_S)
+    (started,) = core.decide("b", 11.1).start
+    assert started.seq_id == f"{bid}:0" and started.prompt_token_ids == PROMPT
