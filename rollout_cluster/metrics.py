@@ -24,7 +24,8 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.expected = Gauge("rollout_replicas_expected", "Engine replicas the router expects (static's shares, "
                               "chunked's first round)", registry=r)
         self.resumed_total = Counter("rollout_sequences_resumed_total", "Sequences continued elsewhere because their "
-                                     "replica left (replica_left) or was lost (replica_lost)", ["source", "reason"],
+                                     "replica left (replica_left) or was lost (replica_lost), or from what a "
+                                     "restarted router's predecessor made (router_restart)", ["source", "reason"],
                                      registry=r)
         self.abandoned_total = Counter("rollout_batches_abandoned_total", "Batches cancelled and dropped because no "
                                        "driver fetched from them for router.abandoned_batch_s", registry=r)

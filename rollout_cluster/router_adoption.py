@@ -51,7 +51,7 @@ class OrphanOutput:
 
 
 class OrphanAdoption:
-    """Needs RouterCore's seqs, batches, queue, replicas, expected_replicas, counters,
+    """Needs RouterCore's seqs, batches, queue, replicas, expected_replicas, counters, metrics,
     record_tokens and _finish."""
 
     def _init_adoption(self) -> None:
@@ -157,6 +157,7 @@ class OrphanAdoption:
         seq.migrations.append(Migration(out.replica_id, None, seq.generated, now - seq.submitted_t, "router_restart"))
         self.counters["adopted"] += 1
         self.counters["adopted_tokens"] += len(tokens)
+        self.metrics.resumed(out.replica_id, "router_restart")
         # "length" may be the old router's cut (a chunk, a hidden length's stop): the end only at a cap
         hidden = req.hidden_length
         at_cap = seq.generated >= req.sampling.max_tokens or (hidden is not None and seq.generated >= hidden)

@@ -261,3 +261,15 @@ def test_a_replica_that_goes_takes_its_listing_of_old_segments_with_it():
     core.expire(1.0 + router_adoption.ADOPT_WAIT_S)
     (started,) = core.decide("b", 11.1).start
     assert started.seq_id == f"{bid}:0" and started.prompt_token_ids == PROMPT
+
+
+def test_a_take_over_is_counted_in_the_prometheus_metrics():
+    from rollout_cluster.metrics import PrometheusRouterMetrics
+
+    metrics = PrometheusRouterMetrics(port=0)
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix="r2-", metrics=metrics)
+    core.on_report(report(), 0.0)
+    orphan_handed_over(core, whole("r1-b0:3", [11, 12], [-1.0, -2.0]))
+    core.submit([request()], 2.0, previous_ids=["r1-b0:3"])
+    assert metrics.registry.get_sample_value("rollout_sequences_resumed_total",
+                                             {"source": "a", "reason": "router_restart"}) == 1
