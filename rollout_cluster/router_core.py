@@ -31,6 +31,12 @@ BATCH_ID = re.compile(r"^(.+-)b\d+$")  # "<the router's id prefix>b<n>": which r
 CANCELLED_UNFETCHED_S = 60.0  # a cancelled batch (driver timed out) not fetched for this long is dropped
 
 
+def _without_first(p, skip: int):
+    """Progress report `p` without its first `skip` tokens (the router has them already)."""
+    return replace(p, token_ids=p.token_ids[skip:], num_tokens=p.num_tokens - skip, offset=p.offset + skip,
+                   logprobs=None if p.logprobs is None else p.logprobs[skip:], prompt_token_ids=None)
+
+
 def _append_bounded(values: list, value, keep: int) -> None:
     values.append(value)
     if len(values) > 2 * keep:  # trim in bulk: amortised O(1) per append
@@ -98,7 +104,7 @@ class RouterCore(EngineControl, OrphanAdoption):
         self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefilled_tokens": 0,
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
-                         "duplicate_reports": 0, "handed_back": 0, "recovered": 0,
+                         "duplicate_reports": 0, "finals_whole_trimmed": 0, "handed_back": 0, "recovered": 0,
                          "orphans_given_up": 0, "orphan_outputs_kept": 0, "adopted": 0, "adopted_tokens": 0}
         self.decision_times: list = []
         self.finished_count = 0
@@ -466,9 +472,13 @@ class RouterCore(EngineControl, OrphanAdoption):
                 or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
             self.counters["stale_reports"] += 1
             return
-        if 0 <= p.offset < seq.generated - seq.segment_start:  # sent again after a lost reply
-            self.counters["duplicate_reports"] += 1
-            return
+        have = seq.generated - seq.segment_start
+        if 0 <= p.offset < have:  # sent again after a lost reply, or a final sent whole
+            if p.finish_reason is None or p.offset + p.num_tokens < have:
+                self.counters["duplicate_reports"] += 1
+                return
+            p = _without_first(p, have - p.offset)  # a whole final: the tokens it adds, and the end
+            self.counters["finals_whole_trimmed"] += 1
         if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
             context = seq.request.prompt_len + seq.segment_start
             self.counters["reprefilled_tokens"] += max(0, context - p.cached_tokens)

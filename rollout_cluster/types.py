@@ -318,6 +318,8 @@ class Orders:
     work_waiting: bool = False
     # How often to report while running sequences (RouterConfig.report_interval_for the fleet); 0: the config's.
     report_interval_s: float = 0.0
+    # Which router answers: after a restart the replica sends the old one's segments' finals whole.
+    router_id: str = ""
 
     def __bool__(self) -> bool:
         return bool(self.start or self.give_up or self.control)

@@ -176,9 +176,31 @@ class WeightedEngine(SimEngineCore):
 
     version = 0
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ended_whole: dict = {}  # as VllmEngine keeps them: (seq_id, attempt) -> (tokens, logprobs)
+
     def _tokens(self, s, start: int, end: int) -> list:
         shift = WEIGHTS_SHIFT * self.version
         return [(t + shift) % self.vocab_size for t in super()._tokens(s, start, end)]
+
+    def _final(self, s, reason: str) -> None:
+        super()._final(s, reason)
+        lps = None if s.work.sampling.logprobs is None else [-1.0] * s.produced
+        self.ended_whole[(s.work.seq_id, s.work.attempt)] = (self._tokens(s, 0, s.produced), lps)
+
+    def whole_final(self, p: SeqProgress) -> SeqProgress:
+        """VllmEngine.whole_final: offset 0, every token of the segment (no prompt ids here)."""
+        kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
+        if kept is None:
+            return p
+        return SeqProgress(p.seq_id, p.attempt, list(kept[0]), kept[1], p.finish_reason, p.error, offset=0,
+                           cached_tokens=p.cached_tokens)
+
+    def forget_finals(self, delivered: list) -> None:
+        for p in delivered:
+            if p.finish_reason:
+                self.ended_whole.pop((p.seq_id, p.attempt), None)
 
 
 class FakeReplica:
@@ -198,6 +220,8 @@ class FakeReplica:
         self.clock = t  # the engine's virtual time (it can run a step ahead of the harness)
         self.unsent: list = []  # deltas drained and not yet delivered: sent again after a failed pull
         self.first = True  # replica.py sends its ModelInfo on the first pull after a failure
+        self.dispatched: dict = {}  # (seq_id, attempt) -> the router that started it
+        self.router_id = ""  # the router that answered the last pull
         self.held_t = -math.inf
         self.pending_aborts: set = set()  # given up, abort not landed yet (engine.aborting())
         self.stopping = False  # Serve is shutting it down: hand back at the next loop turn
@@ -246,6 +270,10 @@ class FakeReplica:
             self.land_aborts()
         ended = self.engine.ended  # before the drain, as replica.py reads it
         self.unsent += self.engine.drain()
+        # replica.py's _as_sent: a final goes whole after a failed pull, or when another router started it
+        self.unsent = [self.engine.whole_final(p) if p.finish_reason and (
+            self.first or self.dispatched.get((p.seq_id, p.attempt), self.router_id) != self.router_id) else p
+            for p in self.unsent]
         held, aborting = None, []
         if t - self.held_t >= HELD_EVERY_S:  # drained and listed together: consistent
             held, aborting, self.held_t = self.held(), self.aborting(), t
@@ -266,6 +294,7 @@ class FakeReplica:
     def apply(self, orders, late_abort: bool) -> None:
         for work in orders.start:
             self.engine.submit(work)
+            self.dispatched[(work.seq_id, work.attempt)] = orders.router_id
         if orders.give_up:
             if late_abort:
                 self.pending_aborts.update(orders.give_up)
@@ -544,6 +573,7 @@ class Chaos:
             seq = core.seqs.get(seq_id)
             if seq is not None and (seq.attempt, seq.replica) == (attempt, rep.rid):
                 assert seq.status is SeqStatus.GIVING_UP, f"give-up of {seq_id}/{attempt}, {seq.status}"
+        orders.router_id = core.id_prefix  # as serve/router.py names itself
         return orders
 
     def schedule(self, t: float, handler, *args) -> None:
@@ -580,6 +610,8 @@ class Chaos:
         end = self.now + (self.calm_s or (CONTROL_CALM_S if self.steps else CALM_S))
         while self.events[0][0] <= end:
             self._step(end, None)
+        self.seen["a final sent whole after a failed pull, its known part dropped"] += sum(
+            core.counters["finals_whole_trimmed"] for core in self.cores)
 
     def _step(self, limit: float, on_limit) -> None:
         t, _, handler, args = heapq.heappop(self.events)
@@ -663,7 +695,11 @@ class Chaos:
             if orders.control:
                 self.seen["reply with control orders lost"] += 1
             return self._pull_failed(t, rep)
-        rep.unsent, rep.first = [], False
+        rep.engine.forget_finals(rep.unsent)
+        for p in rep.unsent:
+            if p.finish_reason:
+                rep.dispatched.pop((p.seq_id, p.attempt), None)
+        rep.unsent, rep.first, rep.router_id = [], False, orders.router_id
         if rep.engine_dead:  # the orders meet a dead engine: it says goodbye at once
             return self.schedule(t, self._pull, rep)
         rep.advance_to(t)
@@ -1498,7 +1534,8 @@ def test_the_faults_happen():
               "router restarted asleep", "batch lost with its router", "router restarted while loading",
               "router restarted on a fleet that disagrees on the weights", "router restarted mid-move",
               "submitted while loading", "a restarted router took an older version",
-              "old router's attempt given up as an orphan"}
+              "old router's attempt given up as an orphan",
+              "a final sent whole after a failed pull, its known part dropped"}
     assert not wanted - set(seen), (wanted - set(seen), seen)
 
 

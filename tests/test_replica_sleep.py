@@ -175,6 +175,12 @@ class SlowSleepEngine(FakeEngine):
     def drain(self):
         return []
 
+    def whole_final(self, p):
+        return p
+
+    def forget_finals(self, delivered):
+        pass
+
     def held(self):
         return []
 

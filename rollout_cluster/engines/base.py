@@ -58,6 +58,17 @@ class EngineAdapter(ABC):
         the earlier deltas, continues them. An engine that cannot keeps its deltas (the router then
         generates those sequences again)."""
 
+    def whole_final(self, p):
+        """The whole-output form of the final report `p` (offset 0, every token and logprob of the
+        segment, its prompt), if this engine still has it; else `p`. A replica whose pull failed
+        sends its undelivered finals this way: if the router restarted meanwhile, the new one
+        never got the earlier deltas, and continues the sequence from the whole output
+        (router_adoption.py); the old one drops what it already has."""
+        return p
+
+    def forget_finals(self, delivered: list) -> None:
+        """These reports reached a router: the whole outputs kept for their finals can go."""
+
     def aborting(self) -> list:
         """The held attempts already given up whose final report is still to come (an engine
         whose give_up finishes at once has none)."""

@@ -117,6 +117,8 @@ class VllmEngine(EngineAdapter):
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.aborted: set = set()
         self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
+        # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs): whole_final
+        self.ended_whole: dict = {}
         self.pending: list = []
         self.ended = 0
         self.dead = None
@@ -183,17 +185,15 @@ class VllmEngine(EngineAdapter):
                     if reason and key in self.whole:
                         self.pending.append(self._whole(work, made, made_lps, reason))
                     else:
+                        if reason:
+                            self.ended_whole[key] = (work, made, made_lps)
                         self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
                                                         cached_tokens=hit, offset=produced))
                     produced += len(toks)
             if final is None:  # stream ended without a finished output: only an abort does that
-                self.pending.append(self._whole(work, made, made_lps, "abort") if key in self.whole else
-                                    SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
-                self.ended += 1
+                self._abort_final(work, key, made, made_lps, produced)
         except asyncio.CancelledError:
-            self.pending.append(self._whole(work, made, made_lps, "abort") if key in self.whole else
-                                SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
-            self.ended += 1
+            self._abort_final(work, key, made, made_lps, produced)
         except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
             if self._engine_died(e):  # not the sequence's fault: no final, it continues elsewhere
                 self._mark_dead(e)
@@ -208,6 +208,14 @@ class VllmEngine(EngineAdapter):
             self.aborted.discard(key)
             self.whole.discard(key)
 
+    def _abort_final(self, work: Work, key, made: array, made_lps: array, produced: int) -> None:
+        if key in self.whole:
+            self.pending.append(self._whole(work, made, made_lps, "abort"))
+        else:
+            self.ended_whole[key] = (work, made, made_lps)
+            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
+        self.ended += 1
+
     @staticmethod
     def _whole(work: Work, made: array, made_lps: array, reason: str) -> SeqProgress:
         """The final report of an attempt with its whole output (report_whole)."""
@@ -217,6 +225,19 @@ class VllmEngine(EngineAdapter):
 
     def report_whole(self, keys: list) -> None:
         self.whole.update(tuple(k) for k in keys if tuple(k) in self.tasks)
+
+    def whole_final(self, p: SeqProgress) -> SeqProgress:
+        kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
+        if kept is None or p.prompt_token_ids is not None:
+            return p
+        whole = self._whole(*kept, p.finish_reason)
+        whole.cached_tokens = p.cached_tokens
+        return whole
+
+    def forget_finals(self, delivered: list) -> None:
+        for p in delivered:
+            if p.finish_reason:
+                self.ended_whole.pop((p.seq_id, p.attempt), None)
 
     def _mark_dead(self, e: Exception) -> None:
         if self.dead is None:

@@ -40,6 +40,7 @@ class EngineReplica:
     sleep_level, sleep_goal, sleep_error, sleep_task = 0, 0, None, None
     noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
     report_number = 0  # counts the reports built (Report.number)
+    router_id = ""  # the router that answered the last pull (Orders.router_id)
 
     async def __init__(self, router, config: dict):
         self.cfg = load_config(config)
@@ -62,6 +63,7 @@ class EngineReplica:
 
     async def _pull_loop(self) -> None:
         first = True
+        self.dispatched = {}  # (seq_id, attempt) -> the router that started it (Orders.router_id)
         held_t = 0.0
         while not self.stopping:
             ended = self.engine.ended  # before the drain: a segment ending after it shows as a change
@@ -69,6 +71,8 @@ class EngineReplica:
             if self.engine.dead is not None:  # (an engine that died idle shows in the drain)
                 await self._leave_dead_engine()
                 return
+            if self.unsent:
+                self.unsent = [self._as_sent(p, first) for p in self.unsent]
             now = time.monotonic()
             held, aborting = None, []
             if now - held_t >= HELD_EVERY_S:  # drained and listed together: consistent
@@ -94,8 +98,13 @@ class EngineReplica:
                 await asyncio.sleep(0.5)
                 first = True
                 continue
+            self.engine.forget_finals(report.progress)
+            for p in report.progress:
+                if p.finish_reason:
+                    self.dispatched.pop((p.seq_id, p.attempt), None)
             self.unsent = []
             first = False
+            self.router_id = orders.router_id
             try:
                 for cmd, arg in orders.control:
                     await self._control(cmd, arg)
@@ -112,6 +121,7 @@ class EngineReplica:
                         orders.start = []
                 for work in orders.start:
                     self.engine.submit(work)
+                    self.dispatched[(work.seq_id, work.attempt)] = orders.router_id
                 if orders.report_whole:  # before the abort's final report
                     self.engine.report_whole(orders.report_whole)
                 if orders.give_up:
@@ -125,6 +135,18 @@ class EngineReplica:
                 raise
             urgent = orders.work_waiting or bool(orders.give_up) or bool(self.engine.aborting())
             await self._pace(now, ended, urgent, orders.report_interval_s)
+
+    def _as_sent(self, p, after_failure: bool):
+        """A final report as it goes to the router: whole after a failed pull (the router may have
+        restarted) or when another router than the one answering now started the segment; the
+        new router never got the earlier deltas, and continues the sequence from the whole output
+        (router_adoption.py); an old router that was only slow drops the part it already has."""
+        if not p.finish_reason:
+            return p
+        by = self.dispatched.get((p.seq_id, p.attempt))
+        if after_failure or (by is not None and by != self.router_id):
+            return self.engine.whole_final(p)
+        return p
 
     async def _pace(self, reported_t: float, ended: int, urgent: bool, interval_s: float = 0.0) -> None:
         """A replica that runs sequences reports every router.report_interval_s; and at once when a

@@ -106,6 +106,7 @@ class Router:
                 pass
             orders = core.decide(report.replica_id, time.monotonic(), timer=time.perf_counter)
         orders.report_interval_s = self.cfg.router.report_interval_for(len(core.replicas))
+        orders.router_id = self.router_id
         return orders
 
     async def submit(self, requests: list, wait_for_replica_s: float | None = None,

@@ -102,6 +102,44 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
     assert len(client.generate([[9, 9, 9]], SamplingSpec(n=4, max_tokens=8, ignore_eos=True))) == 4
 
 
+def test_sequences_that_end_while_the_router_is_down_are_not_generated_again(client, fresh_policy):
+    """Killed a few tokens into a batch of short sequences, which all end on the replicas before
+    Serve's new router answers (15-30 s here): the replicas' pulls failed, so they send those
+    finals whole, and the new router finishes the driver's resubmission from them at once."""
+    fresh_policy("pull")
+    old_id = client.status()["router_id"]
+    n, length = 24, 400
+    requests = expand([[40 + i, 7, 8] for i in range(n)],
+                      [SamplingSpec(max_tokens=length, ignore_eos=True, logprobs=0)] * n)
+    out = {}
+
+    def run():
+        try:
+            out["results"] = client.run_requests(requests, timeout_s=600)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            out["error"] = e
+
+    driver = threading.Thread(target=run)
+    driver.start()
+    deadline = time.monotonic() + 120
+    while client.status()["counters"]["generated_tokens"] < n * 20:
+        assert time.monotonic() < deadline and driver.is_alive(), out
+        time.sleep(0.1)
+    kill_router()
+    driver.join(300)
+    assert not driver.is_alive() and "error" not in out, out.get("error") or "generate still waits"
+    results = out["results"]
+    assert [c.index for c in results] == list(range(n)) and {len(c.token_ids) for c in results} == {length}
+    assert all(c.finish_reason == "length" and len(c.logprobs) == length for c in results)
+    st = new_router_status(client, old_id)
+    again = [c for c in results if not c.batch_id.startswith(old_id[:6])]  # not fetched before the kill
+    # ended under the old router, taken whole: nothing generated again
+    whole = [c for c in again if [(m.reason, m.at_token) for m in c.migrations] == [("router_restart", length)]]
+    all_whole = bool(again) and len(whole) == len(again)
+    assert all_whole, [(c.index, c.migrations, c.batch_id) for c in again]
+    assert st["counters"]["adopted"] >= len(again) and st["counters"]["generated_tokens"] == 0, st["counters"]
+
+
 def test_http_generate_answers_every_line_across_a_router_restart(client, fresh_policy):
     """The HTTP route runs in the Gateway, a deployment of its own: it submits again what the
     killed router's batch had not returned, as the driver does, and answers every line."""

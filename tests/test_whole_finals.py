@@ -1,0 +1,280 @@
+"""A segment that ends while its router cannot be reached is not generated again.
+
+Its final report is a delta: the tokens since the last report. If the router restarted meanwhile,
+the new one never got the earlier deltas, and the delta alone is useless to it. So a replica
+whose pull failed sends its undelivered finals whole (the engine keeps each ended segment's
+output until its final is delivered): a new router keeps that output for the sequence's
+resubmission (router_adoption.py), and the old one, if it was only slow, drops the part it has.
+"""
+import asyncio
+
+from rollout_cluster.config import ClusterConfig, EngineConfig, PolicyConfig, RouterConfig
+from rollout_cluster.engines.cost_model import load_profile
+from rollout_cluster.engines.vllm_engine import VllmEngine
+from rollout_cluster.policy import make_policy
+from rollout_cluster.router_core import RouterCore
+from rollout_cluster.serve.replica import EngineReplica
+from rollout_cluster.types import (EngineStats, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
+                                   SequenceRequest, Work)
+
+COST = load_profile("h200-1.5b", max_num_seqs=4)
+PROMPT = [5, 6, 7]
+
+
+# ---- the vLLM adapter keeps an ended segment's whole output until its final is delivered ---------
+class Out:
+    def __init__(self, toks, finished=False, reason=None):
+        lps = [{t: type("L", (), {"logprob": -0.25})()} for t in toks]
+        self.outputs = [type("O", (), {"token_ids": toks, "finish_reason": reason, "logprobs": lps})()]
+        self.finished = finished
+
+
+class ShortAsyncLLM:
+    """Streams `n` tokens, one every 5 ms, then finishes with "length"; stops early when aborted."""
+
+    errored = False
+
+    def __init__(self, n: int):
+        self.n, self.aborted = n, set()
+
+    async def generate(self, prompt, params, request_id):
+        for t in range(self.n):
+            if request_id in self.aborted:
+                yield Out([], finished=True, reason="abort")
+                return
+            last = t == self.n - 1
+            yield Out([100 + t], finished=last, reason="length" if last else None)
+            await asyncio.sleep(0.005)
+
+    async def abort(self, ids):
+        self.aborted.update(ids)
+
+
+def run_engine(n: int, give_up_after_s=None):
+    async def go():
+        eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
+        eng.engine = ShortAsyncLLM(n)
+        eng.submit(Work("r1-b0:0", 1, list(PROMPT), SamplingSpec(max_tokens=100, logprobs=0)))
+        await asyncio.sleep(0.03)
+        first = eng.drain()
+        if give_up_after_s is not None:
+            await eng.give_up([("r1-b0:0", 1)])
+        await asyncio.gather(*eng.tasks.values())
+        return eng, first, eng.drain()
+
+    return asyncio.run(go())
+
+
+def test_the_vllm_adapter_gives_an_undelivered_final_whole_until_it_is_delivered():
+    eng, first, rest = run_engine(12)
+    (final,) = [p for p in rest if p.finish_reason]
+    assert final.finish_reason == "length" and final.offset > 0 and final.prompt_token_ids is None
+    streamed = [t for p in first + rest for t in p.token_ids]
+    assert streamed == [100 + t for t in range(12)]
+    w = eng.whole_final(final)
+    assert (w.seq_id, w.attempt, w.finish_reason, w.offset) == ("r1-b0:0", 1, "length", 0)
+    assert w.token_ids == streamed and w.logprobs == [-0.25] * 12 and w.prompt_token_ids == PROMPT
+    assert eng.whole_final(w) is w  # already whole
+    assert eng.whole_final(first[0]) is first[0]  # not a final
+    eng.forget_finals(first + rest)
+    assert eng.whole_final(final) is final and not eng.ended_whole
+
+
+def test_an_aborted_segment_is_kept_whole_too():
+    eng, first, rest = run_engine(1000, give_up_after_s=0.0)
+    (final,) = [p for p in rest if p.finish_reason]
+    assert final.finish_reason == "abort"
+    w = eng.whole_final(final)
+    assert w.offset == 0 and w.token_ids == [t for p in first + rest for t in p.token_ids] and w.token_ids
+
+
+# ---- the replica sends its finals whole after a failed pull -------------------------------------
+class EndingEngine:
+    """One segment: a delta, then (at the next drain) its final."""
+    capacity, dead = 8, None
+
+    def __init__(self):
+        self.ended, self.drains, self.forgotten = 0, 0, []
+        self.whole = SeqProgress("s", 1, [4, 5, 6], None, "stop", offset=0, prompt_token_ids=[1, 2])
+
+    def drain(self) -> list:
+        self.drains += 1
+        if self.drains == 1:
+            return [SeqProgress("s", 1, [4, 5], offset=0)]
+        if self.drains == 2:
+            self.ended = 1
+            return [SeqProgress("s", 1, [6], None, "stop", offset=2)]
+        return []
+
+    def whole_final(self, p):
+        return self.whole if (p.seq_id, p.attempt, p.finish_reason) == ("s", 1, "stop") else p
+
+    def forget_finals(self, delivered):
+        self.forgotten += [p for p in delivered if p.finish_reason]
+
+    def held(self) -> list:
+        return [("s", 1)] if self.drains < 2 else []
+
+    def aborting(self) -> list:
+        return []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=1)
+
+
+class RouterFailingSecond:
+    """Answers the first pull, fails the second (a router that died), answers the third."""
+
+    def __init__(self, replica):
+        self.reports, self.replica = [], replica
+        self.pull = self
+
+    def remote(self, report):
+        self.reports.append(report)
+        n = len(self.reports)
+
+        async def answer():
+            if n == 2:
+                raise RuntimeError("router died")
+            if n == 3:
+                self.replica.stopping = True
+            return Orders()
+        return answer()
+
+
+class BareReplica(EngineReplica.func_or_class):
+    def __del__(self):
+        pass
+
+
+def test_a_replica_sends_its_undelivered_final_whole_after_a_failed_pull():
+    r = object.__new__(BareReplica)
+    r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05, report_interval_s=0.01))
+    r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = EndingEngine(), False, [], "a", "i1", None
+    r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
+    r.router = router = RouterFailingSecond(r)
+    asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
+    first, failed, again = [rep.progress for rep in router.reports[:3]]
+    assert [(p.token_ids, p.offset) for p in first] == [([4, 5], 0)]
+    assert [(p.token_ids, p.offset, p.finish_reason) for p in failed] == [([6], 2, "stop")]  # sent as a delta
+    assert again == [r.engine.whole]  # after the failure: whole
+    assert r.engine.forgotten == [r.engine.whole]  # delivered: the engine may drop it
+
+
+# ---- the routers ---------------------------------------------------------------------------------
+def report(progress=(), held=None) -> Report:
+    return Report("a", "i1", list(progress), EngineStats(), ModelInfo(1000, 4096), 4, held=held, aborting=[])
+
+
+def router(prefix: str) -> RouterCore:
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix=prefix)
+    core.on_report(report(), 0.0)
+    return core
+
+
+def request(max_tokens=10) -> SequenceRequest:
+    return SequenceRequest(list(PROMPT), SamplingSpec(max_tokens=max_tokens, logprobs=0), 0, 0)
+
+
+def test_the_router_that_was_only_slow_takes_the_tail_of_a_whole_final_once():
+    core = router("r1-")
+    bid = core.submit([request()], 0.0)
+    (w,) = core.decide("a", 0.1).start
+    core.on_report(report([SeqProgress(w.seq_id, w.attempt, [11, 12], [-1.0, -2.0], offset=0)]), 0.2)
+    resent = SeqProgress(w.seq_id, w.attempt, [11, 12], [-1.0, -2.0], offset=0)
+    core.on_report(report([resent]), 0.3)  # a delta sent again: dropped
+    assert core.counters["duplicate_reports"] == 1
+    whole = SeqProgress(w.seq_id, w.attempt, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0,
+                        prompt_token_ids=list(PROMPT))
+    core.on_report(report([whole], held=[]), 0.4)
+    (c,), _, done = core.fetch(bid, 0)
+    assert done
+    assert list(c.token_ids) == [11, 12, 13] and list(c.logprobs) == [-1.0, -2.0, -3.0]
+    assert c.finish_reason == "stop" and not c.migrations
+    assert core.counters["finals_whole_trimmed"] == 1 and core.counters["generated_tokens"] == 3
+
+
+def test_a_segment_that_ended_while_no_router_listened_finishes_its_resubmission():
+    old = router("r1-")
+    old.submit([request(), request()], 0.0)
+    work = old.decide("a", 0.1).start
+    old.on_report(report([SeqProgress(w.seq_id, w.attempt, [11, 12], [-1.0, -2.0], offset=0) for w in work]), 0.2)
+    # the old router dies; both segments end on the replica; its pull failed, so the finals go whole
+    new = router("r2-")
+    ended = [SeqProgress(w.seq_id, w.attempt, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0,
+                         prompt_token_ids=list(PROMPT)) for w in work]
+    new.on_report(report(ended, held=[]), 1.0)
+    assert new.counters["orphan_outputs_kept"] == 2
+    bid = new.submit([request(), request()], 1.5, previous_ids=[w.seq_id for w in work])
+    got, _, done = new.fetch(bid, 0)
+    assert done
+    assert len(got) == 2 and new.counters["adopted"] == 2
+    for c in got:
+        assert list(c.token_ids) == [11, 12, 13] and list(c.logprobs) == [-1.0, -2.0, -3.0]
+        assert c.finish_reason == "stop" and [m.reason for m in c.migrations] == ["router_restart"]
+    assert not new.decide("a", 1.6).start  # nothing generated again
+
+
+def test_a_final_delta_reaching_a_new_router_is_not_taken():
+    """Without the whole output (the replica's pull had not failed, say), the resubmission starts
+    from its prompt: a delta's tokens are not the sequence's."""
+    new = router("r2-")
+    new.on_report(report([SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)], held=[]), 1.0)
+    assert new.counters["orphan_outputs_kept"] == 0
+    new.submit([request()], 1.5, previous_ids=["r1-b0:0"])
+    (w,) = new.decide("a", 1.6).start
+    assert w.prompt_token_ids == PROMPT and new.counters["adopted"] == 0
+
+
+class StartedEngine(EndingEngine):
+    """EndingEngine whose segment is started by the router's first answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.submitted = []
+
+    def submit(self, work):
+        self.submitted.append(work)
+
+    def drain(self) -> list:
+        return super().drain() if self.submitted else []
+
+    def held(self) -> list:
+        return [("s", 1)] if self.submitted and self.drains < 2 else []
+
+
+class RouterRestartingBetweenPulls:
+    """Every pull answered: the first by router A (which starts the segment), the rest by `later`."""
+
+    def __init__(self, replica, later: str):
+        self.reports, self.replica, self.later = [], replica, later
+        self.pull = self
+
+    def remote(self, report):
+        self.reports.append(report)
+        n = len(self.reports)
+
+        async def answer():
+            if n == 1:
+                return Orders(start=[Work("s", 1, [1, 2], SamplingSpec(max_tokens=3))], router_id="A")
+            if n >= 3 and report.progress:
+                self.replica.stopping = True
+            return Orders(router_id=self.later)
+        return answer()
+
+
+def test_a_final_of_a_segment_another_router_started_goes_whole():
+    sent = {}
+    for later in ("A", "B"):
+        r = object.__new__(BareReplica)
+        r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05,
+                                                  report_interval_s=0.01))
+        r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = StartedEngine(), False, [], "a", "i1", None
+        r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
+        r.sleep_level = r.sleep_goal = 0
+        r.router = router = RouterRestartingBetweenPulls(r, later)
+        asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
+        sent[later] = [p for rep in router.reports for p in rep.progress if p.finish_reason]
+        assert not r.dispatched  # delivered: forgotten
+    assert [(p.token_ids, p.offset) for p in sent["A"]] == [([6], 2)]  # its own router: a delta
+    assert [(p.token_ids, p.offset) for p in sent["B"]] == [([4, 5, 6], 0)]  # another router: whole
