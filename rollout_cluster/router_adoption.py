@@ -52,7 +52,7 @@ class OrphanOutput:
 
 class OrphanAdoption:
     """Needs RouterCore's seqs, batches, queue, replicas, expected_replicas, counters, metrics,
-    record_tokens and _finish."""
+    record_tokens, id_prefix and _finish."""
 
     def _init_adoption(self) -> None:
         self.orphan_outputs: dict = {}  # old seq_id -> OrphanOutput, in arrival order
@@ -96,6 +96,8 @@ class OrphanAdoption:
         resubmission, or hand it to that sequence at once. Returns whether it was taken."""
         if p.finish_reason is None:
             return False
+        if self.id_prefix and p.seq_id.startswith(self.id_prefix):
+            return False  # this router's own, finished already (a final sent whole after a lost reply)
         if p.offset != 0 or p.prompt_token_ids is None or p.finish_reason == "error":
             if p.seq_id in self.awaiting_orphans:
                 self._stop_waiting(p.seq_id)  # ended, and its output went with the old router

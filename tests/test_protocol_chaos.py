@@ -30,7 +30,10 @@ per case:
 - (restart cases) the router restarts: a fresh RouterCore under another id takes over the fleet,
   the old one's batches, held pulls and late calls are gone, every pull fails for ROUTER_DOWN_S
   (so each replica sends its model again: an assumption about Serve), and the driver submits
-  again what it had not received (as BatchAcrossRestarts does);
+  again what it had not received, naming each sequence's old id (as BatchAcrossRestarts does),
+  so the new router takes over what the old one's segments made: their whole outputs, asked for
+  when it gives them up (Orders.report_whole), or sent whole by replicas whose pull failed or
+  that another router answers (replica.py's _as_sent);
 - (control cases) RL steps: each step's batches, then the driver's update_weights, sleep_fleet
   and wake_fleet in random orders, waiting for them to settle as RolloutClient does, but for an
   update one time in three not, and for a sleep or a wake one time in five (the next batch then
@@ -56,8 +59,10 @@ Under the steal, pull, static, least-loaded, chunked and scripted policies, it a
    the same order;
 2./3. a sequence not cancelled ends "length" with exactly min(hidden_length, max_tokens) tokens,
    and they are those of an unmigrated, fault-free run on its batch's weights: the engine emits the
-   contiguous run (hash(seq_id) + prompt_len + i + WEIGHTS_SHIFT x weights version) % vocab, so no
-   token was lost, repeated, reordered or made with other weights;
+   contiguous run (hash(the request's prompt) + prompt_len + i + WEIGHTS_SHIFT x weights version)
+   % vocab, so no token was lost, repeated, reordered or made with other weights, and a take-over
+   after a router restart joined the old output to the rest exactly (every sample has a prompt
+   of its own);
 4. a cancelled one ends "abort" with a prefix of that run (or "length" with all of it: it ended
    before the cancel reached it); an "error" is accepted only as the router's "no replica holds
    weights version v" for a version whose load did fail somewhere;
@@ -178,24 +183,41 @@ class WeightedEngine(SimEngineCore):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.ended_whole: dict = {}  # as VllmEngine keeps them: (seq_id, attempt) -> (tokens, logprobs)
+        self.whole: set = set()  # attempts whose final goes whole (Orders.report_whole), as VllmEngine's
+        self.ended_whole: dict = {}  # as VllmEngine keeps them: (seq_id, attempt) -> (work, tokens, logprobs)
 
     def _tokens(self, s, start: int, end: int) -> list:
-        shift = WEIGHTS_SHIFT * self.version
-        return [(t + shift) % self.vocab_size for t in super()._tokens(s, start, end)]
+        w = s.work  # the run is the request's (its original prompt's), whichever router sent it
+        base = request_key(w.prompt_token_ids[:w.prefix_len]) + WEIGHTS_SHIFT * self.version
+        return [(base + w.prompt_len + i) % self.vocab_size for i in range(start, end)]
 
     def _final(self, s, reason: str) -> None:
         super()._final(s, reason)
-        lps = None if s.work.sampling.logprobs is None else [-1.0] * s.produced
-        self.ended_whole[(s.work.seq_id, s.work.attempt)] = (self._tokens(s, 0, s.produced), lps)
+        w = s.work
+        key = (w.seq_id, w.attempt)
+        kept = (w, self._tokens(s, 0, s.produced), None if w.sampling.logprobs is None else [-1.0] * s.produced)
+        if key in self.whole:
+            self.whole.discard(key)
+            self.finals[-1] = self._whole(kept, reason, self.finals[-1])
+        else:
+            self.ended_whole[key] = kept
+
+    @staticmethod
+    def _whole(kept: tuple, reason: str, p: SeqProgress) -> SeqProgress:
+        work, tokens, lps = kept
+        return SeqProgress(work.seq_id, work.attempt, list(tokens), lps, reason, p.error, offset=0,
+                           cached_tokens=p.cached_tokens, prompt_token_ids=list(work.prompt_token_ids))
+
+    def report_whole(self, keys: list) -> None:
+        held = {(s.work.seq_id, s.work.attempt) for group in (self.running, self.waiting) for s in group}
+        self.whole.update(k for k in map(tuple, keys) if k in held)
 
     def whole_final(self, p: SeqProgress) -> SeqProgress:
-        """VllmEngine.whole_final: offset 0, every token of the segment (no prompt ids here)."""
+        """VllmEngine.whole_final: offset 0, every token of the segment, its prompt."""
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
-        if kept is None:
+        if kept is None or p.prompt_token_ids is not None:
             return p
-        return SeqProgress(p.seq_id, p.attempt, list(kept[0]), kept[1], p.finish_reason, p.error, offset=0,
-                           cached_tokens=p.cached_tokens)
+        return self._whole(kept, p.finish_reason, p)
 
     def forget_finals(self, delivered: list) -> None:
         for p in delivered:
@@ -295,6 +317,8 @@ class FakeReplica:
         for work in orders.start:
             self.engine.submit(work)
             self.dispatched[(work.seq_id, work.attempt)] = orders.router_id
+        if orders.report_whole:  # before the abort's final report
+            self.engine.report_whole(orders.report_whole)
         if orders.give_up:
             if late_abort:
                 self.pending_aborts.update(orders.give_up)
@@ -386,6 +410,7 @@ class Batch:
     made_as: dict = field(default_factory=dict)  # index in `requests` -> (batch id, index, weights version)
     order: list = field(default_factory=list)  # the router batch's indexes in the order fetch returned them
     cursor: int = 0
+    previous: dict = field(default_factory=dict)  # index in `requests` -> its seq id under the router that restarted
     fetched_t: float = 0.0  # the latest fetch (or the submission)
     cancelled: bool = False
     released: bool = False
@@ -425,7 +450,9 @@ def random_requests(rng: random.Random, n_prompts: int, max_samples: int) -> lis
         spec = SamplingSpec(max_tokens=max_tokens, logprobs=rng.choice([None, 0]))
         for s in range(max_samples if p < 2 else rng.randint(1, max_samples)):
             hidden = rng.randint(1, int(spec.max_tokens * 1.2))  # some run into max_tokens
-            out.append(SequenceRequest(prompt, spec, p, s, hidden_length=hidden))
+            # each sample's prompt its own (the engine's run is keyed on it): a take-over of
+            # another sample's output after a router restart fails the token check
+            out.append(SequenceRequest(prompt + [p, s], spec, p, s, hidden_length=hidden))
     return out
 
 
@@ -612,6 +639,8 @@ class Chaos:
             self._step(end, None)
         self.seen["a final sent whole after a failed pull, its known part dropped"] += sum(
             core.counters["finals_whole_trimmed"] for core in self.cores)
+        self.seen["a resubmitted sequence took its old segment's output over"] += sum(
+            core.counters["adopted"] for core in self.cores)
 
     def _step(self, limit: float, on_limit) -> None:
         t, _, handler, args = heapq.heappop(self.events)
@@ -1004,12 +1033,12 @@ class Chaos:
         if core is not self.cores[0] and what not in self.driven.get(core, ()):
             check_learned(core, what, self.learned_from.get(core, {}).get(what, []))
 
-    def _order(self, core: RouterCore, what: str, order, *args):
+    def _order(self, core: RouterCore, what: str, order, *args, **kwargs):
         """The driver orders `core` something: a submit or an update ends a restarted router's
         learning of the weights, a sleep or a wake its learning of the sleep level (once it goes
         through: a refused one changes nothing). What it learned is checked first."""
         self._check_learned_until(core, what)
-        result = order(*args)
+        result = order(*args, **kwargs)
         self.driven.setdefault(core, set()).add(what)
         return result
 
@@ -1019,8 +1048,11 @@ class Chaos:
         if not core.replicas or t < self.router_down_until:  # (RolloutClient waits for a replica too)
             return self.schedule(t + 0.2, self._submit, b)
         positions = [i for i in range(len(b.requests)) if i not in b.got]  # all, but after a router restart
+        # as BatchAcrossRestarts: each resubmitted sequence names its id under the router that restarted
+        previous = [b.previous.get(i) for i in positions] if b.previous else None
         try:
-            bid = self._order(core, "weights", core.submit, [b.requests[i] for i in positions], t)
+            bid = self._order(core, "weights", core.submit, [b.requests[i] for i in positions], t,
+                              previous_ids=previous)
         except NoLiveReplicaError as e:  # every replica failed loading the weights: the trainer tries again
             assert "no replica holds weights version" in str(e) and core.weights_version in self.failed_versions, e
             self.seen["submit refused: no replica holds the weights"] += 1
@@ -1068,6 +1100,7 @@ class Chaos:
         except BatchLostError as e:
             assert b.core is not self.core and b.bid in str(e), f"{b.bid}: {e}"
             self.seen["batch lost with its router"] += 1
+            b.previous = {pos: f"{b.bid}:{k}" for k, pos in enumerate(b.positions)}
             b.bid = None
             self._submit(t, b)
 
@@ -1243,10 +1276,16 @@ def fetch_batch(core: RouterCore, b: Batch, t: float, rng: random.Random) -> Non
 
 
 # ---- invariants ---------------------------------------------------------------------------------
+def request_key(prompt) -> int:
+    """What an engine's run is keyed on: the request's original prompt (the same for a sequence
+    submitted again after a router restart, unlike its seq_id)."""
+    return hash(tuple(prompt))
+
+
 def expected_run(seq_id: str, req: SequenceRequest, version: int = 0) -> list:
     """The tokens an unmigrated, fault-free SimEngineCore run of the request gives on `version`."""
     length = min(req.hidden_length, req.sampling.max_tokens)
-    base = (hash(seq_id) + WEIGHTS_SHIFT * version) % VOCAB
+    base = (request_key(req.prompt_token_ids) + WEIGHTS_SHIFT * version) % VOCAB
     return [(base + req.prompt_len + i) % VOCAB for i in range(length)]
 
 
@@ -1278,10 +1317,11 @@ def check_completion(c: Completion, seq_id: str, req: SequenceRequest, cancelled
 def check_migrations(c: Completion, where: str, finished: bool) -> None:
     at = [m.at_token for m in c.migrations]
     assert at == sorted(at) and all(0 <= a <= len(c.token_ids) for a in at), f"{where}: migrations' at_token {at}"
-    assert all(m.reason in ("policy", "replica_left", "replica_lost") for m in c.migrations), where
+    assert all(m.reason in ("policy", "replica_left", "replica_lost", "router_restart") for m in c.migrations), where
     assert all(m.source in c.replicas for m in c.migrations), f"{where}: ran on {c.replicas}"
-    if finished:  # it continued after every boundary, somewhere it ran
-        assert all(m.destination in c.replicas for m in c.migrations), f"{where}: ran on {c.replicas}"
+    if finished:  # it continued after every boundary, somewhere it ran (a take-over names none)
+        assert all(m.destination in c.replicas for m in c.migrations if m.reason != "router_restart"), \
+            f"{where}: ran on {c.replicas}"
 
 
 def check_batches(batches: list, failed_versions: frozenset = frozenset()) -> None:
@@ -1526,7 +1566,7 @@ def test_the_faults_happen():
     for policy, seed in (("pull", 0), ("steal", 1), ("least-loaded", 2), ("chunked", 3)):
         seen += run_case(policy, seed).seen
     for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 1, True),
-                                  ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True)):
+                                  ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True), ("least-loaded", 2, True)):
         seen += run_control_case(policy, seed, restart).seen
     wanted = {"late report applied first", "late report applied after its resend", "reply with control orders lost",
               "load failed", "replica restarted while loading", "replica restarted asleep", "join asleep",
@@ -1535,7 +1575,8 @@ def test_the_faults_happen():
               "router restarted on a fleet that disagrees on the weights", "router restarted mid-move",
               "submitted while loading", "a restarted router took an older version",
               "old router's attempt given up as an orphan",
-              "a final sent whole after a failed pull, its known part dropped"}
+              "a final sent whole after a failed pull, its known part dropped",
+              "a resubmitted sequence took its old segment's output over"}
     assert not wanted - set(seen), (wanted - set(seen), seen)
 
 
@@ -1635,7 +1676,7 @@ def test_a_replica_back_after_its_timeout_has_its_old_attempts_given_up():
 def test_the_token_check_catches_a_lost_repeated_or_reordered_token():
     req = SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=50, logprobs=0), 0, 0, hidden_length=30)
     good = expected_run("b0:0", req)
-    assert len(good) == 30 and good[0] == (hash("b0:0") + 3) % VOCAB
+    assert len(good) == 30 and good[0] == (request_key([1, 2, 3]) + 3) % VOCAB
 
     def completion(tokens, reason="length", error=None):
         return Completion(0, 0, tokens, [-1.0] * len(tokens), reason, error, replicas=["a"])
@@ -1645,7 +1686,8 @@ def test_the_token_check_catches_a_lost_repeated_or_reordered_token():
     lost, repeated, swapped = good[:10] + good[11:] + [good[-1]], good[:10] + good[9:29], list(good)
     swapped[4], swapped[5] = swapped[5], swapped[4]
     other_weights = expected_run("b0:0", req, version=2)
-    for bad in (lost, repeated, swapped, good[:-1], expected_run("b0:1", req), other_weights):
+    another = SequenceRequest([1, 2, 4], req.sampling, 0, 1, hidden_length=30)  # a sibling's prompt
+    for bad in (lost, repeated, swapped, good[:-1], expected_run("b0:1", another), other_weights):
         with pytest.raises(AssertionError):
             check_completion(completion(bad), "b0:0", req, cancelled=False)
     check_completion(completion(other_weights), "b0:0", req, cancelled=False, version=2)

@@ -192,6 +192,9 @@ def test_the_router_that_was_only_slow_takes_the_tail_of_a_whole_final_once():
     assert list(c.token_ids) == [11, 12, 13] and list(c.logprobs) == [-1.0, -2.0, -3.0]
     assert c.finish_reason == "stop" and not c.migrations
     assert core.counters["finals_whole_trimmed"] == 1 and core.counters["generated_tokens"] == 3
+    core.release(bid)
+    core.on_report(report([whole], held=[]), 0.5)  # again, its reply lost: the router's own, finished
+    assert core.counters["orphan_outputs_kept"] == 0 and not core.orphan_outputs
 
 
 def test_a_segment_that_ended_while_no_router_listened_finishes_its_resubmission():
