@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .state import SeqState, SeqStatus
-from .types import Migration, SeqProgress
+from .types import Migration, Orders, SeqProgress
 
 ORPHAN_KEEP_S = 600.0  # how long an orphan's output waits for its driver to submit the sequence again
 ORPHANS_KEPT = 1 << 16  # and how many of them, at most (the oldest go first)
@@ -51,13 +51,15 @@ class OrphanOutput:
 
 
 class OrphanAdoption:
-    """Needs RouterCore's seqs, batches, queue, replicas, expected_replicas, counters, metrics,
-    record_tokens, id_prefix and _finish."""
+    """Needs RouterCore's seqs, batches, queue, replicas, outbox, expected_replicas, counters,
+    metrics, record_tokens, id_prefix and _finish."""
 
     def _init_adoption(self) -> None:
         self.orphan_outputs: dict = {}  # old seq_id -> OrphanOutput, in arrival order
         self.awaiting_orphans: dict = {}  # old seq_id -> (new seq_id, since): resubmitted before it ended
         self.orphan_listings: dict = {}  # old seq_id -> how many replicas listed it running, at their last listing
+        # old seq_id -> when its final came as a delta and its whole output was asked for again
+        self.whole_asked: dict = {}
 
     def _note_orphans(self, rep, ids: frozenset) -> None:
         """A replica's listing: `ids` are the sequences it runs that this router does not know."""
@@ -69,21 +71,23 @@ class OrphanAdoption:
                 self.orphan_listings[sid] = left
             else:
                 self.orphan_listings.pop(sid, None)
-                if sid in self.awaiting_orphans and self._every_replica_listed():
+                if sid in self.awaiting_orphans and not self._may_still_run(sid):
                     self._stop_waiting(sid)  # it ended without a whole output: from the prompt
         for sid in ids - rep.orphan_ids:
             self.orphan_listings[sid] = self.orphan_listings.get(sid, 0) + 1
         rep.orphan_ids = ids
         if first and self.awaiting_orphans and self._every_replica_listed():
             # now known not to run anywhere: from the prompt, without waiting
-            for old in [o for o in self.awaiting_orphans if o not in self.orphan_listings]:
+            for old in [o for o in self.awaiting_orphans if not self._may_still_run(o)]:
                 self._stop_waiting(old)
 
     def _every_replica_listed(self) -> bool:
         return len(self.replicas) >= self.expected_replicas and all(r.listed for r in self.replicas.values())
 
     def _may_still_run(self, old: str) -> bool:
-        return old in self.orphan_listings or not self._every_replica_listed()
+        """Its whole output may still come: a replica runs it, one has not listed what it runs,
+        or one was asked to send its ended final again, whole."""
+        return old in self.orphan_listings or old in self.whole_asked or not self._every_replica_listed()
 
     def _stop_waiting(self, old: str) -> None:
         sid, _ = self.awaiting_orphans.pop(old)
@@ -98,10 +102,19 @@ class OrphanAdoption:
             return False
         if self.id_prefix and p.seq_id.startswith(self.id_prefix):
             return False  # this router's own, finished already (a final sent whole after a lost reply)
-        if p.offset != 0 or p.prompt_token_ids is None or p.finish_reason == "error":
+        if p.finish_reason == "error" or not self.id_prefix and (p.offset != 0 or p.prompt_token_ids is None):
             if p.seq_id in self.awaiting_orphans:
                 self._stop_waiting(p.seq_id)  # ended, and its output went with the old router
             return False
+        if p.offset != 0 or p.prompt_token_ids is None:
+            # A delta: the replica did not know this router took over when it sent it (its pull
+            # went through the restart). Ask for it again whole: the engine keeps it for a while.
+            if p.seq_id not in self.whole_asked:
+                self.whole_asked[p.seq_id] = now
+                self.outbox.setdefault(rep.replica_id, Orders()).report_whole.append((p.seq_id, p.attempt))
+                self.counters["whole_finals_asked"] += 1
+            return False
+        self.whole_asked.pop(p.seq_id, None)
         out = OrphanOutput.of(rep, p, now)
         waiting = self.awaiting_orphans.pop(p.seq_id, None)
         if waiting is not None:
@@ -173,6 +186,8 @@ class OrphanAdoption:
     def _expire_orphans(self, now: float) -> None:
         for old in [k for k, o in self.orphan_outputs.items() if now - o.t > ORPHAN_KEEP_S]:
             del self.orphan_outputs[old]
+        for old in [k for k, t in self.whole_asked.items() if now - t >= ADOPT_WAIT_S]:
+            del self.whole_asked[old]  # it never came whole (an engine that keeps no outputs)
         for old, (sid, t) in list(self.awaiting_orphans.items()):
             if sid not in self.seqs or now - t >= ADOPT_WAIT_S:
                 self._stop_waiting(old)  # no output came: from its prompt

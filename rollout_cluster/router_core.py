@@ -105,7 +105,7 @@ class RouterCore(EngineControl, OrphanAdoption):
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
                          "duplicate_reports": 0, "finals_whole_trimmed": 0, "handed_back": 0, "recovered": 0,
-                         "orphans_given_up": 0, "orphan_outputs_kept": 0, "adopted": 0, "adopted_tokens": 0}
+                         "orphans_given_up": 0, "orphan_outputs_kept": 0, "whole_finals_asked": 0, "adopted": 0, "adopted_tokens": 0}
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull

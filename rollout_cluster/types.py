@@ -322,4 +322,4 @@ class Orders:
     router_id: str = ""
 
     def __bool__(self) -> bool:
-        return bool(self.start or self.give_up or self.control)
+        return bool(self.start or self.give_up or self.control or self.report_whole)

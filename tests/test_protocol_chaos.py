@@ -200,7 +200,7 @@ class WeightedEngine(SimEngineCore):
             self.whole.discard(key)
             self.finals[-1] = self._whole(kept, reason, self.finals[-1])
         else:
-            self.ended_whole[key] = kept
+            self.ended_whole[key] = (kept, self.finals[-1])
 
     @staticmethod
     def _whole(kept: tuple, reason: str, p: SeqProgress) -> SeqProgress:
@@ -210,14 +210,19 @@ class WeightedEngine(SimEngineCore):
 
     def report_whole(self, keys: list) -> None:
         held = {(s.work.seq_id, s.work.attempt) for group in (self.running, self.waiting) for s in group}
-        self.whole.update(k for k in map(tuple, keys) if k in held)
+        for key in map(tuple, keys):
+            if key in held:
+                self.whole.add(key)
+            elif key in self.ended_whole:  # VllmEngine: ended, its final sent as a delta: again, whole
+                kept, final = self.ended_whole.pop(key)
+                self.finals.append(self._whole(kept, final.finish_reason, final))
 
     def whole_final(self, p: SeqProgress) -> SeqProgress:
         """VllmEngine.whole_final: offset 0, every token of the segment, its prompt."""
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
         if kept is None or p.prompt_token_ids is not None:
             return p
-        return self._whole(kept, p.finish_reason, p)
+        return self._whole(kept[0], p.finish_reason, p)
 
     def forget_finals(self, delivered: list) -> None:
         for p in delivered:
@@ -244,6 +249,7 @@ class FakeReplica:
         self.first = True  # replica.py sends its ModelInfo on the first pull after a failure
         self.dispatched: dict = {}  # (seq_id, attempt) -> the router that started it
         self.router_id = ""  # the router that answered the last pull
+        self.delivered: list = []  # the reports the last answer acknowledged
         self.held_t = -math.inf
         self.pending_aborts: set = set()  # given up, abort not landed yet (engine.aborting())
         self.stopping = False  # Serve is shutting it down: hand back at the next loop turn
@@ -505,6 +511,7 @@ class Chaos:
     def __init__(self, policy: str, seed: int, faults: Faults, replicas: int, batches: list,
                  steps: Optional[list] = None, abandon_s: float = 0.0, calm_s: Optional[float] = None):
         self.rng = random.Random(seed)
+        self.seed = seed
         self.calm_s = calm_s
         self.faults = faults
         self.policy = policy
@@ -534,6 +541,7 @@ class Chaos:
         self.failed_versions: set = set()  # weights versions a load failed of, somewhere
         self.seen: Counter = Counter()  # which faults and paths happened
         self.router_down_until = -math.inf
+        self.pulls_fail_until = -math.inf  # while the router restarts, on odd restarts (seed + count)
         self.learning: Optional[float] = None  # when the router restarted, until its learning is checked
         self.learned_from: dict = {}  # a restarted RouterCore -> {"weights": [version], "sleep": [goal]} reported
         self.driven: dict = {}  # a RouterCore -> what the driver ordered it ("weights", "sleep"): learned no more
@@ -641,6 +649,8 @@ class Chaos:
             core.counters["finals_whole_trimmed"] for core in self.cores)
         self.seen["a resubmitted sequence took its old segment's output over"] += sum(
             core.counters["adopted"] for core in self.cores)
+        self.seen["a final that reached a new router as a delta asked for again, whole"] += sum(
+            core.counters["whole_finals_asked"] for core in self.cores)
 
     def _step(self, limit: float, on_limit) -> None:
         t, _, handler, args = heapq.heappop(self.events)
@@ -666,7 +676,7 @@ class Chaos:
         if rep.stopping:
             return self._goodbye(t, rep, rep.hand_back())
         report, ended = rep.build_report(t, land_aborts=self.rng.random() < 0.7)
-        if t < rep.stalled_until or t < self.router_down_until or self.chance(self.faults.lost_report):
+        if t < rep.stalled_until or t < self.pulls_fail_until or self.chance(self.faults.lost_report):
             return self._pull_failed(t, rep)
         core = self.core
         if self.chance(self.faults.late_report):
@@ -724,10 +734,7 @@ class Chaos:
             if orders.control:
                 self.seen["reply with control orders lost"] += 1
             return self._pull_failed(t, rep)
-        rep.engine.forget_finals(rep.unsent)
-        for p in rep.unsent:
-            if p.finish_reason:
-                rep.dispatched.pop((p.seq_id, p.attempt), None)
+        rep.delivered = rep.unsent  # forgotten once the orders are applied (they may ask for it again)
         rep.unsent, rep.first, rep.router_id = [], False, orders.router_id
         if rep.engine_dead:  # the orders meet a dead engine: it says goodbye at once
             return self.schedule(t, self._pull, rep)
@@ -754,6 +761,11 @@ class Chaos:
         for w in orders.start:
             self._check_can_run(t, rep, w)
         rep.apply(orders, late_abort=self.chance(self.faults.late_abort))
+        rep.engine.forget_finals(rep.delivered)  # replica.py's _delivered
+        for p in rep.delivered:
+            if p.finish_reason:
+                rep.dispatched.pop((p.seq_id, p.attempt), None)
+        rep.delivered = []
         urgent = orders.work_waiting or bool(orders.give_up) or bool(rep.aborting())
         interval = orders.report_interval_s or ROUTER.report_interval_s
         self.schedule(rep.pace(reported_t, ended, urgent, interval), self._pull, rep)
@@ -1012,6 +1024,13 @@ class Chaos:
             self.seen["router restarted mid-move"] += 1
         self.core = self._new_core()
         self.router_down_until = t + ROUTER_DOWN_S
+        # Every pull fails while the router is down, or (every other restart) the pulls go through
+        # to the new router: Serve's handle holds them until it is up. Then a replica learns that
+        # another router answers only from that answer (replica.py's _as_sent).
+        through = (self.seed + self.routers) % 2 == 0
+        self.pulls_fail_until = t if through else t + ROUTER_DOWN_S
+        if through:
+            self.seen["a router restart the replicas' pulls went through"] += 1
         self.learning = t
         self.schedule(t + ROUTER_DOWN_S, self._check_learned)
         return True
@@ -1021,7 +1040,8 @@ class Chaos:
         the driver ordered it something first (`_order` checked it then), what `check_learned` says."""
         core, t0 = self.core, self.learning
         waiting = [r.rid for r in self.live() if r.reported_to is not core]
-        if waiting and t < t0 + 30.0:
+        # (a replica whose pulls went through the restart sends the model with its next listing)
+        if (waiting or core.model is None) and t < t0 + 30.0:
             return self.schedule(t + 0.2, self._check_learned)
         assert not waiting, f"{waiting} never reported to the restarted router"
         assert core.model == MODEL, "no replica sent its model to the restarted router"
@@ -1566,7 +1586,8 @@ def test_the_faults_happen():
     for policy, seed in (("pull", 0), ("steal", 1), ("least-loaded", 2), ("chunked", 3)):
         seen += run_case(policy, seed).seen
     for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 1, True),
-                                  ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True), ("least-loaded", 2, True)):
+                                  ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True), ("least-loaded", 2, True),
+                                  ("chunked", 4, True), ("scripted", 0, True), ("pull", 3, True)):
         seen += run_control_case(policy, seed, restart).seen
     wanted = {"late report applied first", "late report applied after its resend", "reply with control orders lost",
               "load failed", "replica restarted while loading", "replica restarted asleep", "join asleep",
@@ -1576,7 +1597,9 @@ def test_the_faults_happen():
               "submitted while loading", "a restarted router took an older version",
               "old router's attempt given up as an orphan",
               "a final sent whole after a failed pull, its known part dropped",
-              "a resubmitted sequence took its old segment's output over"}
+              "a resubmitted sequence took its old segment's output over",
+              "a router restart the replicas' pulls went through",
+              "a final that reached a new router as a delta asked for again, whole"}
     assert not wanted - set(seen), (wanted - set(seen), seen)
 
 

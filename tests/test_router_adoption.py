@@ -220,10 +220,15 @@ def test_a_resubmission_waits_only_while_its_old_segment_may_still_run():
     bid = core.submit([request(), request(index=1)], 1.0, previous_ids=["r1-b0:0", "r1-b0:1"])
     (started,) = core.decide("a", 1.1).start
     assert started.seq_id == f"{bid}:0" and list(core.awaiting_orphans) == ["r1-b0:1"]
-    # r1-b0:1 ends on its own before its give-up: a delta, its earlier tokens went with the old router
+    # r1-b0:1 ends on its own before its give-up: a delta, its earlier tokens went with the old
+    # router. The router asks for it again, whole, and waits on.
     ended = SeqProgress("r1-b0:1", 1, [4], None, "stop", offset=7)
-    (late,) = core.on_report(report([ended], held=[started_key(started)]), 1.2).start  # released at once
+    orders = core.on_report(report([ended], held=[started_key(started)]), 1.2)
+    assert orders.report_whole == [("r1-b0:1", 1)] and not orders.start and list(core.awaiting_orphans) == ["r1-b0:1"]
+    core.expire(1.2 + router_adoption.ADOPT_WAIT_S)  # it never comes (an engine that kept nothing)
+    (late,) = core.decide("a", 11.3).start
     assert late.seq_id == f"{bid}:1" and late.prompt_token_ids == PROMPT and not core.awaiting_orphans
+    assert not core.whole_asked
 
 
 def test_a_replica_that_lists_nothing_of_the_old_router_releases_the_waiting_sequences():

@@ -218,66 +218,29 @@ def test_a_segment_that_ended_while_no_router_listened_finishes_its_resubmission
     assert not new.decide("a", 1.6).start  # nothing generated again
 
 
-def test_a_final_delta_reaching_a_new_router_is_not_taken():
-    """Without the whole output (the replica's pull had not failed, say), the resubmission starts
-    from its prompt: a delta's tokens are not the sequence's."""
+def test_a_final_that_reached_a_new_router_as_a_delta_is_asked_for_again_whole():
+    """The replica's pull went through the restart: it sent the old segment's final as a delta
+    to the new router, which asks for it again whole (the engine still keeps it) and takes it."""
     new = router("r2-")
-    new.on_report(report([SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)], held=[]), 1.0)
-    assert new.counters["orphan_outputs_kept"] == 0
-    new.submit([request()], 1.5, previous_ids=["r1-b0:0"])
-    (w,) = new.decide("a", 1.6).start
-    assert w.prompt_token_ids == PROMPT and new.counters["adopted"] == 0
+    delta = SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)
+    orders = new.on_report(report([delta], held=[]), 1.0)
+    assert orders.report_whole == [("r1-b0:0", 1)] and new.counters["orphan_outputs_kept"] == 0
+    assert not new.on_report(report([delta], held=[]), 1.1).report_whole  # asked once
+    bid = new.submit([request()], 1.2, previous_ids=["r1-b0:0"])
+    assert not new.decide("a", 1.3).start  # it waits for the whole output
+    whole = SeqProgress("r1-b0:0", 1, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0, prompt_token_ids=list(PROMPT))
+    new.on_report(report([whole], held=[]), 1.4)
+    (c,), _, done = new.fetch(bid, 0)
+    assert done and list(c.token_ids) == [11, 12, 13] and [m.reason for m in c.migrations] == ["router_restart"]
+    assert not new.whole_asked and new.counters["adopted"] == 1
 
 
-class StartedEngine(EndingEngine):
-    """EndingEngine whose segment is started by the router's first answer."""
-
-    def __init__(self):
-        super().__init__()
-        self.submitted = []
-
-    def submit(self, work):
-        self.submitted.append(work)
-
-    def drain(self) -> list:
-        return super().drain() if self.submitted else []
-
-    def held(self) -> list:
-        return [("s", 1)] if self.submitted and self.drains < 2 else []
-
-
-class RouterRestartingBetweenPulls:
-    """Every pull answered: the first by router A (which starts the segment), the rest by `later`."""
-
-    def __init__(self, replica, later: str):
-        self.reports, self.replica, self.later = [], replica, later
-        self.pull = self
-
-    def remote(self, report):
-        self.reports.append(report)
-        n = len(self.reports)
-
-        async def answer():
-            if n == 1:
-                return Orders(start=[Work("s", 1, [1, 2], SamplingSpec(max_tokens=3))], router_id="A")
-            if n >= 3 and report.progress:
-                self.replica.stopping = True
-            return Orders(router_id=self.later)
-        return answer()
-
-
-def test_a_final_of_a_segment_another_router_started_goes_whole():
-    sent = {}
-    for later in ("A", "B"):
-        r = object.__new__(BareReplica)
-        r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05,
-                                                  report_interval_s=0.01))
-        r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = StartedEngine(), False, [], "a", "i1", None
-        r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
-        r.sleep_level = r.sleep_goal = 0
-        r.router = router = RouterRestartingBetweenPulls(r, later)
-        asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
-        sent[later] = [p for rep in router.reports for p in rep.progress if p.finish_reason]
-        assert not r.dispatched  # delivered: forgotten
-    assert [(p.token_ids, p.offset) for p in sent["A"]] == [([6], 2)]  # its own router: a delta
-    assert [(p.token_ids, p.offset) for p in sent["B"]] == [([4, 5, 6], 0)]  # another router: whole
+def test_the_vllm_adapter_sends_an_ended_final_again_whole_when_asked():
+    eng, first, rest = run_engine(12)
+    (final,) = [p for p in rest if p.finish_reason]
+    eng.report_whole([("r1-b0:0", 1)])
+    (again,) = eng.drain()
+    assert again.offset == 0 and again.finish_reason == "length" and again.prompt_token_ids == PROMPT
+    assert again.token_ids == [100 + t for t in range(12)] and again.logprobs == [-0.25] * 12
+    eng.report_whole([("r1-b0:0", 1)])  # once
+    assert not eng.drain() and not eng.ended_whole

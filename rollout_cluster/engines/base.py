@@ -55,8 +55,9 @@ class EngineAdapter(ABC):
     def report_whole(self, keys: list) -> None:
         """Make the final reports of these attempts carry their whole output (tokens and logprobs
         from the first, offset 0) instead of the last delta: a restarted router, which never got
-        the earlier deltas, continues them. An engine that cannot keeps its deltas (the router then
-        generates those sequences again)."""
+        the earlier deltas, continues them. An attempt that ended already, its final sent as a delta
+        the engine still keeps (whole_final), is reported again, whole. An engine that cannot keeps
+        its deltas (the router then generates those sequences again)."""
 
     def whole_final(self, p):
         """The whole-output form of the final report `p` (offset 0, every token and logprob of the

@@ -117,7 +117,8 @@ class VllmEngine(EngineAdapter):
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.aborted: set = set()
         self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
-        # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs): whole_final
+        # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason):
+        # whole_final, and report_whole of an attempt that ended
         self.ended_whole: dict = {}
         self.pending: list = []
         self.ended = 0
@@ -186,7 +187,7 @@ class VllmEngine(EngineAdapter):
                         self.pending.append(self._whole(work, made, made_lps, reason))
                     else:
                         if reason:
-                            self.ended_whole[key] = (work, made, made_lps)
+                            self.ended_whole[key] = (work, made, made_lps, reason)
                         self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
                                                         cached_tokens=hit, offset=produced))
                     produced += len(toks)
@@ -212,7 +213,7 @@ class VllmEngine(EngineAdapter):
         if key in self.whole:
             self.pending.append(self._whole(work, made, made_lps, "abort"))
         else:
-            self.ended_whole[key] = (work, made, made_lps)
+            self.ended_whole[key] = (work, made, made_lps, "abort")
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
         self.ended += 1
 
@@ -224,13 +225,17 @@ class VllmEngine(EngineAdapter):
                            prompt_token_ids=list(work.prompt_token_ids or ()))
 
     def report_whole(self, keys: list) -> None:
-        self.whole.update(tuple(k) for k in keys if tuple(k) in self.tasks)
+        for key in map(tuple, keys):
+            if key in self.tasks:
+                self.whole.add(key)
+            elif key in self.ended_whole:  # ended, its final sent as a delta: again, whole
+                self.pending.append(self._whole(*self.ended_whole.pop(key)))
 
     def whole_final(self, p: SeqProgress) -> SeqProgress:
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
         if kept is None or p.prompt_token_ids is not None:
             return p
-        whole = self._whole(*kept, p.finish_reason)
+        whole = self._whole(*kept[:3], p.finish_reason)
         whole.cached_tokens = p.cached_tokens
         return whole
 

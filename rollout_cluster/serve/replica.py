@@ -98,10 +98,6 @@ class EngineReplica:
                 await asyncio.sleep(0.5)
                 first = True
                 continue
-            self.engine.forget_finals(report.progress)
-            for p in report.progress:
-                if p.finish_reason:
-                    self.dispatched.pop((p.seq_id, p.attempt), None)
             self.unsent = []
             first = False
             self.router_id = orders.router_id
@@ -122,8 +118,9 @@ class EngineReplica:
                 for work in orders.start:
                     self.engine.submit(work)
                     self.dispatched[(work.seq_id, work.attempt)] = orders.router_id
-                if orders.report_whole:  # before the abort's final report
+                if orders.report_whole:  # before the abort's final report; an ended one's again, whole
                     self.engine.report_whole(orders.report_whole)
+                self._delivered(report.progress)
                 if orders.give_up:
                     await self.engine.give_up(orders.give_up)
             except Exception as e:
@@ -133,8 +130,17 @@ class EngineReplica:
                 self.loop_error = e
                 log.exception("replica %s failed applying orders", self.replica_id)
                 raise
-            urgent = orders.work_waiting or bool(orders.give_up) or bool(self.engine.aborting())
+            urgent = (orders.work_waiting or bool(orders.give_up) or bool(orders.report_whole)
+                      or bool(self.engine.aborting()))
             await self._pace(now, ended, urgent, orders.report_interval_s)
+
+    def _delivered(self, progress: list) -> None:
+        """These reports reached the router (and its answer was applied: it may ask for an ended
+        segment's final again, whole): the engine may drop what it kept for their finals."""
+        self.engine.forget_finals(progress)
+        for p in progress:
+            if p.finish_reason:
+                self.dispatched.pop((p.seq_id, p.attempt), None)
 
     def _as_sent(self, p, after_failure: bool):
         """A final report as it goes to the router: whole after a failed pull (the router may have
