@@ -244,3 +244,68 @@ def test_the_vllm_adapter_sends_an_ended_final_again_whole_when_asked():
     assert again.token_ids == [100 + t for t in range(12)] and again.logprobs == [-0.25] * 12
     eng.report_whole([("r1-b0:0", 1)])  # once
     assert not eng.drain() and not eng.ended_whole
+
+
+def test_a_goodbye_sends_the_finals_whole_where_another_router_may_take_them():
+    cases = {("A", "A", False): "delta", ("A", "B", False): "whole", ("A", "A", True): "whole"}
+    for (started_by, answering, failed), want in cases.items():
+        r = object.__new__(BareReplica)
+        r.engine, r.replica_id, r.incarnation, r.weights_version = EndingEngine(), "a", "i1", 0
+        r.dispatched, r.router_id, r.pull_failed = {("s", 1): started_by}, answering, failed
+        r.unsent = [SeqProgress("s", 1, [6], None, "stop", offset=2)]
+        (p,) = r._goodbye().progress
+        assert (p.offset, p.token_ids) == ((0, [4, 5, 6]) if want == "whole" else (2, [6])), (started_by, answering)
+
+
+class StartedEngine(EndingEngine):
+    """EndingEngine whose segment is started by the router's first answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.submitted = []
+
+    def submit(self, work):
+        self.submitted.append(work)
+
+    def drain(self) -> list:
+        return super().drain() if self.submitted else []
+
+    def held(self) -> list:
+        return [("s", 1)] if self.submitted and self.drains < 2 else []
+
+
+class RouterRestartingBetweenPulls:
+    """Every pull answered: the first by router A (which starts the segment), the rest by `later`."""
+
+    def __init__(self, replica, later: str):
+        self.reports, self.replica, self.later = [], replica, later
+        self.pull = self
+
+    def remote(self, report):
+        self.reports.append(report)
+        n = len(self.reports)
+
+        async def answer():
+            if n == 1:
+                return Orders(start=[Work("s", 1, [1, 2], SamplingSpec(max_tokens=3))], router_id="A")
+            if n >= 3 and report.progress:
+                self.replica.stopping = True
+            return Orders(router_id=self.later)
+        return answer()
+
+
+def test_a_final_of_a_segment_another_router_started_goes_whole():
+    sent = {}
+    for later in ("A", "B"):
+        r = object.__new__(BareReplica)
+        r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05,
+                                                  report_interval_s=0.01))
+        r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = StartedEngine(), False, [], "a", "i1", None
+        r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
+        r.sleep_level = r.sleep_goal = 0
+        r.router = router = RouterRestartingBetweenPulls(r, later)
+        asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
+        sent[later] = [p for rep in router.reports for p in rep.progress if p.finish_reason]
+        assert not r.dispatched  # delivered: forgotten
+    assert [(p.token_ids, p.offset) for p in sent["A"]] == [([6], 2)]  # its own router: a delta
+    assert [(p.token_ids, p.offset) for p in sent["B"]] == [([4, 5, 6], 0)]  # another router: whole

@@ -41,6 +41,7 @@ class EngineReplica:
     noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
     report_number = 0  # counts the reports built (Report.number)
     router_id = ""  # the router that answered the last pull (Orders.router_id)
+    pull_failed = False  # the last pull failed: the router may have restarted since
 
     async def __init__(self, router, config: dict):
         self.cfg = load_config(config)
@@ -95,11 +96,12 @@ class EngineReplica:
                 orders = await asyncio.wait_for(self.router.pull.remote(report), self.cfg.router.replica_timeout_s)
             except Exception as e:  # router restarting or overloaded: keep the deltas, retry
                 log.warning("pull failed (%r); retrying", e)
+                self.pull_failed = True
                 await asyncio.sleep(0.5)
                 first = True
                 continue
             self.unsent = []
-            first = False
+            first = self.pull_failed = False
             self.router_id = orders.router_id
             try:
                 for cmd, arg in orders.control:
@@ -196,6 +198,8 @@ class EngineReplica:
 
     def _goodbye(self, engine_dead: bool = False) -> Report:
         """The last report: everything not yet sent, marked leaving (the router requeues the rest)."""
+        if hasattr(self, "dispatched"):  # (the pull loop ran) finals whole where another router may take them
+            self.unsent = [self._as_sent(p, self.pull_failed) for p in self.unsent]
         return Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
                       self.engine.capacity, self.weights_version, leaving=True, engine_dead=engine_dead)
 
