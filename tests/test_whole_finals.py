@@ -16,19 +16,13 @@ from rollout_cluster.router_core import RouterCore
 from rollout_cluster.serve.replica import EngineReplica
 from rollout_cluster.types import (EngineStats, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
                                    SequenceRequest, Work)
+from test_router_adoption import Out
 
 COST = load_profile("h200-1.5b", max_num_seqs=4)
 PROMPT = [5, 6, 7]
 
 
 # ---- the vLLM adapter keeps an ended segment's whole output until its final is delivered ---------
-class Out:
-    def __init__(self, toks, finished=False, reason=None):
-        lps = [{t: type("L", (), {"logprob": -0.25})()} for t in toks]
-        self.outputs = [type("O", (), {"token_ids": toks, "finish_reason": reason, "logprobs": lps})()]
-        self.finished = finished
-
-
 class ShortAsyncLLM:
     """Streams `n` tokens, one every 5 ms, then finishes with "length"; stops early when aborted."""
 

@@ -38,6 +38,21 @@ def kill_router_once_finished(client, n: int, caller: threading.Thread, out: dic
     kill_router()
 
 
+def run_requests_in_thread(client, requests) -> tuple:
+    """(the thread running client.run_requests(requests), the dict its results or error land in)."""
+    out = {}
+
+    def run():
+        try:
+            out["results"] = client.run_requests(requests, timeout_s=600)
+        except Exception as e:  # noqa: BLE001 (the test reports it)
+            out["error"] = e
+
+    driver = threading.Thread(target=run)
+    driver.start()
+    return driver, out
+
+
 def new_router_status(client, old_id: str, timeout_s: float = 300) -> dict:
     """The status of the router Serve started after `old_id`, once both replicas pull from it."""
     deadline = time.monotonic() + timeout_s
@@ -63,17 +78,8 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
     lengths = [20] * 16 + [2000] * 48
     requests = expand([[60 + i, 7, 8] for i in range(len(lengths))],
                       [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
-    out = {}
-
-    def run():
-        try:
-            out["results"] = client.run_requests(requests, timeout_s=600)
-        except Exception as e:  # noqa: BLE001 (reported below)
-            out["error"] = e
-
     restarts = client.router_restarts
-    driver = threading.Thread(target=run)
-    driver.start()
+    driver, out = run_requests_in_thread(client, requests)
     kill_router_once_finished(client, 16, driver, out)
     driver.join(300)
     assert not driver.is_alive(), f"generate still waits 300 s after the kill: {client.status()}"
@@ -111,16 +117,7 @@ def test_sequences_that_end_while_the_router_is_down_are_not_generated_again(cli
     n, length = 24, 240
     requests = expand([[40 + i, 7, 8] for i in range(n)],
                       [SamplingSpec(max_tokens=length, ignore_eos=True, logprobs=0)] * n)
-    out = {}
-
-    def run():
-        try:
-            out["results"] = client.run_requests(requests, timeout_s=600)
-        except Exception as e:  # noqa: BLE001 (reported below)
-            out["error"] = e
-
-    driver = threading.Thread(target=run)
-    driver.start()
+    driver, out = run_requests_in_thread(client, requests)
     deadline = time.monotonic() + 120
     while client.status()["counters"]["generated_tokens"] < n * 10:
         assert time.monotonic() < deadline and driver.is_alive(), out
