@@ -42,12 +42,13 @@ class OrphanOutput:
     logprobs: Optional[array]
     finish_reason: str
     t: float
+    prior_logprobs: Optional[array] = None  # of the prompt's generated tail (a continuation's earlier segments)
 
     @classmethod
     def of(cls, rep, p: SeqProgress, now: float) -> "OrphanOutput":
         return cls(rep.replica_id, rep.weights_version, p.attempt, array("i", p.prompt_token_ids),
                    array("i", p.token_ids), None if p.logprobs is None else array("d", p.logprobs),
-                   p.finish_reason, now)
+                   p.finish_reason, now, None if p.prior_logprobs is None else array("d", p.prior_logprobs))
 
 
 class OrphanAdoption:
@@ -158,15 +159,16 @@ class OrphanAdoption:
         prompt = req.prompt_token_ids
         if out.prompt_token_ids[:len(prompt)].tolist() != prompt:
             return False
-        earlier = out.prompt_token_ids[len(prompt):]  # a continuation's earlier segments (no logprobs)
+        earlier = out.prompt_token_ids[len(prompt):]  # a continuation's earlier segments
         tokens = earlier + out.token_ids
         wants_logprobs = req.sampling.logprobs is not None
-        if wants_logprobs and (earlier or out.logprobs is None or len(out.logprobs) != len(out.token_ids)):
+        if wants_logprobs and (out.logprobs is None or len(out.logprobs) != len(out.token_ids) or earlier and (
+                out.prior_logprobs is None or len(out.prior_logprobs) != len(earlier))):
             return False
         if len(tokens) > req.sampling.max_tokens:
             return False
         seq.token_ids = tokens
-        seq.logprobs = out.logprobs if wants_logprobs else None
+        seq.logprobs = ((out.prior_logprobs + out.logprobs) if earlier else out.logprobs) if wants_logprobs else None
         seq.generated = len(tokens)
         seq.replicas.append(out.replica_id)
         seq.migrations.append(Migration(out.replica_id, None, seq.generated, now - seq.submitted_t, "router_restart"))

@@ -614,7 +614,9 @@ class RouterCore(EngineControl, OrphanAdoption):
             left = max(1, req.hidden_length - seq.generated)
             stop_after = left if stop_after is None else min(stop_after, left)
         prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids.tolist()
+        prior = seq.logprobs.tolist() if seq.generated and seq.logprobs is not None and prompt is not None else None
         work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
-                    prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len)
+                    prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len,
+                    prior_logprobs=prior)
         self.replicas[replica_id].seqs[seq.seq_id] = seq
         self.outbox.setdefault(replica_id, Orders()).start.append(work)

@@ -208,6 +208,10 @@ class Work:
     # original prompt) this segment's prompt starts with. None: shares nothing.
     prefix_key: Optional[tuple] = None
     prefix_len: int = 0
+    # A continuation that asks for logprobs: those of the tokens generated before this segment (the
+    # prompt's tail), kept only to go into a whole final report (Orders.report_whole), so that a
+    # restarted router takes the sequence over with every logprob. Not used to generate.
+    prior_logprobs: Optional[list] = None
 
     def __post_init__(self):
         if self.prompt_len < 0:
@@ -234,6 +238,8 @@ class SeqProgress:
     # A final report of the whole output (Orders.report_whole): the segment's prompt, which is the
     # sequence's prompt and, for a continuation, the tokens of its earlier segments.
     prompt_token_ids: Optional[list] = None
+    # ... and, for a continuation that asked for logprobs, those of the prompt's generated tail
+    prior_logprobs: Optional[list] = None
 
     def __post_init__(self):
         if self.num_tokens < 0:

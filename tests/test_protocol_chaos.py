@@ -206,7 +206,8 @@ class WeightedEngine(SimEngineCore):
     def _whole(kept: tuple, reason: str, p: SeqProgress) -> SeqProgress:
         work, tokens, lps = kept
         return SeqProgress(work.seq_id, work.attempt, list(tokens), lps, reason, p.error, offset=0,
-                           cached_tokens=p.cached_tokens, prompt_token_ids=list(work.prompt_token_ids))
+                           cached_tokens=p.cached_tokens, prompt_token_ids=list(work.prompt_token_ids),
+                           prior_logprobs=work.prior_logprobs)
 
     def report_whole(self, keys: list) -> None:
         held = {(s.work.seq_id, s.work.attempt) for group in (self.running, self.waiting) for s in group}

@@ -121,7 +121,7 @@ def test_a_length_end_short_of_the_cap_was_the_old_routers_cut_and_continues():
     assert core.seqs[f"{bid}:0"].generated == 4 and len(core.queue) == 1
 
 
-@pytest.mark.parametrize("case", ["other prompt", "other weights", "logprobs missing", "earlier segments with logprobs",
+@pytest.mark.parametrize("case", ["other prompt", "other weights", "logprobs missing", "earlier segments' logprobs missing",
                                   "longer than max_tokens"])
 def test_an_output_that_is_not_exactly_this_sequence_is_not_taken(case):
     core = new_router()
@@ -131,7 +131,7 @@ def test_an_output_that_is_not_exactly_this_sequence_is_not_taken(case):
         out = whole("r1-b0:5", [1, 2, 3], [-1.0] * 3, prompt=[8, 8, 8])
     elif case == "logprobs missing":
         out = whole("r1-b0:5", [1, 2, 3], None)
-    elif case == "earlier segments with logprobs":  # a continuation: the earlier logprobs went with the router
+    elif case == "earlier segments' logprobs missing":  # a continuation whose Work did not carry them
         out = whole("r1-b0:5", [1, 2, 3], [-1.0] * 3, prompt=PROMPT + [4, 4])
     elif case == "longer than max_tokens":
         req = request(max_tokens=2)
@@ -142,6 +142,18 @@ def test_an_output_that_is_not_exactly_this_sequence_is_not_taken(case):
     bid = core.submit([req], 2.0, previous_ids=["r1-b0:5"])
     seq = core.seqs[f"{bid}:0"]
     assert seq.generated == 0 and not seq.migrations and core.counters["adopted"] == 0  # from its prompt
+
+
+def test_earlier_segments_are_taken_over_with_the_logprobs_their_work_carried():
+    core = new_router()
+    out = whole("r1-b0:6", [3, 3], [-0.3, -0.4], prompt=PROMPT + [4, 4])
+    out.prior_logprobs = [-0.1, -0.2]  # Work.prior_logprobs, sent back in the whole final
+    orphan_handed_over(core, out)
+    bid = core.submit([request(max_tokens=10, logprobs=0)], 2.0, previous_ids=["r1-b0:6"])
+    seq = core.seqs[f"{bid}:0"]
+    assert seq.token_ids.tolist() == [4, 4, 3, 3] and seq.logprobs.tolist() == [-0.1, -0.2, -0.3, -0.4]
+    (w,) = core.decide("a", 2.1).start  # it continues, and its Work carries every logprob so far
+    assert w.prompt_token_ids == PROMPT + [4, 4, 3, 3] and w.prior_logprobs == [-0.1, -0.2, -0.3, -0.4]
 
 
 def test_earlier_segments_are_taken_over_when_no_logprobs_are_asked():

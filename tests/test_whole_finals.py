@@ -44,11 +44,12 @@ class ShortAsyncLLM:
         self.aborted.update(ids)
 
 
-def run_engine(n: int, give_up_after_s=None):
+def run_engine(n: int, give_up_after_s=None, prior_logprobs=None):
     async def go():
         eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
         eng.engine = ShortAsyncLLM(n)
-        eng.submit(Work("r1-b0:0", 1, list(PROMPT), SamplingSpec(max_tokens=100, logprobs=0)))
+        eng.submit(Work("r1-b0:0", 1, list(PROMPT), SamplingSpec(max_tokens=100, logprobs=0),
+                        prior_logprobs=prior_logprobs))
         await asyncio.sleep(0.03)
         first = eng.drain()
         if give_up_after_s is not None:
@@ -72,6 +73,13 @@ def test_the_vllm_adapter_gives_an_undelivered_final_whole_until_it_is_delivered
     assert eng.whole_final(first[0]) is first[0]  # not a final
     eng.forget_finals(first + rest)
     assert eng.whole_final(final) is final and not eng.ended_whole
+
+
+def test_a_continuations_whole_final_carries_the_logprobs_its_work_brought():
+    eng, first, rest = run_engine(5, prior_logprobs=[-0.5, -0.6])
+    (final,) = [p for p in first + rest if p.finish_reason]
+    w = eng.whole_final(final)
+    assert w.prior_logprobs == [-0.5, -0.6] and w.logprobs == [-0.25] * 5
 
 
 def test_an_aborted_segment_is_kept_whole_too():
