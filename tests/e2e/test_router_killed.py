@@ -68,7 +68,9 @@ def new_router_status(client, old_id: str, timeout_s: float = 300) -> dict:
 
 
 def test_generate_returns_every_sequence_once_across_a_router_restart(client, fresh_policy):
-    fresh_policy("pull")
+    # Every long sequence migrates at 30 tokens: what the new router takes over are continuations,
+    # whose earlier segments' logprobs come back with their whole output (Work.prior_logprobs).
+    fresh_policy("scripted", scripted_at_tokens=[30])
     # The same weights as a new version: the new router must learn it from the replicas, and the
     # resubmission asks for it (the batch's samples all come from one version).
     version = client.update_weights(str(ROOT / "models" / "tiny-llama"))
@@ -99,7 +101,7 @@ def test_generate_returns_every_sequence_once_across_a_router_restart(client, fr
     # What the old router's segments generated was kept: those sequences continued from it
     taken = [c for c in again if [m.reason for m in c.migrations] == ["router_restart"]]
     assert taken and st["counters"]["adopted"] >= len(taken), [c.migrations for c in again]
-    assert all(0 < c.migrations[0].at_token <= 2000 and c.replicas[0] in st["replicas"] for c in taken)
+    assert all(30 < c.migrations[0].at_token <= 2000 and c.replicas[0] in st["replicas"] for c in taken)
     # the segments the old router had running were given up, not left to fill the slots
     deadline = time.monotonic() + 60
     while any(r["running"] for r in client.status()["replicas"].values()):
