@@ -64,7 +64,6 @@ class OrphanAdoption:
 
     def _note_orphans(self, rep, ids: frozenset) -> None:
         """A replica's listing: `ids` are the sequences it runs that this router does not know."""
-        first = not rep.listed
         rep.listed = True
         for sid in rep.orphan_ids - ids:
             left = self.orphan_listings.get(sid, 0) - 1
@@ -77,7 +76,7 @@ class OrphanAdoption:
         for sid in ids - rep.orphan_ids:
             self.orphan_listings[sid] = self.orphan_listings.get(sid, 0) + 1
         rep.orphan_ids = ids
-        if first and self.awaiting_orphans and self._every_replica_listed():
+        if self.awaiting_orphans and self._every_replica_listed():
             # now known not to run anywhere: from the prompt, without waiting
             for old in [o for o in self.awaiting_orphans if not self._may_still_run(o)]:
                 self._stop_waiting(old)
@@ -110,7 +109,11 @@ class OrphanAdoption:
         if p.offset != 0 or p.prompt_token_ids is None:
             # A delta: the replica did not know this router took over when it sent it (its pull
             # went through the restart). Ask for it again whole: the engine keeps it for a while.
-            if p.seq_id not in self.whole_asked:
+            # (Not from a replica saying goodbye: it goes, with what it kept.)
+            if rep.leaving:
+                if p.seq_id in self.awaiting_orphans and not self._may_still_run(p.seq_id):
+                    self._stop_waiting(p.seq_id)
+            elif p.seq_id not in self.whole_asked:
                 self.whole_asked[p.seq_id] = now
                 self.outbox.setdefault(rep.replica_id, Orders()).report_whole.append((p.seq_id, p.attempt))
                 self.counters["whole_finals_asked"] += 1
@@ -190,6 +193,8 @@ class OrphanAdoption:
             del self.orphan_outputs[old]
         for old in [k for k, t in self.whole_asked.items() if now - t >= ADOPT_WAIT_S]:
             del self.whole_asked[old]  # it never came whole (an engine that keeps no outputs)
+            if old in self.awaiting_orphans and not self._may_still_run(old):
+                self._stop_waiting(old)
         for old, (sid, t) in list(self.awaiting_orphans.items()):
             if sid not in self.seqs or now - t >= ADOPT_WAIT_S:
                 self._stop_waiting(old)  # no output came: from its prompt

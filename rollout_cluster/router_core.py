@@ -281,6 +281,7 @@ class RouterCore(EngineControl, OrphanAdoption):
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
             _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
                             STEP_SAMPLES_KEPT)
+        rep.leaving = report.leaving
         for p in report.progress:
             self._apply(rep, p, now)
         if report.leaving:
@@ -614,7 +615,11 @@ class RouterCore(EngineControl, OrphanAdoption):
             left = max(1, req.hidden_length - seq.generated)
             stop_after = left if stop_after is None else min(stop_after, left)
         prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids.tolist()
-        prior = seq.logprobs.tolist() if seq.generated and seq.logprobs is not None and prompt is not None else None
+        # A continuation's earlier logprobs, for a take-over after a router restart; not for a
+        # chunked round's segment (every round of every sequence: their size grows as the square
+        # of the length), which a restarted router therefore generates again when logprobs are asked.
+        prior = (array("d", seq.logprobs) if seq.generated and seq.logprobs is not None and prompt is not None
+                 and segment_cap is None else None)
         work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
                     prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len,
                     prior_logprobs=prior)

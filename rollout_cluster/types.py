@@ -208,10 +208,11 @@ class Work:
     # original prompt) this segment's prompt starts with. None: shares nothing.
     prefix_key: Optional[tuple] = None
     prefix_len: int = 0
-    # A continuation that asks for logprobs: those of the tokens generated before this segment (the
-    # prompt's tail), kept only to go into a whole final report (Orders.report_whole), so that a
-    # restarted router takes the sequence over with every logprob. Not used to generate.
-    prior_logprobs: Optional[list] = None
+    # A continuation that asks for logprobs (not a chunked round's): those of the tokens generated
+    # before this segment (the prompt's tail, an array of doubles), kept only to go into a whole
+    # final report (Orders.report_whole), so that a restarted router takes the sequence over with
+    # every logprob. Not used to generate.
+    prior_logprobs: Optional[object] = None
 
     def __post_init__(self):
         if self.prompt_len < 0:

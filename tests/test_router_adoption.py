@@ -153,7 +153,7 @@ def test_earlier_segments_are_taken_over_with_the_logprobs_their_work_carried():
     seq = core.seqs[f"{bid}:0"]
     assert seq.token_ids.tolist() == [4, 4, 3, 3] and seq.logprobs.tolist() == [-0.1, -0.2, -0.3, -0.4]
     (w,) = core.decide("a", 2.1).start  # it continues, and its Work carries every logprob so far
-    assert w.prompt_token_ids == PROMPT + [4, 4, 3, 3] and w.prior_logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert w.prompt_token_ids == PROMPT + [4, 4, 3, 3] and list(w.prior_logprobs) == [-0.1, -0.2, -0.3, -0.4]
 
 
 def test_earlier_segments_are_taken_over_when_no_logprobs_are_asked():

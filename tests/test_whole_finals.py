@@ -311,3 +311,41 @@ def test_a_final_of_a_segment_another_router_started_goes_whole():
         assert not r.dispatched  # delivered: forgotten
     assert [(p.token_ids, p.offset) for p in sent["A"]] == [([6], 2)]  # its own router: a delta
     assert [(p.token_ids, p.offset) for p in sent["B"]] == [([4, 5, 6], 0)]  # another router: whole
+
+
+def test_a_goodbyes_delta_final_is_not_asked_for_again_and_its_resubmission_starts():
+    new = router("r2-")
+    new.on_report(Report("b", "i1", [], EngineStats(), ModelInfo(1000, 4096), 4, held=[], aborting=[]), 0.1)
+    bid = new.submit([request()], 0.5, previous_ids=["r1-b0:0"])  # waits: replica b has not listed
+    delta = SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)
+    goodbye = Report("a", "i1", [delta], EngineStats(), None, 4, leaving=True)
+    assert not new.on_report(goodbye, 1.0).report_whole and not new.whole_asked
+    listing = Report("b", "i1", [], EngineStats(), None, 4, held=[], aborting=[])
+    (w,) = new.on_report(listing, 1.1).start  # b's next listing: it runs nowhere, from its prompt now
+    assert w.seq_id == f"{bid}:0" and w.prompt_token_ids == PROMPT
+
+
+def test_a_whole_final_that_never_comes_releases_its_resubmission_when_the_ask_expires():
+    from rollout_cluster import router_adoption
+    new = router("r2-")
+    new.on_report(report([SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)], held=[]), 1.0)
+    bid = new.submit([request()], 5.0, previous_ids=["r1-b0:0"])
+    assert not new.decide("a", 5.1).start  # waits for the whole output asked at 1.0
+    new.expire(1.0 + router_adoption.ADOPT_WAIT_S)  # the ask expires before the claim's own wait
+    (w,) = new.decide("a", 11.1).start
+    assert w.seq_id == f"{bid}:0" and not new.awaiting_orphans and not new.whole_asked
+
+
+def test_chunked_rounds_carry_no_prior_logprobs_and_other_continuations_do():
+    """A continuation's Work carries its earlier logprobs, but not a chunked round's (every round
+    of every sequence: their size would grow as the square of the length)."""
+    for policy, end, want in (("chunked", "length", None), ("pull", "abort", [-1.0] * 4)):
+        core = RouterCore(make_policy(PolicyConfig(name=policy, chunk_tokens=4), COST), id_prefix="r1-")
+        core.on_report(report(), 0.0)
+        core.submit([request(max_tokens=10)], 0.0)
+        (w,) = core.decide("a", 0.1).start
+        # chunked: the round's cap ends it; pull: the replica hands it back (an abort nobody ordered)
+        (w2,) = core.on_report(report([SeqProgress(w.seq_id, w.attempt, [1, 2, 3, 4], [-1.0] * 4, end, offset=0)],
+                                      held=[]), 0.2).start
+        assert w2.seq_id == w.seq_id and w2.prompt_token_ids == PROMPT + [1, 2, 3, 4], policy
+        assert (None if w2.prior_logprobs is None else list(w2.prior_logprobs)) == want, policy

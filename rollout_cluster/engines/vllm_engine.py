@@ -230,6 +230,7 @@ class VllmEngine(EngineAdapter):
                 self.whole.add(key)
             elif key in self.ended_whole:  # ended, its final sent as a delta: again, whole
                 self.pending.append(self._whole(*self.ended_whole.pop(key)))
+                self.ended += 1  # a final to report: a busy replica's pace reports it soon
 
     def whole_final(self, p: SeqProgress) -> SeqProgress:
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None

@@ -339,6 +339,7 @@ class EngineReplica:
             await asyncio.wait_for(asyncio.shield(self.task), wait)
         except asyncio.TimeoutError:
             self.task.cancel()  # its pull's deltas are still in self.unsent; whatever it holds is handed back below
+            self.pull_failed = True  # whether that pull reached a router (which) is unknown
         except Exception:
             pass  # the loop's error is logged; what it held is still handed back
         held = self.engine.held()
