@@ -95,28 +95,24 @@ class OrphanAdoption:
         if seq is not None and seq.status is SeqStatus.QUEUED:
             self.queue.push(seq)
 
-    def _orphan_final(self, rep, p: SeqProgress, now: float) -> bool:
+    def _orphan_final(self, rep, p: SeqProgress, now: float, leaving: bool = False) -> bool:
         """An unknown attempt's final report. If it is a whole output, keep it for the sequence's
         resubmission, or hand it to that sequence at once. Returns whether it was taken."""
         if p.finish_reason is None:
             return False
         if self.id_prefix and p.seq_id.startswith(self.id_prefix):
             return False  # this router's own, finished already (a final sent whole after a lost reply)
-        if p.finish_reason == "error" or not self.id_prefix and (p.offset != 0 or p.prompt_token_ids is None):
-            if p.seq_id in self.awaiting_orphans:
+        if p.offset != 0 or p.prompt_token_ids is None or p.finish_reason == "error":
+            if p.finish_reason != "error" and self.id_prefix and not leaving:
+                # A delta: the replica did not know this router took over when it sent it (its pull
+                # went through the restart). Ask for it again whole: the engine keeps it a while.
+                # (Not of a replica saying goodbye: it goes, with what it kept.)
+                if p.seq_id not in self.whole_asked:
+                    self.whole_asked[p.seq_id] = now
+                    self.outbox.setdefault(rep.replica_id, Orders()).report_whole.append((p.seq_id, p.attempt))
+                    self.counters["whole_finals_asked"] += 1
+            elif p.seq_id in self.awaiting_orphans:
                 self._stop_waiting(p.seq_id)  # ended, and its output went with the old router
-            return False
-        if p.offset != 0 or p.prompt_token_ids is None:
-            # A delta: the replica did not know this router took over when it sent it (its pull
-            # went through the restart). Ask for it again whole: the engine keeps it for a while.
-            # (Not from a replica saying goodbye: it goes, with what it kept.)
-            if rep.leaving:
-                if p.seq_id in self.awaiting_orphans and not self._may_still_run(p.seq_id):
-                    self._stop_waiting(p.seq_id)
-            elif p.seq_id not in self.whole_asked:
-                self.whole_asked[p.seq_id] = now
-                self.outbox.setdefault(rep.replica_id, Orders()).report_whole.append((p.seq_id, p.attempt))
-                self.counters["whole_finals_asked"] += 1
             return False
         self.whole_asked.pop(p.seq_id, None)
         out = OrphanOutput.of(rep, p, now)

@@ -281,9 +281,8 @@ class RouterCore(EngineControl, OrphanAdoption):
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
             _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
                             STEP_SAMPLES_KEPT)
-        rep.leaving = report.leaving
         for p in report.progress:
-            self._apply(rep, p, now)
+            self._apply(rep, p, now, report.leaving)
         if report.leaving:
             self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
             return Orders()
@@ -465,9 +464,9 @@ class RouterCore(EngineControl, OrphanAdoption):
         rep.pulls += 1
         return rep
 
-    def _apply(self, rep: ReplicaState, p, now: float) -> None:
+    def _apply(self, rep: ReplicaState, p, now: float, leaving: bool = False) -> None:
         seq = self.seqs.get(p.seq_id)
-        if seq is None and self._orphan_final(rep, p, now):
+        if seq is None and self._orphan_final(rep, p, now, leaving):
             return
         if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
                 or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):

@@ -101,7 +101,6 @@ class ReplicaState:
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
     listed: bool = False  # it sent this router a listing of what it holds (Report.held)
     orphan_ids: frozenset = frozenset()  # seq ids of the attempts it held at that listing the router did not know
-    leaving: bool = False  # its report being applied is its goodbye
 
     @property
     def load(self) -> int:

@@ -149,13 +149,20 @@ class BareReplica(EngineReplica.func_or_class):
         pass
 
 
-def test_a_replica_sends_its_undelivered_final_whole_after_a_failed_pull():
+def run_replica(engine, make_router):
+    """EngineReplica's pull loop over `engine` and the fake router `make_router(replica)`, until
+    that router stops it. Returns (replica, router)."""
     r = object.__new__(BareReplica)
     r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05, report_interval_s=0.01))
-    r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = EndingEngine(), False, [], "a", "i1", None
+    r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = engine, False, [], "a", "i1", None
     r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
-    r.router = router = RouterFailingSecond(r)
+    r.router = router = make_router(r)
     asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
+    return r, router
+
+
+def test_a_replica_sends_its_undelivered_final_whole_after_a_failed_pull():
+    r, router = run_replica(EndingEngine(), RouterFailingSecond)
     first, failed, again = [rep.progress for rep in router.reports[:3]]
     assert [(p.token_ids, p.offset) for p in first] == [([4, 5], 0)]
     assert [(p.token_ids, p.offset, p.finish_reason) for p in failed] == [([6], 2, "stop")]  # sent as a delta
@@ -299,14 +306,7 @@ class RouterRestartingBetweenPulls:
 def test_a_final_of_a_segment_another_router_started_goes_whole():
     sent = {}
     for later in ("A", "B"):
-        r = object.__new__(BareReplica)
-        r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05,
-                                                  report_interval_s=0.01))
-        r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = StartedEngine(), False, [], "a", "i1", None
-        r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
-        r.sleep_level = r.sleep_goal = 0
-        r.router = router = RouterRestartingBetweenPulls(r, later)
-        asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
+        r, router = run_replica(StartedEngine(), lambda replica: RouterRestartingBetweenPulls(replica, later))
         sent[later] = [p for rep in router.reports for p in rep.progress if p.finish_reason]
         assert not r.dispatched  # delivered: forgotten
     assert [(p.token_ids, p.offset) for p in sent["A"]] == [([6], 2)]  # its own router: a delta
@@ -320,8 +320,7 @@ def test_a_goodbyes_delta_final_is_not_asked_for_again_and_its_resubmission_star
     delta = SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)
     goodbye = Report("a", "i1", [delta], EngineStats(), None, 4, leaving=True)
     assert not new.on_report(goodbye, 1.0).report_whole and not new.whole_asked
-    listing = Report("b", "i1", [], EngineStats(), None, 4, held=[], aborting=[])
-    (w,) = new.on_report(listing, 1.1).start  # b's next listing: it runs nowhere, from its prompt now
+    (w,) = new.decide("b", 1.1).start  # it ended with a's goodbye: from its prompt, at once
     assert w.seq_id == f"{bid}:0" and w.prompt_token_ids == PROMPT
 
 

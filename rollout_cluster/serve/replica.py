@@ -73,7 +73,7 @@ class EngineReplica:
                 await self._leave_dead_engine()
                 return
             if self.unsent:
-                self.unsent = [self._as_sent(p, first) for p in self.unsent]
+                self.unsent = [self._as_sent(p) for p in self.unsent]
             now = time.monotonic()
             held, aborting = None, []
             if now - held_t >= HELD_EVERY_S:  # drained and listed together: consistent
@@ -144,7 +144,7 @@ class EngineReplica:
             if p.finish_reason:
                 self.dispatched.pop((p.seq_id, p.attempt), None)
 
-    def _as_sent(self, p, after_failure: bool):
+    def _as_sent(self, p):
         """A final report as it goes to the router: whole after a failed pull (the router may have
         restarted) or when another router than the one answering now started the segment; the
         new router never got the earlier deltas, and continues the sequence from the whole output
@@ -152,7 +152,7 @@ class EngineReplica:
         if not p.finish_reason:
             return p
         by = self.dispatched.get((p.seq_id, p.attempt))
-        if after_failure or (by is not None and by != self.router_id):
+        if self.pull_failed or (by is not None and by != self.router_id):
             return self.engine.whole_final(p)
         return p
 
@@ -199,7 +199,7 @@ class EngineReplica:
     def _goodbye(self, engine_dead: bool = False) -> Report:
         """The last report: everything not yet sent, marked leaving (the router requeues the rest)."""
         if hasattr(self, "dispatched"):  # (the pull loop ran) finals whole where another router may take them
-            self.unsent = [self._as_sent(p, self.pull_failed) for p in self.unsent]
+            self.unsent = [self._as_sent(p) for p in self.unsent]
         return Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
                       self.engine.capacity, self.weights_version, leaving=True, engine_dead=engine_dead)
 
