@@ -1,7 +1,7 @@
 """rollout_cluster: the rollout tier under an RL trainer (vLLM engines on Ray Serve, a
 per-sequence router that migrates running sequences, and a driver API)."""
 from .config import ClusterConfig, ConfigError, load_config
-from .types import BatchLostError, Completion, InputError, SamplingSpec
+from .types import BatchLostError, Completion, InputError, Partial, SamplingSpec, partials
 
 
 def __getattr__(name):  # RolloutClient imports ray: only on use
@@ -12,5 +12,5 @@ def __getattr__(name):  # RolloutClient imports ray: only on use
     raise AttributeError(name)
 
 
-__all__ = ["BatchLostError", "ClusterConfig", "Completion", "ConfigError", "InputError", "RolloutClient", "SamplingSpec",
-           "load_config"]
+__all__ = ["BatchLostError", "ClusterConfig", "Completion", "ConfigError", "InputError", "Partial", "RolloutClient",
+           "SamplingSpec", "load_config", "partials"]

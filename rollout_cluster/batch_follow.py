@@ -13,15 +13,27 @@ two policies' samples. Pure bookkeeping: RolloutClient's sync and async loops dr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from typing import Optional
 
-from .types import BatchLostError
+from .types import BatchLostError, InputError
+
+
+def check_finish_fraction(value) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1):
+        raise InputError("finish_fraction", value, "must be null or a number in (0, 1]")
 
 
 class BatchAcrossRestarts:
-    def __init__(self, requests: list, max_restarts: int = 3):
+    def __init__(self, requests: list, max_restarts: int = 3, finish_fraction: Optional[float] = None):
+        check_finish_fraction(finish_fraction)
         self.requests = requests
         self.max_restarts = max_restarts
+        # Partial rollouts (resume.py): once this many sequences are received, the rest are cut off
+        # (the batch is cancelled) and come back as "abort" with their tokens so far.
+        self.cut_at = None if finish_fraction is None else max(1, math.ceil(finish_fraction * len(requests)))
+        self.cut = False  # the current router batch was cancelled for it
         self.results: list = [None] * len(requests)
         self.received = 0
         self.restarts = 0
@@ -39,6 +51,7 @@ class BatchAcrossRestarts:
     def submitted(self, answer: dict, offset_s: float = 0.0) -> None:
         """The router's answer to a submission: {"batch_id", "weights_version"}."""
         self.batch_id, self.cursor, self.offset_s = answer["batch_id"], 0, offset_s
+        self.cut = False  # a resubmission past the cut is cut again at once (should_cut)
         if self.weights_version is None:
             self.weights_version = answer["weights_version"]
 
@@ -54,6 +67,10 @@ class BatchAcrossRestarts:
         self.received += len(placed)
         self.cursor = cursor
         return placed
+
+    def should_cut(self) -> bool:
+        """finish_fraction reached and the current batch not cut yet: cancel it now."""
+        return self.cut_at is not None and not self.cut and not self.done and self.received >= self.cut_at
 
     def timed_out(self, timeout_s: float) -> TimeoutError:
         return TimeoutError(f"batch {self.batch_id}: {self.received} of {len(self.requests)} sequences done after "

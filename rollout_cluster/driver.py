@@ -17,7 +17,8 @@ from typing import AsyncIterator, Optional, Sequence, Union
 
 from .batch_follow import BatchAcrossRestarts
 from .config import ClusterConfig, load_config
-from .types import BatchLostError, Completion, InputError, SamplingSpec, SequenceRequest, WeightsVersionError, is_int
+from .types import (BatchLostError, Completion, InputError, Partial, SamplingSpec, SequenceRequest, WeightsVersionError,
+                    is_int)
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 3600.0
@@ -27,12 +28,17 @@ REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app
 def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
            hidden_lengths: Optional[Sequence] = None) -> list:
     """One SequenceRequest per (prompt, sample), in input order. A prompt whose spec is invalid
-    (n < 1, say) yields one request carrying the error, so it comes back as an error line."""
+    (n < 1, say) yields one request carrying the error, so it comes back as an error line. A
+    `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens."""
     specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
     if len(specs) != len(prompts):
         raise InputError("sampling", f"<{len(specs)} specs>", f"needs one spec per prompt ({len(prompts)})")
     out = []
     for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        if isinstance(prompt, Partial):
+            hidden = None if hidden_lengths is None else hidden_lengths[len(out)]
+            out.append(_resumed_request(prompt, spec, i, hidden))
+            continue
         n = spec.n if isinstance(spec.n, int) and spec.n >= 1 else 1
         for j in range(n):
             hidden = None if hidden_lengths is None else hidden_lengths[len(out)]
@@ -42,6 +48,17 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
             if not isinstance(ids, list):
                 out[-1].prompt_token_ids = ids  # the router refuses it, naming the field
     return out
+
+
+def _resumed_request(p: Partial, spec: SamplingSpec, index: int, hidden: Optional[int]) -> SequenceRequest:
+    """A Partial's one request: a sample cut off before its first token starts afresh."""
+    ids = list(p.prompt_token_ids) if isinstance(p.prompt_token_ids, (list, tuple)) else p.prompt_token_ids
+    tokens = list(p.token_ids) if isinstance(p.token_ids, (list, tuple)) else p.token_ids
+    logprobs = list(p.logprobs) if isinstance(p.logprobs, (list, tuple)) else p.logprobs
+    if tokens == []:
+        tokens = logprobs = None
+    return SequenceRequest(ids, spec, index, 0, hidden, prompt_len=len(ids) if isinstance(ids, list) else 0,
+                           output_token_ids=tokens, output_logprobs=logprobs)
 
 
 def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
@@ -324,11 +341,12 @@ class RolloutClient:
         """Stop a batch: its unfinished sequences come back with finish_reason "abort"."""
         return self.router.cancel.remote(batch_id).result(timeout_s=self.call_timeout_s)
 
-    def _cancel_quietly(self, batch_id: str) -> None:
+    def _cancel_quietly(self, batch_id: str) -> bool:
         try:
             self.cancel(batch_id)
+            return True
         except Exception:
-            pass
+            return False
 
     def set_trace(self, on: bool = True) -> None:
         self.router.set_trace.remote(on).result(timeout_s=self.call_timeout_s)
@@ -370,18 +388,24 @@ class RolloutClient:
     def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                  progress: bool = False, timeout_s: Optional[float] = None,
                  hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None,
-                 weights_version: Optional[int] = None) -> list:
+                 weights_version: Optional[int] = None, finish_fraction: Optional[float] = None) -> list:
         """One Completion per (prompt, sample), in input order. Without `sampling`, the app's
         `sampling` section (sampling_defaults) applies to every prompt. `weights_version` (the
         version update_weights returned) makes sure every sample comes from those weights: a fleet
         on others refuses the batch (WeightsVersionError). Without it the batch runs on the current
-        weights, and a resubmission after a router restart asks for the same ones."""
+        weights, and a resubmission after a router restart asks for the same ones.
+
+        Partial rollouts: with `finish_fraction` (0.9, say) the batch is cut once that share of its
+        sequences is done; the rest come back with finish_reason "abort" and their tokens and
+        logprobs so far. `partials(prompts, results)` makes them `Partial`s, and a later batch takes
+        those among its prompts: each continues after its tokens (resume.py)."""
         requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths)
-        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version)
+        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version, finish_fraction)
 
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
-                     wait_for_replica_s: Optional[float] = None, weights_version: Optional[int] = None) -> list:
-        follow = BatchAcrossRestarts(requests, self.max_router_restarts)
+                     wait_for_replica_s: Optional[float] = None, weights_version: Optional[int] = None,
+                     finish_fraction: Optional[float] = None) -> list:
+        follow = BatchAcrossRestarts(requests, self.max_router_restarts, finish_fraction)
         t0 = time.monotonic()
         follow.submitted(self._submit(requests, wait_for_replica_s, weights_version))
         self.last_batch_id = follow.batch_id
@@ -414,22 +438,24 @@ class RolloutClient:
             placed = follow.take(new, cursor)
             if bar:
                 bar.update(len(placed))
+            if follow.should_cut():
+                follow.cut = self._cancel_quietly(follow.batch_id)
         if bar:
             bar.close()
         return follow.results
 
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
-                     timeout_s: Optional[float] = None,
-                     weights_version: Optional[int] = None) -> AsyncIterator[Completion]:
+                     timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
+                     finish_fraction: Optional[float] = None) -> AsyncIterator[Completion]:
         """Completions as they finish (not in input order). Without `sampling`, and with
-        `weights_version`, as generate. A router restart resubmits what was not yielded yet, on
-        the same weights, as generate does."""
+        `weights_version` and `finish_fraction`, as generate. A router restart resubmits what was
+        not yielded yet, on the same weights, as generate does."""
         if sampling is None:
             status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
             sampling = SamplingSpec(**status.get("sampling_defaults", {}))
         async for c in follow_batch(self.router, expand(prompts, sampling), timeout_s or self.timeout_s,
                                     self.call_timeout_s, self.max_router_restarts, weights_version,
-                                    on_restart=self._count_restart):
+                                    on_restart=self._count_restart, finish_fraction=finish_fraction):
             yield c
 
     def _count_restart(self) -> None:
@@ -462,13 +488,13 @@ def note_restart(follow: BatchAcrossRestarts, lost: BatchLostError, again: int) 
 
 async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,
                        max_restarts: int = 3, weights_version: Optional[int] = None,
-                       on_restart=None) -> AsyncIterator[Completion]:
+                       on_restart=None, finish_fraction: Optional[float] = None) -> AsyncIterator[Completion]:
     """Submit `requests` as one batch and yield its completions as they finish, long-polling the
     router's `fetch`. A router restart loses the batch: what was not yielded yet is submitted
     again, on the weights the first submission ran on (batch_follow.py), at most `max_restarts`
     times. Past `timeout_s` the batch is cancelled and TimeoutError raised. RolloutClient.stream
     and the HTTP route (serve/app.py, a deployment of its own that outlives the router) use it."""
-    follow = BatchAcrossRestarts(requests, max_restarts)
+    follow = BatchAcrossRestarts(requests, max_restarts, finish_fraction)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     follow.submitted(await asyncio.wait_for(router.submit_batch.remote(requests, None, weights_version),
@@ -504,6 +530,12 @@ async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s:
         gone = None
         for c in follow.take(new, cursor):
             yield c
+        if follow.should_cut():
+            try:
+                await asyncio.wait_for(router.cancel.remote(follow.batch_id), call_timeout_s)
+                follow.cut = True
+            except Exception:
+                pass  # the next fetch finds out what happened to the router
 
 
 def _bar(total: int, enabled: bool):

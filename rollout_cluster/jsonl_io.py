@@ -2,9 +2,13 @@
 
 Input, one JSON object a line: {"prompt_token_ids": [..], "n": 1, "max_tokens": 128, "temperature": 1.0,
 "top_p": 1.0, "ignore_eos": false, "logprobs": null, "stop_token_ids": [], "seed": null}; all but
-prompt_token_ids optional (max_tokens, temperature and top_p default to the config's `sampling`). Output, one line per (line, sample) in input order: {"prompt_index",
+prompt_token_ids optional (max_tokens, temperature and top_p default to the config's `sampling`).
+A line may resume a partial rollout (resume.py): "output_token_ids" (and "output_logprobs" when
+logprobs are asked for) are the tokens an earlier batch cut off; such a line is one sample (n 1).
+Output, one line per (line, sample) in input order: {"prompt_index",
 "sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
-"finish_time_s", "weights_version"}. The app's HTTP route POST /<app>/generate takes and returns the same.
+"finish_time_s", "weights_version", "resumed_tokens"}; an output line with finish_reason "abort"
+(`--finish-fraction`) resumes as an input line with its token_ids and logprobs as the output_ fields. The app's HTTP route POST /<app>/generate takes and returns the same.
 A bad line yields one output line with finish_reason "error" naming the field; the rest still run.
 """
 from __future__ import annotations
@@ -16,12 +20,14 @@ from typing import Optional
 from .types import Completion, InputError, SamplingSpec, SequenceRequest
 
 SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
-LINE_FIELDS = {"prompt_token_ids"} | SPEC_FIELDS
+RESUME_FIELDS = ("output_token_ids", "output_logprobs")
+LINE_FIELDS = {"prompt_token_ids"} | SPEC_FIELDS | set(RESUME_FIELDS)
 
 
 def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
-    """(prompt_token_ids, SamplingSpec); raises InputError naming the field. `defaults`: SamplingSpec
-    fields for what the line leaves out (the config's `sampling` section)."""
+    """(prompt_token_ids, SamplingSpec, {output_token_ids, output_logprobs}); raises InputError naming
+    the field. `defaults`: SamplingSpec fields for what the line leaves out (the config's `sampling`
+    section). The router checks a resumed output (resume.check_output)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -41,14 +47,18 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
         raise InputError("prompt_token_ids", bad, "every token id must be an integer")
     kw = dict(defaults or {})
     kw.update((k, v) for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed"))
-    kw.pop("prompt_token_ids", None)
+    for k in ("prompt_token_ids",) + RESUME_FIELDS:
+        kw.pop(k, None)
     if "stop_token_ids" in kw:
         if not isinstance(kw["stop_token_ids"], list):
             raise InputError("stop_token_ids", kw["stop_token_ids"], "must be a list of integers")
         kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     spec = SamplingSpec(**kw)
     spec.validate()
-    return ids, spec
+    resumed = {k: obj.get(k) for k in RESUME_FIELDS}
+    if resumed["output_token_ids"] is not None and spec.n != 1:
+        raise InputError("n", spec.n, "must be 1 on a line that resumes output_token_ids: it is one sample")
+    return ids, spec, resumed
 
 
 def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
@@ -60,7 +70,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
             errors[i] = "line is empty: expected a JSON object"
             continue
         try:
-            ids, spec = parse_line(line, i, defaults)
+            ids, spec, resumed = parse_line(line, i, defaults)
         except InputError as e:
             errors[i] = str(e)
             continue
@@ -68,7 +78,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
             errors[i] = f"invalid field: {e}"
             continue
         for j in range(spec.n):
-            requests.append(SequenceRequest(ids, spec, i, j))
+            requests.append(SequenceRequest(ids, spec, i, j, **resumed))
     return requests, errors
 
 
@@ -98,12 +108,14 @@ def read_jsonl_lines(path: str) -> list:
 
 
 def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
-              timeout_s: Optional[float] = None, weights_version: Optional[int] = None) -> dict:
+              timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
+              finish_fraction: Optional[float] = None) -> dict:
     lines = read_jsonl_lines(input_path)
     requests, errors = read_requests(lines, client.sampling_defaults())
     completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s,
-                                      weights_version=weights_version) if requests else []
+                                      weights_version=weights_version, finish_fraction=finish_fraction) if requests else []
     records = merge_results(len(lines), requests, completions, errors)
     write_jsonl(output_path, records)
     return {"lines": len(lines), "sequences": len(requests), "bad_lines": len(errors),
-            "errors": sum(1 for r in records if r["finish_reason"] == "error")}
+            "errors": sum(1 for r in records if r["finish_reason"] == "error"),
+            "cut_off": sum(1 for r in records if r["finish_reason"] == "abort")}

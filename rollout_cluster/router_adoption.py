@@ -148,8 +148,10 @@ class OrphanAdoption:
                 self.orphan_outputs[old] = out  # not this one's (another prompt): it may still be claimed
 
     def _adopt(self, seq: SeqState, out: OrphanOutput, now: float) -> bool:
-        """Give `seq`, queued and never run, the orphan's output, if it is exactly this sequence's."""
-        if seq.status is not SeqStatus.QUEUED or seq.attempt or seq.generated or not self.record_tokens:
+        """Give `seq`, queued and never run, the orphan's output, if it is exactly this sequence's
+        (a resumed partial rollout's output included: the segment's prompt then starts with it)."""
+        if (seq.status is not SeqStatus.QUEUED or seq.attempt or seq.generated != seq.resumed
+                or not self.record_tokens):
             return False
         req = seq.request
         batch = self.batches.get(seq.batch_id)
@@ -160,6 +162,8 @@ class OrphanAdoption:
             return False
         earlier = out.prompt_token_ids[len(prompt):]  # a continuation's earlier segments
         tokens = earlier + out.token_ids
+        if tokens[:seq.resumed] != seq.token_ids:
+            return False
         wants_logprobs = req.sampling.logprobs is not None
         if wants_logprobs and (out.logprobs is None or len(out.logprobs) != len(out.token_ids) or earlier and (
                 out.prior_logprobs is None or len(out.prior_logprobs) != len(earlier))):

@@ -15,6 +15,7 @@ from typing import Optional
 
 from .policy.base import Decision, Policy
 from .router_adoption import OrphanAdoption
+from .resume import check_output, resumed_state
 from .router_control import EngineControl
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
 from .types import (BatchLostError, Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec,
@@ -105,7 +106,8 @@ class RouterCore(EngineControl, OrphanAdoption):
                          "reprefill_segments_measured": 0, "generated_tokens": 0,
                          "stale_reports": 0, "policy_errors": 0, "replica_deaths": 0, "replica_leaves": 0, "lost_orders": 0,
                          "duplicate_reports": 0, "finals_whole_trimmed": 0, "handed_back": 0, "recovered": 0,
-                         "orphans_given_up": 0, "orphan_outputs_kept": 0, "whole_finals_asked": 0, "adopted": 0, "adopted_tokens": 0}
+                         "orphans_given_up": 0, "orphan_outputs_kept": 0, "whole_finals_asked": 0, "adopted": 0, "adopted_tokens": 0,
+                         "partials_resumed": 0, "partial_tokens_resumed": 0}
         self.decision_times: list = []
         self.finished_count = 0
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
@@ -154,6 +156,11 @@ class RouterCore(EngineControl, OrphanAdoption):
                 seq.error = error
                 self._finish(seq, "error", now, replica_id=None)
                 continue
+            if req.output_token_ids:  # a partial rollout resumed: a continuation from the start
+                seq.generated, seq.token_ids, seq.logprobs = resumed_state(req, self.record_tokens)
+                seq.resumed = seq.generated
+                self.counters["partials_resumed"] += 1
+                self.counters["partial_tokens_resumed"] += seq.generated
             self.seqs[seq.seq_id] = seq
             self.queue.push(seq)
         if previous_ids is not None:
@@ -173,6 +180,7 @@ class RouterCore(EngineControl, OrphanAdoption):
                 if bad is not None:
                     raise InputError("prompt_token_ids", bad, "every token id must be an integer")
             m = self.model
+            check_output(req, m)
             if m is not None and ids is not None:
                 bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
                 if bad is not None:
@@ -555,7 +563,8 @@ class RouterCore(EngineControl, OrphanAdoption):
         logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
-                          now - seq.submitted_t, batch.weights_version if batch else self.weights_version)
+                          now - seq.submitted_t, batch.weights_version if batch else self.weights_version,
+                          seq.resumed)
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
             _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)

@@ -44,6 +44,7 @@ class SeqState:
     logprobs: Optional[array] = None  # array("d") once the first logprob arrives
     segment_cap: Optional[int] = None  # tokens this segment may produce before the policy's cut
     segment_start: int = 0  # `generated` when the current segment started
+    resumed: int = 0  # tokens it started with: a partial rollout's output from an earlier batch (resume.py)
     replicas: list = field(default_factory=list)  # every replica that ran a segment
     migrations: list = field(default_factory=list)
     moves: int = 0

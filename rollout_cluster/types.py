@@ -130,10 +130,40 @@ class SequenceRequest:
     hidden_length: Optional[int] = None
     # Simulation may omit the token ids and give only their number.
     prompt_len: int = -1
+    # A partial rollout resumed (Partial): the tokens this sample generated in an earlier batch that
+    # was cut off (generate's finish_fraction), and their logprobs. It continues after them, as a
+    # migrated sequence does; `sampling.max_tokens` counts them, and its Completion starts with them.
+    output_token_ids: Optional[list] = None
+    output_logprobs: Optional[list] = None
 
     def __post_init__(self):
         if self.prompt_len < 0:
             self.prompt_len = len(self.prompt_token_ids)
+
+
+@dataclass
+class Partial:
+    """A sample cut off before its end (finish_reason "abort": generate's finish_fraction, cancel),
+    to continue in a later batch: pass it among a batch's prompts, where it stands for one sequence.
+    Partial rollouts: an RL step need not wait for its longest samples; they finish in the next
+    step, on newer weights for the tokens still to come (Completion.resumed_tokens says where)."""
+
+    prompt_token_ids: list
+    token_ids: list
+    logprobs: Optional[list] = None
+
+
+def partials(prompts: list, completions: list) -> list:
+    """The Partial of every completion that was cut off ("abort"), in order: `prompts` is what the
+    batch was given (token lists, or Partials, whose prompt is then the original one)."""
+    out = []
+    for c in completions:
+        if c.finish_reason != "abort":
+            continue
+        item = prompts[c.prompt_index]
+        prompt = item.prompt_token_ids if isinstance(item, Partial) else list(item)
+        out.append(Partial(prompt, list(c.token_ids), None if c.logprobs is None else list(c.logprobs)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -169,6 +199,9 @@ class Completion:
     index: int = -1  # position in the submitted batch
     finish_time_s: float = 0.0  # seconds from the batch's submission to this sequence's end
     weights_version: int = 0  # the weights every segment ran with (RolloutClient.update_weights)
+    # A resumed Partial: its first `resumed_tokens` tokens (and logprobs) came with the request,
+    # generated in an earlier batch, maybe on older weights; `weights_version` is the rest's.
+    resumed_tokens: int = 0
 
     def with_lists(self) -> "Completion":
         """This completion with plain lists: the router keeps finished tokens in compact arrays
@@ -187,6 +220,7 @@ class Completion:
             "migrations": [m.__dict__ for m in self.migrations],
             "finish_time_s": round(self.finish_time_s, 4),
             "weights_version": self.weights_version,
+            "resumed_tokens": self.resumed_tokens,
         }
 
 

@@ -1588,7 +1588,8 @@ def test_the_faults_happen():
         seen += run_case(policy, seed).seen
     for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 1, True),
                                   ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True), ("least-loaded", 2, True),
-                                  ("scripted", 11, True), ("steal", 20, True), ("scripted", 0, True), ("pull", 3, True)):
+                                  ("scripted", 11, True), ("steal", 20, True), ("scripted", 0, True), ("pull", 3, True),
+                                  ("steal", 0, True)):
         seen += run_control_case(policy, seed, restart).seen
     wanted = {"late report applied first", "late report applied after its resend", "reply with control orders lost",
               "load failed", "replica restarted while loading", "replica restarted asleep", "join asleep",

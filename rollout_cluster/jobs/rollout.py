@@ -2,7 +2,7 @@
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input in.jsonl --output out.jsonl \\
-        [--weights /checkpoints/step-7]
+        [--weights /checkpoints/step-7] [--finish-fraction 0.9]
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def main(argv=None) -> int:
                     help="an app this job deploys must be running within this (replicas Ray cannot place fail it)")
     ap.add_argument("--weights", default=None,
                     help="load this checkpoint directory into every replica first (update_weights)")
+    ap.add_argument("--finish-fraction", type=float, default=None,
+                    help="partial rollouts: cut the batch once this share of its sequences is done")
     a = ap.parse_args(argv)
     import ray
     from ray import serve
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
     try:
         client.wait_ready(cfg.replicas if deployed else 1)
         version = client.update_weights(a.weights) if a.weights else None
-        summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s, weights_version=version)
+        summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s, weights_version=version,
+                            finish_fraction=a.finish_fraction)
         if version is not None:
             summary["weights_version"] = version
     finally:

@@ -47,7 +47,11 @@ def take_spread(view: ClusterView, replica_id: str, limit: int, chunk: int = 1) 
     `chunk` trades the two (docs/benchmarks.md measures 1, 2 and 4)."""
     q = view.queue
     out = take_for(view, replica_id, 0) if q.reserved.get(replica_id) else []
-    for seq in q.continuations.values():
+    # Continuations are spread too: a pull takes them in proportion to their part of the queue. A
+    # batch that resumes partial rollouts starts with hundreds of them, all long, which the first
+    # replica to pull would otherwise take; requeued work alone is taken up to the limit, as before.
+    share = -(-limit * len(q.continuations) // max(1, len(q.continuations) + len(q.fresh)))
+    for seq in islice(q.continuations.values(), share):
         if len(out) >= limit:
             return out
         out.append(seq)
