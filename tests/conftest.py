@@ -1,5 +1,6 @@
 """Fixtures shared by the unit tests (the e2e cluster fixtures live in tests/e2e/)."""
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ def load_script(name: str):
     """scripts/<name>.py as a module (scripts are not part of the package)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # a script's dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -38,3 +40,8 @@ def fleet_scale_plot():
 @pytest.fixture(scope="session")
 def pull_budget():
     return load_script("pull_budget")
+
+
+@pytest.fixture(scope="session")
+def partial_rollouts_sim():
+    return load_script("partial_rollouts_sim")

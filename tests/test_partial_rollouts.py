@@ -228,3 +228,48 @@ def test_steal_spreads_a_batchs_resumed_samples_over_the_replicas():
     resumed_on = {rid: sum(1 for w in work if w.prompt_len > 2) for rid, work in taken.items()}
     assert resumed_on == {"a": 8, "b": 8, "c": 8, "d": 8}, resumed_on
     assert sum(len(w) for w in taken.values()) == 64
+
+
+def test_the_simulator_cuts_a_batch_and_counts_what_each_sample_made():
+    from longtail import longtail_requests
+    from test_router_core import simulate
+
+    reqs = longtail_requests(prompts=12, samples=4)
+    _, whole = simulate("steal", reqs)
+    assert whole.generated == [r.hidden_length for r in reqs] and whole.cut_s == -1.0
+    from rollout_cluster.config import PolicyConfig
+    from rollout_cluster.engines.cost_model import load_profile
+    from rollout_cluster.policy import make_policy
+    from rollout_cluster.sim.simulator import Simulation
+
+    cost = load_profile("h200-1.5b", max_num_seqs=32)
+    sim = Simulation(make_policy(PolicyConfig(name="steal"), cost), cost, 4, pull_interval_s=0.05)
+    res = sim.run(reqs, cut_after=24)
+    reasons = [c.finish_reason for c in res.completions]
+    assert reasons.count("length") >= 24 and "abort" in reasons
+    assert 0 < res.cut_s < res.makespan_s < whole.makespan_s
+    for r, c, n in zip(reqs, res.completions, res.generated):
+        if c.finish_reason == "length":
+            assert n == r.hidden_length
+        else:
+            assert 0 <= n < r.hidden_length
+
+
+def test_partial_rollout_steps_complete_more_samples_a_second_and_carry_the_rest(partial_rollouts_sim):
+    from rollout_cluster.bench.workloads import LongtailSpec
+
+    spec = LongtailSpec(prompts=16, samples=8, median=300, max_tokens=4096, prompt_min=32, prompt_max=128)
+    rows = []
+    for f in (1.0, 0.9):
+        rows += partial_rollouts_sim.run_steps(f, 3, spec, "h200-1.5b", 4, "steal", pull_interval_s=0.1)
+    waiting = [r for r in rows if r["fraction"] == 1.0]
+    cutting = [r for r in rows if r["fraction"] == 0.9]
+    assert all(r["completed"] == r["batch"] == 128 and r["carried_on"] == 0 for r in waiting)
+    assert cutting[0]["carried_on"] > 0 and cutting[0]["completed"] + cutting[0]["carried_on"] == 128
+    # a step's batch is what the step before carried plus a fresh one
+    assert [r["batch"] for r in cutting[1:]] == [128 + r["carried_on"] for r in cutting[:-1]]
+    assert any(r["completed_from_earlier_steps"] > 0 for r in cutting[1:])
+    summ = partial_rollouts_sim.summary(rows)
+    assert summ[0.9]["samples_per_s"] > summ[1.0]["samples_per_s"]
+    assert summ[1.0]["off_policy_pct"] == 0 and summ[0.9]["off_policy_pct"] > 0
+    assert "| 0.9 |" in partial_rollouts_sim.markdown(summ)

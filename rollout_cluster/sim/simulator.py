@@ -39,6 +39,10 @@ class SimResult:
     # Of those, the tokens the engines actually prefilled on the continuations' first admission
     # (prefix-cache hits subtracted): the re-prefill's real cost.
     reprefilled_tokens: int = 0
+    # Tokens each sequence ended with, by batch index (the simulator keeps counts, not token ids):
+    # what a cut batch's partial rollouts carry into the next one (run's cut_after).
+    generated: list = field(default_factory=list)
+    cut_s: float = -1.0  # when run's cut_after cancelled the batch (-1: it was not cut)
 
 
 class Simulation:
@@ -92,8 +96,12 @@ class Simulation:
                 break  # report finished work at once: the real replica would at its next pull
         self.clock[rid] = max(t, until) if not e.finals else t
 
-    def run(self, requests: list) -> SimResult:
+    def run(self, requests: list, cut_after: int = 0) -> SimResult:
+        """Run one batch to its end. `cut_after` > 0: cancel the batch once that many sequences are
+        done, as generate's finish_fraction does; the rest end as "abort" with what they made."""
         core = self.core
+        generated = [0] * len(requests)
+        cut_s = -1.0
         for rid in self.engines:  # registration pulls, as replicas start
             core.on_report(self._report(rid, True), 0.0)
         core.submit(requests, 0.0, batch_id="sim")
@@ -115,7 +123,21 @@ class Simulation:
             done_before = len(batch.order)
             self.last_pull[rid] = now
             self.pull_times.append(now)
-            orders = core.on_report(self._report(rid, False), now, timer)
+            report = self._report(rid, False)
+            this_report: dict = {}  # a final may follow a delta of the same segment in one report
+            for p in report.progress:
+                seq = core.seqs.get(p.seq_id)
+                if seq is not None and seq.attempt == p.attempt:
+                    this_report[p.seq_id] = this_report.get(p.seq_id, 0) + p.num_tokens
+                    if p.finish_reason:
+                        generated[seq.index] = seq.generated + this_report[p.seq_id]
+            orders = core.on_report(report, now, timer)
+            if 0 < cut_after <= len(batch.order) and cut_s < 0 and len(batch.order) < batch.size:
+                cut_s = now
+                for seq in core.seqs.values():
+                    if seq.batch_id == "sim":
+                        generated[seq.index] = seq.generated  # the queued ones end here, at once
+                core.cancel("sim", now)
             finish_times += [now] * (len(batch.order) - done_before)
             e = self.engines[rid]
             for w in orders.start:
@@ -137,7 +159,8 @@ class Simulation:
                          trace=trace, finish_times=finish_times, busy_s=dict(self.busy),
                          preemptions=sum(e.preemptions for e in self.engines.values()),
                          reprefill_tokens=self.reprefill_tokens,
-                         reprefilled_tokens=sum(e.reprefilled_tokens for e in self.engines.values()))
+                         reprefilled_tokens=sum(e.reprefilled_tokens for e in self.engines.values()),
+                         generated=generated, cut_s=cut_s)
 
     def _count_reprefill(self, work) -> None:
         seq = self.core.seqs.get(work.seq_id)
