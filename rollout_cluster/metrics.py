@@ -25,7 +25,8 @@ class PrometheusRouterMetrics(RouterMetrics):
                               "chunked's first round)", registry=r)
         self.resumed_total = Counter("rollout_sequences_resumed_total", "Sequences continued elsewhere because their "
                                      "replica left (replica_left) or was lost (replica_lost), or from what a "
-                                     "restarted router's predecessor made (router_restart)", ["source", "reason"],
+                                     "restarted router's predecessor made (router_restart), or from a partial rollout an earlier "
+                                     "batch cut off (partial; source -)", ["source", "reason"],
                                      registry=r)
         self.abandoned_total = Counter("rollout_batches_abandoned_total", "Batches cancelled and dropped because no "
                                        "driver fetched from them for router.abandoned_batch_s", registry=r)

@@ -161,6 +161,7 @@ class RouterCore(EngineControl, OrphanAdoption):
                 seq.resumed = seq.generated
                 self.counters["partials_resumed"] += 1
                 self.counters["partial_tokens_resumed"] += seq.generated
+                self.metrics.resumed("-", "partial")
             self.seqs[seq.seq_id] = seq
             self.queue.push(seq)
         if previous_ids is not None:

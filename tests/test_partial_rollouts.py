@@ -273,3 +273,19 @@ def test_partial_rollout_steps_complete_more_samples_a_second_and_carry_the_rest
     assert summ[0.9]["samples_per_s"] > summ[1.0]["samples_per_s"]
     assert summ[1.0]["off_policy_pct"] == 0 and summ[0.9]["off_policy_pct"] > 0
     assert "| 0.9 |" in partial_rollouts_sim.markdown(summ)
+
+
+def test_resumed_samples_are_counted_in_prometheus():
+    from rollout_cluster.config import PolicyConfig
+    from rollout_cluster.engines.cost_model import load_profile
+    from rollout_cluster.metrics import PrometheusRouterMetrics
+    from rollout_cluster.policy import make_policy
+    from rollout_cluster.router_core import RouterCore
+
+    metrics = PrometheusRouterMetrics(port=0)
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("h200-1.5b")), id_prefix="r2-",
+                      metrics=metrics)
+    core.on_report(report(), 0.0)
+    core.submit([resumed([7, 8], [-1.0, -1.0]), resumed([7], [-1.0], index=1), resumed(None, None, index=2)], 1.0)
+    assert metrics.registry.get_sample_value("rollout_sequences_resumed_total",
+                                             {"source": "-", "reason": "partial"}) == 2

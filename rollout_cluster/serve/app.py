@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from ..config import ClusterConfig, load_config, to_dict
 from ..batch_follow import check_finish_fraction
-from ..types import InputError, WeightsVersionError
+from ..types import WeightsVersionError
 from .replica import EngineReplica
 from .router import Router
 
@@ -63,7 +63,7 @@ class Gateway:
         try:
             fraction = None if fraction is None else float(fraction)
             check_finish_fraction(fraction)
-        except (ValueError, InputError):
+        except ValueError:  # not a number, or InputError (a ValueError): out of range
             return JSONResponse({"error": f"finish_fraction={request.query_params['finish_fraction']!r}: "
                                           "must be a number in (0, 1]"}, status_code=400)
         lines = (await request.body()).decode("utf-8", errors="replace").splitlines()
