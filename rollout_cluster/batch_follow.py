@@ -14,26 +14,56 @@ two policies' samples. Pure bookkeeping: RolloutClient's sync and async loops dr
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Optional
 
 from .types import BatchLostError, InputError
 
 
-def check_finish_fraction(value) -> None:
+FINISH_BY = ("sample", "group")
+
+
+def check_finish_fraction(value, by: str = "sample") -> None:
     if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1):
         raise InputError("finish_fraction", value, "must be null or a number in (0, 1]")
+    if by not in FINISH_BY:
+        raise InputError("finish_by", by, f"must be one of {', '.join(FINISH_BY)}")
+
+
+class BatchCut:
+    """Where partial rollouts (resume.py) cut a batch: once `fraction` of its samples came back
+    (by "sample"), or of its groups, every sample of a prompt (by "group": what GRPO trains on;
+    a Partial is a group of its own). The rest are cut off: the batch is cancelled, and they come
+    back as "abort" with their tokens so far."""
+
+    def __init__(self, requests: list, fraction: Optional[float], by: str = "sample"):
+        check_finish_fraction(fraction, by)
+        self.left = Counter(r.prompt_index for r in requests) if by == "group" else None  # prompt -> samples due
+        units = len(requests) if self.left is None else len(self.left)
+        self.at = None if fraction is None else max(1, math.ceil(fraction * units))
+        self.done = 0  # samples, or groups, received whole
+
+    def received(self, request) -> None:
+        if self.left is None:
+            self.done += 1
+            return
+        self.left[request.prompt_index] -= 1
+        if self.left[request.prompt_index] == 0:
+            self.done += 1
+
+    @property
+    def reached(self) -> bool:
+        return self.at is not None and self.done >= self.at
 
 
 class BatchAcrossRestarts:
-    def __init__(self, requests: list, max_restarts: int = 3, finish_fraction: Optional[float] = None):
-        check_finish_fraction(finish_fraction)
+    def __init__(self, requests: list, max_restarts: int = 3, finish_fraction: Optional[float] = None,
+                 finish_by: str = "sample"):
+        self.cutter = BatchCut(requests, finish_fraction, finish_by)
         self.requests = requests
         self.max_restarts = max_restarts
-        # Partial rollouts (resume.py): once this many sequences are received, the rest are cut off
-        # (the batch is cancelled) and come back as "abort" with their tokens so far.
-        self.cut_at = None if finish_fraction is None else max(1, math.ceil(finish_fraction * len(requests)))
-        self.cut = False  # the current router batch was cancelled for it
+        self.cut = False  # the current router batch was cancelled at the cutter's mark
         self.results: list = [None] * len(requests)
         self.received = 0
         self.restarts = 0
@@ -63,6 +93,7 @@ class BatchAcrossRestarts:
             if self.results[at] is not None:
                 raise RuntimeError(f"batch {self.batch_id}: sequence {at} returned twice")
             self.results[at] = c = replace(c, index=at, finish_time_s=c.finish_time_s + self.offset_s)
+            self.cutter.received(self.requests[at])
             placed.append(c)
         self.received += len(placed)
         self.cursor = cursor
@@ -70,7 +101,7 @@ class BatchAcrossRestarts:
 
     def should_cut(self) -> bool:
         """finish_fraction reached and the current batch not cut yet: cancel it now."""
-        return self.cut_at is not None and not self.cut and not self.done and self.received >= self.cut_at
+        return self.cutter.reached and not self.cut and not self.done
 
     def timed_out(self, timeout_s: float) -> TimeoutError:
         return TimeoutError(f"batch {self.batch_id}: {self.received} of {len(self.requests)} sequences done after "

@@ -43,7 +43,8 @@ def cmd_generate(a) -> int:
         client = RolloutClient.start(a.config, address=a.address)
     try:
         summary = run_jsonl(client, a.input, a.output, progress=not a.quiet, timeout_s=a.timeout_s,
-                            weights_version=a.weights_version, finish_fraction=a.finish_fraction)
+                            weights_version=a.weights_version, finish_fraction=a.finish_fraction,
+                            finish_by=a.finish_by)
     finally:
         if not a.app_name:
             client.shutdown()
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--finish-fraction", type=float, default=None,
                    help="partial rollouts: cut the batch once this share of its sequences is done; the rest come back "
                         "with finish_reason abort and their tokens, to resume as output_token_ids lines")
+    p.add_argument("--finish-by", default="sample", choices=("sample", "group"),
+                   help="what --finish-fraction counts: samples, or lines whose every sample is done")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(fn=cmd_generate)
 

@@ -388,7 +388,8 @@ class RolloutClient:
     def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                  progress: bool = False, timeout_s: Optional[float] = None,
                  hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None,
-                 weights_version: Optional[int] = None, finish_fraction: Optional[float] = None) -> list:
+                 weights_version: Optional[int] = None, finish_fraction: Optional[float] = None,
+                 finish_by: str = "sample") -> list:
         """One Completion per (prompt, sample), in input order. Without `sampling`, the app's
         `sampling` section (sampling_defaults) applies to every prompt. `weights_version` (the
         version update_weights returned) makes sure every sample comes from those weights: a fleet
@@ -396,16 +397,18 @@ class RolloutClient:
         weights, and a resubmission after a router restart asks for the same ones.
 
         Partial rollouts: with `finish_fraction` (0.9, say) the batch is cut once that share of its
-        sequences is done; the rest come back with finish_reason "abort" and their tokens and
-        logprobs so far. `partials(prompts, results)` makes them `Partial`s, and a later batch takes
-        those among its prompts: each continues after its tokens (resume.py)."""
+        sequences is done (`finish_by="group"`: of its prompts, every sample of one done); the rest
+        come back with finish_reason "abort" and their tokens and logprobs so far.
+        `partials(prompts, results)` makes them `Partial`s, and a later batch takes those among its
+        prompts: each continues after its tokens (resume.py)."""
         requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths)
-        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version, finish_fraction)
+        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version, finish_fraction,
+                                 finish_by)
 
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
                      wait_for_replica_s: Optional[float] = None, weights_version: Optional[int] = None,
-                     finish_fraction: Optional[float] = None) -> list:
-        follow = BatchAcrossRestarts(requests, self.max_router_restarts, finish_fraction)
+                     finish_fraction: Optional[float] = None, finish_by: str = "sample") -> list:
+        follow = BatchAcrossRestarts(requests, self.max_router_restarts, finish_fraction, finish_by)
         t0 = time.monotonic()
         follow.submitted(self._submit(requests, wait_for_replica_s, weights_version))
         self.last_batch_id = follow.batch_id
@@ -446,16 +449,17 @@ class RolloutClient:
 
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                      timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
-                     finish_fraction: Optional[float] = None) -> AsyncIterator[Completion]:
+                     finish_fraction: Optional[float] = None, finish_by: str = "sample") -> AsyncIterator[Completion]:
         """Completions as they finish (not in input order). Without `sampling`, and with
-        `weights_version` and `finish_fraction`, as generate. A router restart resubmits what was
+        `weights_version`, `finish_fraction` and `finish_by`, as generate. A router restart resubmits what was
         not yielded yet, on the same weights, as generate does."""
         if sampling is None:
             status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
             sampling = SamplingSpec(**status.get("sampling_defaults", {}))
         async for c in follow_batch(self.router, expand(prompts, sampling), timeout_s or self.timeout_s,
                                     self.call_timeout_s, self.max_router_restarts, weights_version,
-                                    on_restart=self._count_restart, finish_fraction=finish_fraction):
+                                    on_restart=self._count_restart, finish_fraction=finish_fraction,
+                                    finish_by=finish_by):
             yield c
 
     def _count_restart(self) -> None:
@@ -488,13 +492,14 @@ def note_restart(follow: BatchAcrossRestarts, lost: BatchLostError, again: int) 
 
 async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,
                        max_restarts: int = 3, weights_version: Optional[int] = None,
-                       on_restart=None, finish_fraction: Optional[float] = None) -> AsyncIterator[Completion]:
+                       on_restart=None, finish_fraction: Optional[float] = None,
+                       finish_by: str = "sample") -> AsyncIterator[Completion]:
     """Submit `requests` as one batch and yield its completions as they finish, long-polling the
     router's `fetch`. A router restart loses the batch: what was not yielded yet is submitted
     again, on the weights the first submission ran on (batch_follow.py), at most `max_restarts`
     times. Past `timeout_s` the batch is cancelled and TimeoutError raised. RolloutClient.stream
     and the HTTP route (serve/app.py, a deployment of its own that outlives the router) use it."""
-    follow = BatchAcrossRestarts(requests, max_restarts, finish_fraction)
+    follow = BatchAcrossRestarts(requests, max_restarts, finish_fraction, finish_by)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     follow.submitted(await asyncio.wait_for(router.submit_batch.remote(requests, None, weights_version),

@@ -109,11 +109,12 @@ def read_jsonl_lines(path: str) -> list:
 
 def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
               timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
-              finish_fraction: Optional[float] = None) -> dict:
+              finish_fraction: Optional[float] = None, finish_by: str = "sample") -> dict:
     lines = read_jsonl_lines(input_path)
     requests, errors = read_requests(lines, client.sampling_defaults())
     completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s,
-                                      weights_version=weights_version, finish_fraction=finish_fraction) if requests else []
+                                      weights_version=weights_version, finish_fraction=finish_fraction,
+                                      finish_by=finish_by) if requests else []
     records = merge_results(len(lines), requests, completions, errors)
     write_jsonl(output_path, records)
     return {"lines": len(lines), "sequences": len(requests), "bad_lines": len(errors),

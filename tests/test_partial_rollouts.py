@@ -156,10 +156,18 @@ def test_stream_cuts_too():
     assert sum(c.finish_reason == "abort" for c in got) == 6  # cut after the first fetch (4 of 10)
 
 
+def _done(index: int):
+    from rollout_cluster.types import Completion
+
+    return Completion(index, 0, [1], None, "length", index=index)
+
+
 def test_a_cut_batch_resubmitted_after_a_router_restart_is_cut_again():
-    follow = BatchAcrossRestarts(list(range(10)), finish_fraction=0.5)
+    follow = BatchAcrossRestarts(expand(PROMPTS, LONG), finish_fraction=0.5)
     follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
-    follow.received = 5
+    follow.take([_done(i) for i in range(4)], 4)
+    assert not follow.should_cut()
+    follow.take([_done(4)], 5)
     assert follow.should_cut()
     follow.cut = True
     assert not follow.should_cut()
@@ -289,3 +297,32 @@ def test_resumed_samples_are_counted_in_prometheus():
     core.submit([resumed([7, 8], [-1.0, -1.0]), resumed([7], [-1.0], index=1), resumed(None, None, index=2)], 1.0)
     assert metrics.registry.get_sample_value("rollout_sequences_resumed_total",
                                              {"source": "-", "reason": "partial"}) == 2
+
+
+def test_finish_by_group_cuts_once_that_share_of_prompts_came_back_whole():
+    reqs = expand([[5, 6], [5, 7], [5, 8], [5, 9]], SamplingSpec(n=3))  # 4 groups of 3
+    follow = BatchAcrossRestarts(reqs, finish_fraction=0.5, finish_by="group")
+    follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
+    # one sample of every group, then two more of group 0: 6 samples, 1 group whole
+    follow.take([_done(i) for i in (0, 3, 6, 9, 1, 2)], 6)
+    assert follow.received == 6 and not follow.should_cut()
+    follow.take([_done(i) for i in (4, 5)], 8)  # group 1 whole: 2 of 4
+    assert follow.should_cut()
+
+
+def test_generate_by_group_returns_whole_groups_and_cuts_the_rest():
+    router = CuttingRouter(per_fetch=3)
+    prompts = [[5, 6 + i] for i in range(4)]
+    results = client_over(router).generate(prompts, SamplingSpec(n=3, max_tokens=8, logprobs=0), finish_fraction=0.5,
+                                           finish_by="group")
+    by_group = {}
+    for c in results:
+        by_group.setdefault(c.prompt_index, []).append(c.finish_reason)
+    whole = [g for g, reasons in by_group.items() if reasons == ["length"] * 3]
+    assert len(whole) >= 2 and any("abort" in reasons for reasons in by_group.values()), by_group
+
+
+@pytest.mark.parametrize("by", ["samples", "prompt", None])
+def test_finish_by_must_be_sample_or_group(by):
+    with pytest.raises(InputError, match=r"^finish_by="):
+        client_over(CuttingRouter()).generate(PROMPTS, LONG, finish_fraction=0.5, finish_by=by)

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
                     help="load this checkpoint directory into every replica first (update_weights)")
     ap.add_argument("--finish-fraction", type=float, default=None,
                     help="partial rollouts: cut the batch once this share of its sequences is done")
+    ap.add_argument("--finish-by", default="sample", choices=("sample", "group"),
+                    help="what --finish-fraction counts: samples, or lines whose every sample is done")
     a = ap.parse_args(argv)
     import ray
     from ray import serve
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         client.wait_ready(cfg.replicas if deployed else 1)
         version = client.update_weights(a.weights) if a.weights else None
         summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s, weights_version=version,
-                            finish_fraction=a.finish_fraction)
+                            finish_fraction=a.finish_fraction, finish_by=a.finish_by)
         if version is not None:
             summary["weights_version"] = version
     finally:

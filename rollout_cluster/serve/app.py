@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from ..config import ClusterConfig, load_config, to_dict
 from ..batch_follow import check_finish_fraction
-from ..types import WeightsVersionError
+from ..types import InputError, WeightsVersionError
 from .replica import EngineReplica
 from .router import Router
 
@@ -59,13 +59,15 @@ class Gateway:
         if version is not None and not version.isdigit():
             return JSONResponse({"error": f"weights_version={version!r}: must be an integer >= 0"}, status_code=400)
         version = None if version is None else int(version)
-        fraction = request.query_params.get("finish_fraction")
+        fraction, by = request.query_params.get("finish_fraction"), request.query_params.get("finish_by", "sample")
         try:
             fraction = None if fraction is None else float(fraction)
-            check_finish_fraction(fraction)
-        except ValueError:  # not a number, or InputError (a ValueError): out of range
-            return JSONResponse({"error": f"finish_fraction={request.query_params['finish_fraction']!r}: "
-                                          "must be a number in (0, 1]"}, status_code=400)
+        except ValueError:
+            return JSONResponse({"error": f"finish_fraction={fraction!r}: must be a number in (0, 1]"}, status_code=400)
+        try:
+            check_finish_fraction(fraction, by)
+        except InputError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
         lines = (await request.body()).decode("utf-8", errors="replace").splitlines()
         requests, errors = read_requests(lines, self.sampling_defaults)
         results = [None] * len(requests)
@@ -74,7 +76,7 @@ class Gateway:
             # submitted again to the new one, as RolloutClient does.
             try:
                 async for c in follow_batch(self.router, requests, timeout_s, self.call_timeout_s,
-                                            weights_version=version, finish_fraction=fraction):
+                                            weights_version=version, finish_fraction=fraction, finish_by=by):
                     results[c.index] = c
             except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
                 return JSONResponse({"error": str(e)}, status_code=409)
