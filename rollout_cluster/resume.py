@@ -7,7 +7,7 @@ takes them as `Partial`s: each becomes a SequenceRequest whose `output_token_ids
 treats as a migrated sequence's partial output. The first segment's prompt is prompt + output,
 `max_tokens` shrinks by the output's length, and the Completion starts with the output
 (`resumed_tokens` of it). With greedy decoding, a resumed sample's tokens are exactly those of an
-uncut run (tests/e2e/test_partial_rollouts.py).
+uncut run (tests/e2e/test_partial_rollouts_vllm.py).
 
 What a resumed sample cannot keep is what a migration cannot: presence and frequency penalties
 count output tokens that vLLM would not see, so such a sample is refused here (DESIGN: pinned).
