@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from .config import load_config
-from .types import SamplingSpec
+from .types import SamplingSpec, partials
 
 
 def demo_batch(prompts: int = 16, samples: int = 4, seed: int = 0, max_len: int = 400):
@@ -19,6 +19,22 @@ def demo_batch(prompts: int = 16, samples: int = 4, seed: int = 0, max_len: int 
         length = int(min(max_len, max(16, rng.lognormvariate(4.5, 0.8))))
         specs.append(SamplingSpec(n=samples, max_tokens=length, temperature=1.0, ignore_eos=True, logprobs=0, seed=None))
     return ids, specs
+
+
+def partial_rollout_steps(client, ids: list, specs: list, fraction: float) -> dict:
+    """Cut a batch at `fraction` (generate's finish_fraction), then finish its cut samples in a
+    second batch, continued after their tokens: what an RL step with partial rollouts does."""
+    t0 = time.monotonic()
+    first = client.generate(ids, specs, finish_fraction=fraction)
+    cut_s = time.monotonic() - t0
+    cut = [c for c in first if c.finish_reason == "abort"]
+    carry, cut_specs = partials(ids, first), [specs[c.prompt_index] for c in cut]
+    t1 = time.monotonic()
+    second = client.generate(carry, cut_specs) if carry else []
+    return {"finish_fraction": fraction, "cut_step_s": round(cut_s, 2), "cut_off": len(cut),
+            "resumed_step_s": round(time.monotonic() - t1, 2) if carry else 0.0,
+            "resumed_tokens": sum(c.resumed_tokens for c in second),
+            "resumed_to_full_length": sum(len(c.token_ids) == spec.max_tokens for c, spec in zip(second, cut_specs))}
 
 
 def run_demo(config_path: str, prompts: int = 16, samples: int = 4) -> dict:
@@ -38,6 +54,8 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4) -> dict:
         results = client.generate(ids, specs, progress=True)
         makespan = time.monotonic() - t0
         status = client.status()
+        print("partial rollouts: the same batch cut at 90 %, then its cut samples resumed ...")
+        partial = partial_rollout_steps(client, ids, specs, 0.9)
     finally:
         client.shutdown()
     tokens = sum(len(r.token_ids) for r in results)
@@ -48,6 +66,7 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4) -> dict:
         "per_replica_sequences": dict(per_replica), "migrations": status["counters"]["migrations"],
         "finish_reasons": dict(Counter(r.finish_reason for r in results)),
         "policy": status["policy"],
+        "partial_rollouts": partial,
     }
     print("\nrollout summary")
     for k, v in summary.items():

@@ -326,3 +326,33 @@ def test_generate_by_group_returns_whole_groups_and_cuts_the_rest():
 def test_finish_by_must_be_sample_or_group(by):
     with pytest.raises(InputError, match=r"^finish_by="):
         client_over(CuttingRouter()).generate(PROMPTS, LONG, finish_fraction=0.5, finish_by=by)
+
+
+def _post(gateway, query: str, body: bytes):
+    from starlette.requests import Request
+
+    sent = []
+
+    async def receive():
+        sent.append(1)
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/rollout/generate", "query_string": query.encode(),
+             "headers": [], "root_path": ""}
+    return asyncio.run(gateway._generate(Request(scope, receive)))
+
+
+def test_the_http_route_cuts_at_finish_fraction_and_refuses_bad_values_naming_them():
+    from rollout_cluster.serve.app import Gateway
+
+    gateway = Gateway.func_or_class(CuttingRouter(per_fetch=3), None, {}, 5.0)
+    body = "".join(json.dumps({"prompt_token_ids": p, "max_tokens": 8, "logprobs": 0}) + "\n" for p in PROMPTS).encode()
+    answer = _post(gateway, "finish_fraction=0.5", body)
+    lines = [json.loads(x) for x in answer.body.decode().splitlines()]
+    assert answer.status_code == 200 and len(lines) == 10
+    assert [o["finish_reason"] for o in lines].count("abort") == 4
+    for query, said in [("finish_fraction=1.5", "finish_fraction=1.5: must be"),
+                        ("finish_fraction=most", "finish_fraction='most': must be"),
+                        ("finish_fraction=0.5&finish_by=prompt", "finish_by='prompt': must be one of sample, group")]:
+        answer = _post(gateway, query, body)
+        assert answer.status_code == 400 and said in json.loads(answer.body)["error"], query

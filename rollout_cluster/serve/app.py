@@ -24,7 +24,8 @@ class Gateway:
     - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (one request a
       line), answered with the output JSONL once every sequence is done. `?timeout_s=` bounds the
       wait (default 3600); past it the batch is cancelled and the answer is 504. `?weights_version=`
-      runs it only on those weights: a fleet on others answers 409.
+      runs it only on those weights: a fleet on others answers 409. `?finish_fraction=` (and
+      `&finish_by=group`) cuts it there: partial rollouts (resume.py).
     For trainers that are not Python; a Python driver uses RolloutClient (streaming, no HTTP limits)."""
 
     def __init__(self, router, replicas, sampling_defaults: dict = None, call_timeout_s: float = 120.0):

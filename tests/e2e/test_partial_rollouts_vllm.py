@@ -73,7 +73,10 @@ def test_http_generate_cuts_at_finish_fraction_and_refuses_a_bad_one(client, fre
         lines = [json.loads(x) for x in r.read().decode().splitlines()]
     assert [o["finish_reason"] for o in lines] == ["length", "abort", "abort", "abort"]
     assert all(0 < len(o["token_ids"]) < 1500 and len(o["logprobs"]) == len(o["token_ids"]) for o in lines[1:])
-    bad = urllib.request.Request(f"{base}/generate?finish_fraction=1.5", data=body, method="POST")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(bad, timeout=60)
-    assert e.value.code == 400 and "finish_fraction='1.5'" in json.loads(e.value.read())["error"]
+    for query, said in [("finish_fraction=1.5", "finish_fraction=1.5: must be"),
+                        ("finish_fraction=most", "finish_fraction='most': must be"),
+                        ("finish_fraction=0.5&finish_by=prompt", "finish_by='prompt': must be one of sample, group")]:
+        bad = urllib.request.Request(f"{base}/generate?{query}", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(bad, timeout=60)
+        assert e.value.code == 400 and said in json.loads(e.value.read())["error"], query
