@@ -123,14 +123,12 @@ class Simulation:
             done_before = len(batch.order)
             self.last_pull[rid] = now
             self.pull_times.append(now)
+            finals = len(self.engines[rid].finals)  # drain() puts them last; a final has no delta beside it
             report = self._report(rid, False)
-            this_report: dict = {}  # a final may follow a delta of the same segment in one report
-            for p in report.progress:
+            for p in report.progress[len(report.progress) - finals:]:
                 seq = core.seqs.get(p.seq_id)
                 if seq is not None and seq.attempt == p.attempt:
-                    this_report[p.seq_id] = this_report.get(p.seq_id, 0) + p.num_tokens
-                    if p.finish_reason:
-                        generated[seq.index] = seq.generated + this_report[p.seq_id]
+                    generated[seq.index] = seq.generated + p.num_tokens
             orders = core.on_report(report, now, timer)
             if 0 < cut_after <= len(batch.order) and cut_s < 0 and len(batch.order) < batch.size:
                 cut_s = now
