@@ -6,11 +6,21 @@ import json
 import pytest
 
 from rollout_cluster.batch_follow import BatchAcrossRestarts
+from rollout_cluster.bench.workloads import LongtailSpec
+from rollout_cluster.config import PolicyConfig
 from rollout_cluster.driver import expand, follow_batch
+from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.jsonl_io import merge_results, read_requests
-from rollout_cluster.types import InputError, Partial, SamplingSpec, SeqProgress, SequenceRequest, partials
+from rollout_cluster.metrics import PrometheusRouterMetrics
+from rollout_cluster.policy import make_policy
+from rollout_cluster.router_core import RouterCore
+from rollout_cluster.sim.simulator import Simulation
+from rollout_cluster.types import (Completion, EngineStats, InputError, ModelInfo, Partial, Report, SamplingSpec,
+                                   SeqProgress, SequenceRequest, partials)
 
+from longtail import longtail_requests
 from test_router_adoption import PROMPT, finish, new_router, orphan_handed_over, report, whole
+from test_router_core import simulate
 from test_router_restart import FakeRouter, client_over
 
 SPEC = SamplingSpec(max_tokens=6, logprobs=0)
@@ -157,8 +167,6 @@ def test_stream_cuts_too():
 
 
 def _done(index: int):
-    from rollout_cluster.types import Completion
-
     return Completion(index, 0, [1], None, "length", index=index)
 
 
@@ -190,8 +198,6 @@ def test_a_partial_is_one_sample_and_one_cut_before_its_first_token_starts_afres
 
 
 def test_partials_of_a_resumed_batch_keep_the_original_prompt():
-    from rollout_cluster.types import Completion
-
     prompts = [Partial([5, 6], [7]), [9, 9]]
     done = [Completion(0, 0, [7, 8, 1], None, "abort"), Completion(1, 0, [3], None, "length")]
     (p,) = partials(prompts, done)
@@ -218,12 +224,6 @@ def test_jsonl_lines_resume_output_and_an_abort_line_feeds_the_next_batch():
 def test_steal_spreads_a_batchs_resumed_samples_over_the_replicas():
     """Resumed samples are continuations, taken before fresh work; the first replica to pull
     takes only its even share of them, not every one its slots hold."""
-    from rollout_cluster.config import PolicyConfig
-    from rollout_cluster.engines.cost_model import load_profile
-    from rollout_cluster.policy import make_policy
-    from rollout_cluster.router_core import RouterCore
-    from rollout_cluster.types import EngineStats, ModelInfo, Report
-
     core = RouterCore(make_policy(PolicyConfig(name="steal"), load_profile("h200-1.5b", max_num_seqs=64)),
                       id_prefix="r1-")
     replicas = ["a", "b", "c", "d"]
@@ -239,23 +239,16 @@ def test_steal_spreads_a_batchs_resumed_samples_over_the_replicas():
 
 
 def test_the_simulator_cuts_a_batch_and_counts_what_each_sample_made():
-    from longtail import longtail_requests
-    from test_router_core import simulate
-
     reqs = longtail_requests(prompts=12, samples=4)
-    _, whole = simulate("steal", reqs)
-    assert whole.generated == [r.hidden_length for r in reqs] and whole.cut_s == -1.0
-    from rollout_cluster.config import PolicyConfig
-    from rollout_cluster.engines.cost_model import load_profile
-    from rollout_cluster.policy import make_policy
-    from rollout_cluster.sim.simulator import Simulation
+    _, uncut = simulate("steal", reqs)
+    assert uncut.generated == [r.hidden_length for r in reqs] and uncut.cut_s == -1.0
 
     cost = load_profile("h200-1.5b", max_num_seqs=32)
     sim = Simulation(make_policy(PolicyConfig(name="steal"), cost), cost, 4, pull_interval_s=0.05)
     res = sim.run(reqs, cut_after=24)
     reasons = [c.finish_reason for c in res.completions]
     assert reasons.count("length") >= 24 and "abort" in reasons
-    assert 0 < res.cut_s < res.makespan_s < whole.makespan_s
+    assert 0 < res.cut_s < res.makespan_s < uncut.makespan_s
     for r, c, n in zip(reqs, res.completions, res.generated):
         if c.finish_reason == "length":
             assert n == r.hidden_length
@@ -264,8 +257,6 @@ def test_the_simulator_cuts_a_batch_and_counts_what_each_sample_made():
 
 
 def test_partial_rollout_steps_complete_more_samples_a_second_and_carry_the_rest(partial_rollouts_sim):
-    from rollout_cluster.bench.workloads import LongtailSpec
-
     spec = LongtailSpec(prompts=16, samples=8, median=300, max_tokens=4096, prompt_min=32, prompt_max=128)
     rows = []
     for f in (1.0, 0.9):
@@ -284,12 +275,6 @@ def test_partial_rollout_steps_complete_more_samples_a_second_and_carry_the_rest
 
 
 def test_resumed_samples_are_counted_in_prometheus():
-    from rollout_cluster.config import PolicyConfig
-    from rollout_cluster.engines.cost_model import load_profile
-    from rollout_cluster.metrics import PrometheusRouterMetrics
-    from rollout_cluster.policy import make_policy
-    from rollout_cluster.router_core import RouterCore
-
     metrics = PrometheusRouterMetrics(port=0)
     core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("h200-1.5b")), id_prefix="r2-",
                       metrics=metrics)
