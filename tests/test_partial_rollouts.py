@@ -303,8 +303,8 @@ def test_generate_by_group_returns_whole_groups_and_cuts_the_rest():
     by_group = {}
     for c in results:
         by_group.setdefault(c.prompt_index, []).append(c.finish_reason)
-    whole = [g for g, reasons in by_group.items() if reasons == ["length"] * 3]
-    assert len(whole) >= 2 and any("abort" in reasons for reasons in by_group.values()), by_group
+    complete = [g for g, reasons in by_group.items() if reasons == ["length"] * 3]
+    assert len(complete) >= 2 and any("abort" in reasons for reasons in by_group.values()), by_group
 
 
 @pytest.mark.parametrize("by", ["samples", "prompt", None])
