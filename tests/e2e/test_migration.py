@@ -13,9 +13,10 @@ from e2e_support import METRICS_PORT
 pytestmark = pytest.mark.e2e
 
 PROMPTS = [[17, 230, 31, 47, 5], [101, 102, 103], [1500, 7, 9, 11, 13, 15, 17, 19]]
-# 300 tokens: the last ordered move (at 100) lands long before the natural finish, even when the
-# report that crosses a threshold comes one report interval late.
-GREEDY = SamplingSpec(max_tokens=300, temperature=0.0, ignore_eos=True, logprobs=0)
+# 600 tokens: the last ordered move (at 100) lands long before the natural finish, even when the
+# report that crosses a threshold comes late: 300 tokens once ended (in 2.6 s) before the move at 40
+# landed, on a host still busy tearing down the previous test's app.
+GREEDY = SamplingSpec(max_tokens=600, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
