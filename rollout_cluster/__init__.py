@@ -1,7 +1,7 @@
 """rollout_cluster: the rollout tier under an RL trainer (vLLM engines on Ray Serve, a
 per-sequence router that migrates running sequences, and a driver API)."""
 from .config import ClusterConfig, ConfigError, load_config
-from .types import BatchLostError, Completion, InputError, Partial, SamplingSpec, partials
+from .protocol import BatchLostError, Completion, InputError, Partial, SamplingSpec, partials
 
 
 def __getattr__(name):  # RolloutClient imports ray: only on use

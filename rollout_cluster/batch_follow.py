@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Optional
 
-from .types import BatchLostError, InputError
+from .protocol import BatchLostError, InputError
 
 
 FINISH_BY = ("sample", "group")

@@ -75,7 +75,7 @@ def cmd_update_weights(a) -> int:
 def cmd_scale(a) -> int:
     """scale N: the engine fleet of a running app, in place (live batches continue)."""
     from .driver import check_replicas
-    from .types import InputError
+    from .protocol import InputError
 
     try:
         check_replicas(a.replicas)  # before connecting

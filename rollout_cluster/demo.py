@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from .config import load_config
-from .types import SamplingSpec, partials
+from .protocol import SamplingSpec, partials
 
 
 def demo_batch(prompts: int = 16, samples: int = 4, seed: int = 0, max_len: int = 400):

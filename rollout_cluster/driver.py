@@ -17,7 +17,7 @@ from typing import AsyncIterator, Optional, Sequence, Union
 
 from .batch_follow import BatchAcrossRestarts
 from .config import ClusterConfig, load_config
-from .types import (BatchLostError, Completion, InputError, Partial, SamplingSpec, SequenceRequest, WeightsVersionError,
+from .protocol import (BatchLostError, Completion, InputError, Partial, SamplingSpec, SequenceRequest, WeightsVersionError,
                     is_int)
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import json
 from dataclasses import fields
 from typing import Optional
 
-from .types import Completion, InputError, SamplingSpec, SequenceRequest
+from .protocol import Completion, InputError, SamplingSpec, SequenceRequest
 
 SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
 RESUME_FIELDS = ("output_token_ids", "output_logprobs")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from array import array
 from typing import Optional
 
-from .types import InputError, ModelInfo, SequenceRequest, is_int
+from .protocol import InputError, ModelInfo, SequenceRequest, is_int
 
 
 def check_output(req: SequenceRequest, model: Optional[ModelInfo]) -> None:

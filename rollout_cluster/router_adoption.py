@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .state import SeqState, SeqStatus
-from .types import Migration, Orders, SeqProgress
+from .protocol import Migration, Orders, SeqProgress
 
 ORPHAN_KEEP_S = 600.0  # how long an orphan's output waits for its driver to submit the sequence again
 ORPHANS_KEPT = 1 << 16  # and how many of them, at most (the oldest go first)

@@ -12,7 +12,7 @@ from typing import Optional
 
 from .fleet_sleep import SLEEP_LEVELS, FleetSleep
 from .state import ReplicaState
-from .types import InputError, Orders, Report, WeightsVersionError, is_int
+from .protocol import InputError, Orders, Report, WeightsVersionError, is_int
 
 
 class EngineControl:

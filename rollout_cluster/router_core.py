@@ -18,7 +18,7 @@ from .router_adoption import OrphanAdoption
 from .resume import check_output, resumed_state
 from .router_control import EngineControl
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
-from .types import (BatchLostError, Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec,
+from .protocol import (BatchLostError, Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec,
                     SequenceRequest, Work)
 
 

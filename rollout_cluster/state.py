@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Optional
 
 from .seq_table import SeqTable
-from .types import EngineStats, SequenceRequest
+from .protocol import EngineStats, SequenceRequest
 
 
 class SeqStatus(Enum):

@@ -25,7 +25,7 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.sim.simulator import Simulation
-from rollout_cluster.types import SequenceRequest
+from rollout_cluster.protocol import SequenceRequest
 
 
 @dataclass

@@ -18,7 +18,7 @@ import time
 
 from rollout_cluster.config import ClusterConfig, EngineConfig, MetricsConfig, PolicyConfig, ReplicaResources, RouterConfig
 from rollout_cluster.driver import RolloutClient, expand
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.protocol import SamplingSpec
 
 
 def sample(client) -> tuple:

@@ -6,7 +6,7 @@ from rollout_cluster.bench.bounds import (FluidInterval, balance_bound, decode_a
                                           fluid_schedule, fluid_steps_s, lower_bound)
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.engines.cost_model import CostModel
-from rollout_cluster.types import SamplingSpec, SequenceRequest
+from rollout_cluster.protocol import SamplingSpec, SequenceRequest
 
 # One slot per replica, so that with two replicas a third sequence queues.
 TOY = CostModel(name="toy", a=1.0, c=0.25, e=0.5, prefill_tokens_per_s=2.0, kv_tokens=10**6, max_num_seqs=1)

@@ -11,7 +11,7 @@ from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
 from rollout_cluster.serve.replica import EngineReplica
-from rollout_cluster.types import EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest, Work
+from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest, Work
 
 vllm_exceptions = pytest.importorskip("vllm.v1.engine.exceptions", reason="the vLLM build is part of the test env")
 
@@ -135,7 +135,7 @@ class BareReplica(EngineReplica.func_or_class):
 
 
 def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences_elsewhere():
-    from rollout_cluster.types import SeqProgress
+    from rollout_cluster.protocol import SeqProgress
 
     core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("h200-1.5b", 8)), 2, 1e9)
     core.on_report(Report("a", "a-1", [], EngineStats(), ModelInfo(100, 64), 8), 0.0)
@@ -228,7 +228,7 @@ class GiveUpMeetsDeadEngine(IdleThenDead):
 
 
 def test_orders_that_meet_a_dead_engine_end_in_a_goodbye_not_a_crash():
-    from rollout_cluster.types import Orders
+    from rollout_cluster.protocol import Orders
 
     engine = GiveUpMeetsDeadEngine(die_at_drain=10 ** 9)
 

@@ -6,7 +6,7 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.types import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
 
 COST = load_profile("h200-1.5b", max_num_seqs=32)
 POLICIES = ["static", "pull", "least-loaded", "chunked", "steal"]
@@ -251,7 +251,7 @@ def test_a_sim_engine_slowed_down_reports_wall_time_steps():
 
     from rollout_cluster.config import ClusterConfig, EngineConfig
     from rollout_cluster.engines.factory import make_engine
-    from rollout_cluster.types import Work
+    from rollout_cluster.protocol import Work
 
     async def step_times(scale):
         cfg = ClusterConfig(engine=EngineConfig(kind="sim", sim_profile="h200-1.5b", max_num_seqs=8,
@@ -277,7 +277,7 @@ def test_a_sim_engine_held_off_the_cpu_catches_up_with_the_wall_clock():
     import time
 
     from rollout_cluster.engines.sim_engine import SimEngine
-    from rollout_cluster.types import Work
+    from rollout_cluster.protocol import Work
 
     async def modelled_after_a_stall():
         eng = SimEngine(load_profile("h200-1.5b", max_num_seqs=8))

@@ -1,7 +1,7 @@
 import json
 
 from rollout_cluster.jsonl_io import merge_results, read_requests
-from rollout_cluster.types import Completion
+from rollout_cluster.protocol import Completion
 
 
 def test_lines_expand_to_samples_and_bad_lines_name_the_field():

@@ -15,7 +15,7 @@ from rollout_cluster.metrics import PrometheusRouterMetrics
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
 from rollout_cluster.sim.simulator import Simulation
-from rollout_cluster.types import (Completion, EngineStats, InputError, ModelInfo, Partial, Report, SamplingSpec,
+from rollout_cluster.protocol import (Completion, EngineStats, InputError, ModelInfo, Partial, Report, SamplingSpec,
                                    SeqProgress, SequenceRequest, partials)
 
 from longtail import longtail_requests

@@ -16,7 +16,7 @@ from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.sim.engine import FastEngineCore
 from rollout_cluster.sim.simulator import Simulation
-from rollout_cluster.types import SamplingSpec, Work
+from rollout_cluster.protocol import SamplingSpec, Work
 
 COST = load_profile("a100-80g-7b", max_num_seqs=64)
 SPEC = SamplingSpec(max_tokens=4096, ignore_eos=True)

@@ -132,7 +132,7 @@ from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
 from rollout_cluster.state import SeqStatus
-from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Orders, Report, SamplingSpec,
+from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, ModelInfo, Orders, Report, SamplingSpec,
                                    SeqProgress, SequenceRequest)
 
 VOCAB = 4093  # prime, above any run's length (a repeat is never a full period); runs still wrap around it

@@ -8,7 +8,7 @@ import pytest
 
 from rollout_cluster.config import ClusterConfig
 from rollout_cluster.serve.replica import EngineReplica
-from rollout_cluster.types import EngineStats, SeqProgress
+from rollout_cluster.protocol import EngineStats, SeqProgress
 
 
 class Engine:

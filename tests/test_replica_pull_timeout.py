@@ -5,7 +5,7 @@ import asyncio
 
 from rollout_cluster.config import ClusterConfig, RouterConfig
 from rollout_cluster.serve.replica import EngineReplica
-from rollout_cluster.types import EngineStats, Orders, SeqProgress
+from rollout_cluster.protocol import EngineStats, Orders, SeqProgress
 
 TIMEOUT_S = 0.3
 

@@ -188,7 +188,7 @@ class SlowSleepEngine(FakeEngine):
         return []
 
     def stats(self):
-        from rollout_cluster.types import EngineStats
+        from rollout_cluster.protocol import EngineStats
         return EngineStats()
 
 
@@ -211,7 +211,7 @@ def test_a_load_ordered_while_the_engine_still_goes_to_sleep_waits_for_the_moves
 def run_pull_loop(r, answers: list) -> None:
     """Run the replica's pull loop against a router that answers each pull with the next of
     `answers`, then stops it."""
-    from rollout_cluster.types import Orders
+    from rollout_cluster.protocol import Orders
 
     class Router:
         def __init__(self):
@@ -231,7 +231,7 @@ def run_pull_loop(r, answers: list) -> None:
 
 def sleep_wake_then_work(eng) -> tuple:
     """A replica over `eng` told to sleep and, before that ends, to wake; the next answer is work."""
-    from rollout_cluster.types import Orders, SamplingSpec, Work
+    from rollout_cluster.protocol import Orders, SamplingSpec, Work
 
     r = replica(eng)
     r.noted, r.unsent, r.stopping, r.incarnation, r.model = (0, ""), [], False, "i1", None

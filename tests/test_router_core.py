@@ -8,7 +8,7 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
 from rollout_cluster.sim.simulator import Simulation
-from rollout_cluster.types import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress,
+from rollout_cluster.protocol import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress,
                                    SequenceRequest)
 
 from longtail import longtail_requests

@@ -5,7 +5,7 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.types import EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
 
 COST = load_profile("h200-1.5b", max_num_seqs=4)
 

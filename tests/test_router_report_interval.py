@@ -10,7 +10,7 @@ import pytest
 
 from rollout_cluster.config import ClusterConfig, EngineConfig, RouterConfig, to_dict
 from rollout_cluster.serve.router import Router
-from rollout_cluster.types import EngineStats, ModelInfo, Report
+from rollout_cluster.protocol import EngineStats, ModelInfo, Report
 
 
 def report(rid: str, leaving: bool = False) -> Report:
@@ -37,7 +37,7 @@ def test_pull_answers_name_an_interval_that_follows_the_live_fleet():
 
 
 def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_it():
-    from rollout_cluster.types import SamplingSpec, SequenceRequest
+    from rollout_cluster.protocol import SamplingSpec, SequenceRequest
 
     cfg = ClusterConfig(replicas=2, engine=EngineConfig(kind="sim"),
                         router=RouterConfig(max_pulls_per_s=4.0, idle_pull_wait_s=0.05))

@@ -15,7 +15,7 @@ from rollout_cluster.driver import RolloutClient, follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.types import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
+from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
                                    SeqProgress, SequenceRequest, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=64)

@@ -4,7 +4,7 @@ import pytest
 
 from rollout_cluster.cli import main
 from rollout_cluster.driver import RolloutClient
-from rollout_cluster.types import InputError
+from rollout_cluster.protocol import InputError
 
 
 def test_cli_scale_refuses_a_size_below_one_before_connecting(capsys):

@@ -12,7 +12,7 @@ from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import Decision, Policy, make_policy
 from rollout_cluster.sim.engine import FastEngineCore
 from rollout_cluster.sim.simulator import Simulation
-from rollout_cluster.types import SamplingSpec, SequenceRequest, Work
+from rollout_cluster.protocol import SamplingSpec, SequenceRequest, Work
 
 COST = load_profile("a100-80g-7b", max_num_seqs=64)
 POLICIES = ["static", "chunked", "least-loaded", "pull", "steal"]

@@ -13,7 +13,7 @@ from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
 from rollout_cluster.serve import router as router_module
 from rollout_cluster.serve.router import Router
-from rollout_cluster.types import (EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress,
+from rollout_cluster.protocol import (EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress,
                                    SequenceRequest, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=8)

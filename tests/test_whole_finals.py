@@ -14,7 +14,7 @@ from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
 from rollout_cluster.serve.replica import EngineReplica
-from rollout_cluster.types import (EngineStats, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
+from rollout_cluster.protocol import (EngineStats, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
                                    SequenceRequest, Work)
 from test_router_adoption import Out
 

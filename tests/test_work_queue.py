@@ -3,7 +3,7 @@ random pushes, removals, re-reservations and released lanes."""
 import random
 
 from rollout_cluster.state import SeqState, WorkQueue
-from rollout_cluster.types import SamplingSpec, SequenceRequest
+from rollout_cluster.protocol import SamplingSpec, SequenceRequest
 
 
 def _seq(i: int, generated: int = 0) -> SeqState:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..engines.cost_model import CostModel
-from ..types import SamplingSpec, Work
+from ..protocol import SamplingSpec, Work
 
 
 def parse_ints(text: str, flag: str) -> list:

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from ..types import SamplingSpec, SequenceRequest, Work
+from ..protocol import SamplingSpec, SequenceRequest, Work
 from .bounds import bounds
 from .report import trace_by_replica
 from .run import PREFILLED, cluster_config, cost_model, header, percentile, policy_metrics, tail_s, workload

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..types import SamplingSpec, SequenceRequest
+from ..protocol import SamplingSpec, SequenceRequest
 
 MIN_LENGTH = 16
 TRACE_HEADER = ("group", "prompt_tokens", "response_tokens")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..types import EngineStats, ModelInfo, Work
+from ..protocol import EngineStats, ModelInfo, Work
 
 
 class SleepRefused(RuntimeError):

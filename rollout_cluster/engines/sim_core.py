@@ -14,7 +14,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ..types import SeqProgress, Work
+from ..protocol import SeqProgress, Work
 from .cost_model import CostModel
 from .prefix_cache import PrefixCache, seq_key
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..types import EngineStats, ModelInfo, Work
+from ..protocol import EngineStats, ModelInfo, Work
 from .base import EngineAdapter
 from .cost_model import CostModel
 from .sim_core import SimEngineCore

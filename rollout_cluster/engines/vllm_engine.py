@@ -16,7 +16,7 @@ import time
 
 from ..config import EngineConfig
 from ..niceness import set_niceness
-from ..types import EngineStats, ModelInfo, SeqProgress, Work
+from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 
 log = logging.getLogger(__name__)

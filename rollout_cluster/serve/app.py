@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from ..config import ClusterConfig, load_config, to_dict
 from ..batch_follow import check_finish_fraction
-from ..types import InputError, WeightsVersionError
+from ..protocol import InputError, WeightsVersionError
 from .replica import EngineReplica
 from .router import Router
 

@@ -19,7 +19,7 @@ from ray import serve
 from ..config import URGENT_REPORT_GAP_FRAC, load_config
 from ..engines.base import SleepRefused, WeightsLoadBroken
 from ..engines.factory import make_engine
-from ..types import Report
+from ..protocol import Report
 
 log = logging.getLogger("ray.serve")
 HELD_EVERY_S = 2.0  # how often a report lists every attempt the engine holds (lost-reply recovery)

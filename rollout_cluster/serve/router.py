@@ -21,7 +21,7 @@ from ..metrics import PrometheusRouterMetrics
 from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router_core import NoLiveReplicaError, RouterCore
-from ..types import Orders, Report
+from ..protocol import Orders, Report
 
 log = logging.getLogger("ray.serve")
 # A batch that names a weights version newer than a new router knows waits this long after the

@@ -21,7 +21,7 @@ from itertools import count
 
 from ..engines.cost_model import CostModel
 from ..engines.prefix_cache import PrefixCache, seq_key
-from ..types import SeqProgress, Work
+from ..protocol import SeqProgress, Work
 
 _new = object.__new__
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..engines.cost_model import CostModel
 from ..policy.base import Policy
 from ..router_core import RouterCore
-from ..types import EngineStats, ModelInfo, Report
+from ..protocol import EngineStats, ModelInfo, Report
 from .engine import FastEngineCore
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from rollout_cluster.driver import expand
 from rollout_cluster.demo import demo_batch
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.protocol import SamplingSpec
 
 from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, ray_env
 

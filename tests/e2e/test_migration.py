@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.protocol import SamplingSpec
 
 from e2e_support import METRICS_PORT
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rollout_cluster.jsonl_io import run_jsonl
-from rollout_cluster.types import SamplingSpec, partials
+from rollout_cluster.protocol import SamplingSpec, partials
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import ray
 
 from e2e_support import collect
 from rollout_cluster.driver import expand
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.protocol import SamplingSpec
 
 pytestmark = pytest.mark.e2e
 

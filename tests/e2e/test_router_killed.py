@@ -14,7 +14,7 @@ import ray
 from e2e_support import ROOT
 from rollout_cluster.driver import expand
 from rollout_cluster.model_maker import make_model
-from rollout_cluster.types import SamplingSpec
+from rollout_cluster.protocol import SamplingSpec
 from test_sleep_mode import wake_on_the_update_then_restore
 from test_weights_update import GREEDY, PROMPTS, by_prompt, tokens
 

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from rollout_cluster.model_maker import make_model
-from rollout_cluster.types import SamplingSpec, WeightsVersionError
+from rollout_cluster.protocol import SamplingSpec, WeightsVersionError
 
 from e2e_support import ROOT, VENV_BIN, ray_env
 
