@@ -6,11 +6,8 @@ event loop and the unit tests unchanged. Nothing here imports ray or vllm.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field, replace
-from typing import Optional
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
+from dataclasses import KW_ONLY, dataclass, field, replace
+from typing import Optional, Union
 
 class InputError(ValueError):
     """A request field has an invalid value. The message names the field and the value."""
@@ -283,45 +280,74 @@ class SeqProgress:
 
 @dataclass
 class ModelInfo:
-    vocab_size: int
-    max_model_len: int
-    model: str = ""
+    """What the engine serves, sent on a replica's first report: the router checks requests against it."""
+
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    max_model_len: int  # prompt + max_tokens must fit
+    model: str = ""  # the model's path or name, for status
 
 
 @dataclass
 class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
+    """A replica's engine as it runs now: what the policy's cost model reads."""
+
+    running: int = 0  # sequences the engine holds
     context_tokens: int = 0  # prompt + generated tokens of every sequence held
     step_time_s: float = 0.0  # recent mean decode step time
-    tokens_per_s: float = 0.0
     # Decode tokens per second per running sequence, an EMA over report intervals that counts
     # intervals with no tokens too: unbiased when tokens arrive in stream_interval chunks.
     seq_tokens_per_s: float = 0.0
 
 
 @dataclass
+class WeightsState:
+    """A replica's weights, as its engine holds them (router/weights.py reads it)."""
+
+    version: int = 0  # the version the engine holds (0: the config's model)
+    path: str = ""  # where `version` came from ("": the config's model)
+    loading: int = 0  # the version being loaded now (0: none)
+    error: Optional[str] = None  # why the last LoadWeights failed, until one succeeds
+    error_version: int = 0  # the version that failed load was for (an older error is stale)
+    # A NoteWeights made while the engine sleeps, which it loads at wake (0: none). The replica holds
+    # it, so that a router that restarts during the sleep learns it back.
+    noted: int = 0
+    noted_path: str = ""
+
+
+@dataclass
+class SleepState:
+    """A replica's vLLM sleep mode (router/sleep.py reads it)."""
+
+    level: int = 0  # the level its engine is at (0: awake)
+    goal: int = 0  # the level the router last told it to reach (the two differ while it moves)
+    error: Optional[str] = None  # why reaching `goal` failed
+
+
+@dataclass
+class Listing:
+    """Every attempt a replica's engine holds, sent every few seconds: the router requeues work it
+    sent in a reply the replica never received, and gives up attempts it does not know."""
+
+    held: list[tuple[str, int]] = field(default_factory=list)  # (seq_id, attempt) the engine runs
+    # Of those, the attempts already told to give up, whose abort is on its way. A held attempt not
+    # in it after a give-up was sent means the give-up never arrived.
+    aborting: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
 class Report:
-    """Replica -> router, on every pull."""
+    """Replica -> router, on every pull. Built by keyword."""
 
     replica_id: str
     incarnation: str  # changes when the replica restarts: the router drops its old state
-    progress: list = field(default_factory=list)
+    _: KW_ONLY
+    progress: list[SeqProgress] = field(default_factory=list)  # deltas (or whole finals) since the last report
     stats: EngineStats = field(default_factory=EngineStats)
-    model: Optional[ModelInfo] = None
+    model: Optional[ModelInfo] = None  # on the first report (and goodbyes leave it out)
     capacity: int = 0  # most sequences the engine runs at once (max_num_seqs)
-    weights_version: int = 0  # the version of the weights the engine holds (0: the config's model)
-    weights_error: Optional[str] = None  # why the last load_weights order failed, until one succeeds
-    weights_error_version: int = 0  # the version that load was for (an older error is stale)
-    weights_loading: int = 0  # the version being loaded now (0: none)
-    weights_path: str = ""  # where weights_version came from ("": the config's model)
-    # Every (seq_id, attempt) the engine holds, sent every few seconds (None in between): the
-    # router requeues work it sent in a reply the replica never received.
-    held: Optional[list] = None
-    # Sent with `held`: the held attempts already told to give up, whose abort is on its way. A
-    # held attempt not in it after a give-up was sent means the give-up never arrived.
-    aborting: list = field(default_factory=list)
+    weights: WeightsState = field(default_factory=WeightsState)
+    sleep: SleepState = field(default_factory=SleepState)
+    listing: Optional[Listing] = None  # every few seconds; None in between
     # The replica is shutting down (Serve scales it down or replaces it): it gave up everything it
     # held and this report carries the final partials. The router requeues its work at once
     # instead of after router.replica_timeout_s, and sends it nothing more.
@@ -329,32 +355,58 @@ class Report:
     # With `leaving`: the replica's engine died (vLLM's EngineCore crashed), so Serve replaces the
     # replica. The router counts it as a death, not a scale-down: the fleet's size does not change.
     engine_dead: bool = False
-    # vLLM sleep mode (fleet_sleep.py): the level the engine is at (0: awake), the level the router
-    # last told it to reach (the two differ while it moves), and why reaching the goal failed.
-    sleep_level: int = 0
-    sleep_goal: int = 0
-    sleep_error: Optional[str] = None
-    # An update_weights made while the engine sleeps, which it loads at wake (0: none). The replica
-    # holds it, so that a router that restarts during the sleep learns it back.
-    weights_noted: int = 0
-    weights_noted_path: str = ""
     # Counts up with every report the replica builds (0: not counted). A report the router gets
     # after a newer one (a pull it processed late) has its progress applied, not its state.
     number: int = 0
 
 
+# ---- router -> replica: control orders, applied in order before `Orders.start` -----------------
+
+
+@dataclass(frozen=True)
+class LoadWeights:
+    """Load the checkpoint at `path` into the running engine as `version` (update_weights)."""
+
+    path: str
+    version: int
+
+
+@dataclass(frozen=True)
+class NoteWeights:
+    """The fleet's weights changed while this engine sleeps: load `path` at wake, and report it."""
+
+    path: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Put the engine to sleep at vLLM's `level` (1: weights to host memory; 2: dropped)."""
+
+    level: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Wake the engine; a level-2 sleeper first reloads `path` as `version` (None: the config's model)."""
+
+    path: Optional[str]
+    version: int
+
+
+ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake]
+
+
 @dataclass
 class Orders:
-    """Router -> replica, answer to a pull."""
+    """Router -> replica, the answer to a pull."""
 
-    start: list = field(default_factory=list)  # Work
-    give_up: list = field(default_factory=list)  # (seq_id, attempt)
+    start: list[Work] = field(default_factory=list)  # segments to run
+    give_up: list[tuple[str, int]] = field(default_factory=list)  # (seq_id, attempt) to abort
     # Of those given up: attempts whose final report must carry their whole output (offset 0), not
     # a delta. A restarted router asks it of its predecessor's segments, to continue them.
-    report_whole: list = field(default_factory=list)
-    # ("load_weights", {"path", "version"}) | ("note_weights", {"path", "version"}: asleep, load at wake)
-    # | ("sleep", level) | ("wake", {"path", "version"}): before `start`
-    control: list = field(default_factory=list)
+    report_whole: list[tuple[str, int]] = field(default_factory=list)
+    control: list[ControlOrder] = field(default_factory=list)  # applied in order, before `start`
     # Work is queued at the router: a slot freed by an ending segment is worth reporting at once.
     work_waiting: bool = False
     # How often to report while running sequences (RouterConfig.report_interval_for the fleet); 0: the config's.

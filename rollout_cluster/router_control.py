@@ -12,7 +12,7 @@ from typing import Optional
 
 from .fleet_sleep import SLEEP_LEVELS, FleetSleep
 from .state import ReplicaState
-from .protocol import InputError, Orders, Report, WeightsVersionError, is_int
+from .protocol import InputError, LoadWeights, NoteWeights, Orders, Report, Sleep, Wake, WeightsVersionError, is_int
 
 
 class EngineControl:
@@ -62,23 +62,23 @@ class EngineControl:
             # A restarted router: the replicas remember the weights it ordered, held or noted while
             # asleep; the highest of every report is the latest update (a batch that ran before the
             # restart is lost with the router, and none runs now: no batch mixes versions).
-            for version, path in ((report.weights_version, report.weights_path),
-                                  (report.weights_noted, report.weights_noted_path)):
+            for version, path in ((report.weights.version, report.weights.path),
+                                  (report.weights.noted, report.weights.noted_path)):
                 if version > self.weights_version and path:
                     self.weights_version, self.weights_path = version, path
                     self.weights_errors.clear()  # they were for an older version
         v = self.weights_version
-        rep.weights_version, rep.weights_loading = report.weights_version, report.weights_loading
-        if (rep.weights_noted == v and report.weights_noted != v and report.weights_version != v
-                and not self._order_pending(rep.replica_id, ("note_weights",))):
+        rep.weights_version, rep.weights_loading = report.weights.version, report.weights.loading
+        if (rep.weights_noted == v and report.weights.noted != v and report.weights.version != v
+                and not self._order_pending(rep.replica_id, (NoteWeights,))):
             rep.weights_noted = None  # the note was sent and the replica never saw it: again
         if rep.weights_version == v:
             self.weights_errors.pop(rep.replica_id, None)
-        elif report.weights_error and report.weights_error_version == v:
+        elif report.weights.error and report.weights.error_version == v:
             if rep.replica_id not in self.weights_errors:
-                self.weights_errors[rep.replica_id] = report.weights_error
+                self.weights_errors[rep.replica_id] = report.weights.error
                 self._fail_queued_if_no_replica_can_load(now)
-        elif rep.weights_ordered == v and report.weights_loading != v and not self._order_pending(rep.replica_id):
+        elif rep.weights_ordered == v and report.weights.loading != v and not self._order_pending(rep.replica_id):
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
         self._order_weights(rep)
 
@@ -124,9 +124,9 @@ class EngineControl:
             self._fail_queued(f"no replica holds weights version {self.weights_version} ({self.weights_path!r}): "
                               + "; ".join(sorted(self.weights_errors.values())), now)
 
-    def _order_pending(self, replica_id: str, cmds=("load_weights",)) -> bool:
+    def _order_pending(self, replica_id: str, kinds: tuple = (LoadWeights,)) -> bool:
         orders = self.outbox.get(replica_id)
-        return orders is not None and any(cmd in cmds for cmd, _ in orders.control)
+        return orders is not None and any(isinstance(order, kinds) for order in orders.control)
 
     def _refuse_while_loading(self, what: str) -> None:
         """Two loads at once on a replica: the second's could land while work runs."""
@@ -155,12 +155,10 @@ class EngineControl:
         if not self.sleep.awake(rep.replica_id):
             if rep.weights_noted != v:
                 rep.weights_noted = v
-                self.outbox.setdefault(rep.replica_id, Orders()).control.append(
-                    ("note_weights", {"path": self.weights_path, "version": v}))
+                self.outbox.setdefault(rep.replica_id, Orders()).control.append(NoteWeights(self.weights_path, v))
             return
         rep.weights_ordered = v
-        self.outbox.setdefault(rep.replica_id, Orders()).control.append(
-            ("load_weights", {"path": self.weights_path, "version": v}))
+        self.outbox.setdefault(rep.replica_id, Orders()).control.append(LoadWeights(self.weights_path, v))
 
     # ---- sleep ---------------------------------------------------------------------------
     def sleep_fleet(self, level: int = 1) -> int:
@@ -205,17 +203,17 @@ class EngineControl:
                                + " (wake() again tries once more)")
 
     def _sleep_report(self, rep: ReplicaState, report: Report) -> None:
-        pending = self._order_pending(rep.replica_id, ("sleep", "wake"))
+        pending = self._order_pending(rep.replica_id, (Sleep, Wake))
         # With an order on its way, the report's error is the old try's: the order tries again.
-        self.sleep.record(rep.replica_id, report.sleep_level, report.sleep_goal, None if pending else report.sleep_error)
+        self.sleep.record(rep.replica_id, report.sleep.level, report.sleep.goal, None if pending else report.sleep.error)
         if self.sleep.needs_order(rep.replica_id) and not pending:
             self._order_sleep(rep)  # it joined, or the reply that carried the order was lost
 
     def _order_sleep(self, rep: ReplicaState) -> None:
         """Replace any sleep or wake order still waiting for `rep` with the fleet's level."""
         orders = self.outbox.setdefault(rep.replica_id, Orders())
-        orders.control = [(cmd, arg) for cmd, arg in orders.control if cmd not in ("sleep", "wake")]
+        orders.control = [order for order in orders.control if not isinstance(order, (Sleep, Wake))]
         if self.sleep.level:
-            orders.control.append(("sleep", self.sleep.level))
+            orders.control.append(Sleep(self.sleep.level))
         else:
-            orders.control.append(("wake", {"path": self.weights_path, "version": self.weights_version}))
+            orders.control.append(Wake(self.weights_path, self.weights_version))

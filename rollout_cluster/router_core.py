@@ -295,8 +295,8 @@ class RouterCore(EngineControl, OrphanAdoption):
         if report.leaving:
             self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
             return Orders()
-        if report.held is not None:
-            self._reconcile(rep, report.held, report.aborting, now)
+        if report.listing is not None:
+            self._reconcile(rep, report.listing.held, report.listing.aborting, now)
         orders = self.decide(rep.replica_id, now, timer)
         if self.trace is not None:
             self.trace.append((now, rep.replica_id, len(rep.seqs)))

@@ -46,7 +46,7 @@ def main() -> None:
     rids = [f"r{i}" for i in range(a.replicas)]
     model = ModelInfo(vocab_size=32000, max_model_len=20480)
     for rid in rids:
-        core.on_report(Report(rid, "1", [], EngineStats(), model, 4096), 0.0)
+        core.on_report(Report(rid, "1", progress=[], stats=EngineStats(), model=model, capacity=4096), 0.0)
     rng = random.Random(0)
     if not a.cpu:
         tracemalloc.start()
@@ -68,7 +68,7 @@ def main() -> None:
                 progress.append(SeqProgress(work.seq_id, work.attempt, toks, lps, finish, offset=produced))
                 if finish is None:
                     left.append((work, produced + n, length))
-            sent = pickle.dumps(Report(rid, "1", progress, EngineStats(), None, 4096))  # as Ray sends it
+            sent = pickle.dumps(Report(rid, "1", progress=progress, stats=EngineStats(), model=None, capacity=4096))  # as Ray sends it
             t0 = time.process_time()
             orders = core.on_report(pickle.loads(sent), now)
             cpu += time.process_time() - t0

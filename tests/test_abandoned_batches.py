@@ -7,13 +7,14 @@ from rollout_cluster.config import ConfigError, PolicyConfig, load_config
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest,
+                                      WeightsState)
 
 COST = load_profile("h200-1.5b", max_num_seqs=2)
 
 
 def report(rid, progress=(), model=None):
-    return Report(rid, f"{rid}-1", list(progress), EngineStats(), model, 2)
+    return Report(rid, f"{rid}-1", progress=list(progress), stats=EngineStats(), model=model, capacity=2)
 
 
 def batch(n, first=1):
@@ -92,7 +93,8 @@ def test_dropped_batches_and_weights_show_in_the_metrics():
     c.submit(batch(1), 0.0)
     assert c.drop_abandoned(1000.0, idle_s=900.0) == ["b0", "b1"]
     c.update_weights("/ckpt/1")
-    c.on_report(Report("a", "a-1", [], EngineStats(), None, 2, 0, "replica a: no such file", 1), 1001.0)
+    c.on_report(Report("a", "a-1", progress=[], stats=EngineStats(), model=None, capacity=2,
+                       weights=WeightsState(version=0, error="replica a: no such file", error_version=1)), 1001.0)
     metrics.gauges(c)
     sample = metrics.registry.get_sample_value
     assert sample("rollout_batches_abandoned_total") == 2

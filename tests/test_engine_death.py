@@ -138,10 +138,11 @@ def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences
     from rollout_cluster.protocol import SeqProgress
 
     core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("h200-1.5b", 8)), 2, 1e9)
-    core.on_report(Report("a", "a-1", [], EngineStats(), ModelInfo(100, 64), 8), 0.0)
+    core.on_report(Report("a", "a-1", progress=[], stats=EngineStats(), model=ModelInfo(100, 64), capacity=8), 0.0)
     bid = core.submit([SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=8), 0, 0)], 0.0)
     (w,) = core.decide("a", 0.0).start
-    core.on_report(Report("a", "a-1", [SeqProgress(w.seq_id, w.attempt, [5, 6], offset=0)], EngineStats(), None, 8), 0.5)
+    core.on_report(Report("a", "a-1", progress=[SeqProgress(w.seq_id, w.attempt, [5, 6], offset=0)],
+                          stats=EngineStats(), model=None, capacity=8), 0.5)
     engine = DeadEngine()
     engine.pending = [SeqProgress(w.seq_id, w.attempt, [7], offset=2)]  # made before it died, not yet sent
     r = object.__new__(BareReplica)
@@ -161,10 +162,11 @@ def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences
     with pytest.raises(RuntimeError, match="the engine died: RuntimeError: EngineCore encountered an issue"):
         r.check_health()
     # the sequence continues on another replica from all three tokens, with nothing lost or repeated
-    (again,) = core.on_report(Report("b", "b-1", [], EngineStats(), ModelInfo(100, 64), 8), 2.0).start
+    (again,) = core.on_report(Report("b", "b-1", progress=[], stats=EngineStats(), model=ModelInfo(100, 64),
+                                     capacity=8), 2.0).start
     assert again.prompt_token_ids == [1, 2, 3, 5, 6, 7] and again.sampling.max_tokens == 5
-    core.on_report(Report("b", "b-1", [SeqProgress(w.seq_id, again.attempt, [1] * 5, None, "length")],
-                          EngineStats(), None, 8), 3.0)
+    core.on_report(Report("b", "b-1", progress=[SeqProgress(w.seq_id, again.attempt, [1] * 5, None, "length")],
+                          stats=EngineStats(), model=None, capacity=8), 3.0)
     (done,) = core.fetch(bid, 0)[0]
     assert done.token_ids == [5, 6, 7, 1, 1, 1, 1, 1] and done.finish_reason == "length"
     assert done.replicas == ["a", "b"]
@@ -212,7 +214,7 @@ def run_loop(r):
 
 def test_an_engine_found_dead_at_a_drain_sends_no_ordinary_report_and_gets_no_work():
     core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("h200-1.5b", 8)), 2, 1e9)
-    core.on_report(Report("b", "b-1", [], EngineStats(), ModelInfo(100, 64), 8), 0.0)  # another replica
+    core.on_report(Report("b", "b-1", progress=[], stats=EngineStats(), model=ModelInfo(100, 64), capacity=8), 0.0)  # another replica
     core.submit([SequenceRequest([1, 2, 3], SamplingSpec(max_tokens=8), i, 0) for i in range(4)], 0.0)
     engine = IdleThenDead(die_at_drain=1)
     r = bare_replica(engine, core)

@@ -6,7 +6,8 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest,
+                                      WeightsState)
 
 COST = load_profile("h200-1.5b", max_num_seqs=32)
 POLICIES = ["static", "pull", "least-loaded", "chunked", "steal"]
@@ -25,8 +26,8 @@ class Fleet:
     def pull(self, rid, leaving=False):
         self.now += 0.1
         done = [SeqProgress(w.seq_id, w.attempt, [4, 5, 6], None, "length") for w in self.held.pop(rid, [])]
-        report = Report(rid, f"{rid}-1", done, EngineStats(), ModelInfo(100, 64), 32,
-                        weights_version=self.weights.get(rid, 0), leaving=leaving)
+        report = Report(rid, f"{rid}-1", progress=done, stats=EngineStats(), model=ModelInfo(100, 64), capacity=32,
+                        weights=WeightsState(version=self.weights.get(rid, 0)), leaving=leaving)
         self.held[rid] = list(self.core.on_report(report, self.now).start)
         return self.held[rid]
 
@@ -85,7 +86,8 @@ def test_a_replacement_after_a_leave_is_no_surplus_and_a_dead_engine_keeps_the_c
     assert fleet.core.expected_replicas == 2
     fleet.pull("a2")
     # an engine that died says goodbye itself: a death, and Serve's replacement comes after it
-    report = Report("a2", "a2-1", [], EngineStats(), None, 32, leaving=True, engine_dead=True)
+    report = Report("a2", "a2-1", progress=[], stats=EngineStats(), model=None, capacity=32, leaving=True,
+                    engine_dead=True)
     fleet.core.on_report(report, fleet.now + 1)
     assert fleet.core.expected_replicas == 2 and set(fleet.core.replicas) == {"b2"}
     assert fleet.core.counters["replica_deaths"] == 2 and fleet.core.counters["replica_leaves"] == 1

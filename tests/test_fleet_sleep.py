@@ -8,16 +8,20 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.fleet_sleep import FleetSleep
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import (EngineStats, InputError, LoadWeights, ModelInfo, NoteWeights, Report,
+                                      SamplingSpec, SeqProgress, SequenceRequest, Sleep, SleepState, Wake,
+                                      WeightsState)
 
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
 def pull(core, rid, now, level=0, goal=None, error=None, version=0, loading=0, path="", model=None, noted=(0, "")):
     goal = level if goal is None else goal
-    return core.on_report(Report(rid, "i1", [], EngineStats(), model, 8, version, None, 0, loading, path,
-                                 sleep_level=level, sleep_goal=goal, sleep_error=error,
-                                 weights_noted=noted[0], weights_noted_path=noted[1]), now)
+    return core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), model=model, capacity=8,
+                                 weights=WeightsState(version=version, error=None, error_version=0,
+                                                      loading=loading, path=path, noted=noted[0],
+                                                      noted_path=noted[1]),
+                                 sleep=SleepState(level=level, goal=goal, error=error)), now)
 
 
 def core_with(replicas=("a", "b")):
@@ -28,7 +32,7 @@ def core_with(replicas=("a", "b")):
 
 
 def sleeps(orders):
-    return [(cmd, arg) for cmd, arg in orders.control if cmd in ("sleep", "wake")]
+    return [c for c in orders.control if isinstance(c, (Sleep, Wake))]
 
 
 def batch(core, now=0.0, n=2):
@@ -39,7 +43,7 @@ def asleep(core, level=1):
     """Both replicas got the order and sleep."""
     core.sleep_fleet(level)
     for rid in ("a", "b"):
-        assert sleeps(pull(core, rid, 0.1)) == [("sleep", level)]
+        assert sleeps(pull(core, rid, 0.1)) == [Sleep(level)]
         pull(core, rid, 0.2, level=0, goal=level)  # moving
         pull(core, rid, 0.3, level=level)
     return core
@@ -48,28 +52,28 @@ def asleep(core, level=1):
 def test_every_replica_gets_one_order_and_batches_wait_for_wake():
     core = core_with()
     assert core.sleep_fleet(1) == 1
-    assert sleeps(pull(core, "a", 0.1)) == [("sleep", 1)]
+    assert sleeps(pull(core, "a", 0.1)) == [Sleep(1)]
     assert sleeps(pull(core, "a", 0.2, level=0, goal=1)) == []  # moving: not ordered again
     assert core.sleep_status()["moving"] == ["a"]
     with pytest.raises(RuntimeError, match=r"asleep \(level 1, RolloutClient.sleep\): call wake\(\)"):
         batch(core)
     pull(core, "a", 0.3, level=1)
-    assert sleeps(pull(core, "b", 0.4)) == [("sleep", 1)]
+    assert sleeps(pull(core, "b", 0.4)) == [Sleep(1)]
     assert core.sleep_status() == {"level": 1, "replicas": {"a": 1, "b": 0}, "moving": [], "errors": {}}
 
 
 def test_a_lost_order_is_sent_again_and_a_joiner_gets_it_at_registration():
     core = core_with()
     core.sleep_fleet(2)
-    assert sleeps(pull(core, "a", 0.1)) == [("sleep", 2)]  # this reply never arrives:
-    assert sleeps(pull(core, "a", 0.2)) == [("sleep", 2)]  # its next report still shows goal 0
-    assert sleeps(pull(core, "c", 0.3, model=ModelInfo(100, 64))) == [("sleep", 2)]
+    assert sleeps(pull(core, "a", 0.1)) == [Sleep(2)]  # this reply never arrives:
+    assert sleeps(pull(core, "a", 0.2)) == [Sleep(2)]  # its next report still shows goal 0
+    assert sleeps(pull(core, "c", 0.3, model=ModelInfo(100, 64))) == [Sleep(2)]
 
 
 def test_no_work_while_waking_and_work_once_awake():
     core = asleep(core_with())
     core.wake_fleet()
-    assert sleeps(pull(core, "a", 1.0, level=1)) == [("wake", {"path": None, "version": 0})]
+    assert sleeps(pull(core, "a", 1.0, level=1)) == [Wake(None, 0)]
     bid = batch(core, now=1.1)  # the fleet's target is awake: batches are taken
     assert not pull(core, "a", 1.2, level=1, goal=0).start  # still waking: no work
     assert len(pull(core, "a", 1.3).start) == 2  # awake
@@ -97,21 +101,21 @@ def test_weights_updated_while_asleep_load_after_a_light_sleep_and_with_a_deep_w
     core = asleep(core_with(), 1)
     assert core.update_weights("/ckpt/step1") == 1
     out = pull(core, "a", 1.0, level=1)
-    assert not [c for c in out.control if c[0] == "load_weights"]  # asleep: no load, a note of it
-    assert [c for c in out.control if c[0] == "note_weights"] == [("note_weights", {"path": "/ckpt/step1", "version": 1})]
+    assert not [c for c in out.control if isinstance(c, LoadWeights)]  # asleep: no load, a note of it
+    assert [c for c in out.control if isinstance(c, NoteWeights)] == [NoteWeights("/ckpt/step1", 1)]
     core.wake_fleet()
-    assert sleeps(pull(core, "a", 1.1, level=1)) == [("wake", {"path": "/ckpt/step1", "version": 1})]
-    loads = [c for c in pull(core, "a", 1.2, level=1, goal=0).control if c[0] == "load_weights"]
+    assert sleeps(pull(core, "a", 1.1, level=1)) == [Wake("/ckpt/step1", 1)]
+    loads = [c for c in pull(core, "a", 1.2, level=1, goal=0).control if isinstance(c, LoadWeights)]
     assert loads == []  # still waking
-    loads = [c for c in pull(core, "a", 1.3).control if c[0] == "load_weights"]
-    assert loads == [("load_weights", {"path": "/ckpt/step1", "version": 1})]  # awake at version 0: load
+    loads = [c for c in pull(core, "a", 1.3).control if isinstance(c, LoadWeights)]
+    assert loads == [LoadWeights("/ckpt/step1", 1)]  # awake at version 0: load
     # a level-2 sleeper reloads with its wake order and reports the version: no second load
     core2 = asleep(core_with(), 2)
     core2.update_weights("/ckpt/step7")
     core2.wake_fleet()
-    assert sleeps(pull(core2, "a", 1.0, level=2)) == [("wake", {"path": "/ckpt/step7", "version": 1})]
+    assert sleeps(pull(core2, "a", 1.0, level=2)) == [Wake("/ckpt/step7", 1)]
     out = pull(core2, "a", 1.1, version=1, path="/ckpt/step7")
-    assert not [c for c in out.control if c[0] == "load_weights"]
+    assert not [c for c in out.control if isinstance(c, LoadWeights)]
 
 
 def test_a_second_update_while_asleep_replaces_the_first_nothing_was_loading():
@@ -130,14 +134,14 @@ def test_a_failed_sleep_is_reported_and_wake_clears_it():
     assert sleeps(pull(core, "a", 0.3, level=0, goal=2, error="...")) == []  # failed: not ordered again
     core.wake_fleet()
     assert core.sleep_status()["errors"] == {}
-    assert sleeps(pull(core, "a", 0.4, level=0, goal=2)) == [("wake", {"path": None, "version": 0})]
+    assert sleeps(pull(core, "a", 0.4, level=0, goal=2)) == [Wake(None, 0)]
 
 
 def test_sleep_then_wake_before_the_replica_pulled_leaves_one_order():
     core = core_with()
     core.sleep_fleet(1)
     core.wake_fleet()
-    assert sleeps(pull(core, "a", 0.1)) == [("wake", {"path": None, "version": 0})]
+    assert sleeps(pull(core, "a", 0.1)) == [Wake(None, 0)]
 
 
 def test_a_replica_that_leaves_is_forgotten():
@@ -158,8 +162,9 @@ def test_a_batch_runs_after_wake():
     work = {rid: pull(core, rid, 1.3).start for rid in ("a", "b")}
     assert [len(w) for w in work.values()] == [1, 1]  # both awake: the fair share each
     for rid, ws in work.items():
-        core.on_report(Report(rid, "i1", [SeqProgress(w.seq_id, w.attempt, [5, 6], None, "length") for w in ws],
-                              EngineStats(), None, 8), 1.4)
+        core.on_report(Report(rid, "i1",
+                              progress=[SeqProgress(w.seq_id, w.attempt, [5, 6], None, "length") for w in ws],
+                              stats=EngineStats(), model=None, capacity=8), 1.4)
     done, _, finished = core.fetch(bid, 0)
     assert finished and [c.token_ids for c in done] == [[5, 6], [5, 6]]
 
@@ -185,7 +190,7 @@ def test_a_restarted_router_keeps_a_sleeping_fleet_asleep():
     with pytest.raises(RuntimeError, match="asleep"):
         batch(core)
     core.wake_fleet()
-    assert sleeps(pull(core, "a", 0.1, level=1)) == [("wake", {"path": None, "version": 0})]
+    assert sleeps(pull(core, "a", 0.1, level=1)) == [Wake(None, 0)]
 
 
 def test_an_update_made_while_asleep_survives_a_router_restart():
@@ -194,32 +199,32 @@ def test_an_update_made_while_asleep_survives_a_router_restart():
     for level in (1, 2):
         core = asleep(core_with(), level)
         core.update_weights("/ckpt/step3", version=3)
-        notes = {rid: [c for c in pull(core, rid, 1.0, level=level).control if c[0] == "note_weights"]
+        notes = {rid: [c for c in pull(core, rid, 1.0, level=level).control if isinstance(c, NoteWeights)]
                  for rid in ("a", "b")}
-        assert notes == {rid: [("note_weights", {"path": "/ckpt/step3", "version": 3})] for rid in ("a", "b")}
+        assert notes == {rid: [NoteWeights("/ckpt/step3", 3)] for rid in ("a", "b")}
         assert not [c for c in pull(core, "a", 1.1, level=level, noted=(3, "/ckpt/step3")).control
-                    if c[0] == "note_weights"]  # it got the note: not sent again
+                    if isinstance(c, NoteWeights)]  # it got the note: not sent again
         restarted = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
         for rid in ("a", "b"):
             pull(restarted, rid, 2.0, level=level, noted=(3, "/ckpt/step3"), model=ModelInfo(100, 64))
         assert restarted.weights_status()["version"] == 3 and restarted.sleep_status()["level"] == level
         restarted.wake_fleet()
         assert sleeps(pull(restarted, "a", 2.1, level=level, noted=(3, "/ckpt/step3"))) == [
-            ("wake", {"path": "/ckpt/step3", "version": 3})]
+            Wake("/ckpt/step3", 3)]
         if level == 1:  # awake on the weights it slept with: the load follows
             out = pull(restarted, "a", 2.2, noted=(3, "/ckpt/step3"))
-            assert [c for c in out.control if c[0] == "load_weights"] == [
-                ("load_weights", {"path": "/ckpt/step3", "version": 3})]
+            assert [c for c in out.control if isinstance(c, LoadWeights)] == [
+                LoadWeights("/ckpt/step3", 3)]
         else:  # the wake order's reload brought it: nothing more
             out = pull(restarted, "a", 2.2, version=3, path="/ckpt/step3")
-            assert not [c for c in out.control if c[0] in ("load_weights", "note_weights")]
+            assert not [c for c in out.control if isinstance(c, (LoadWeights, NoteWeights))]
 
 
 def test_a_lost_note_is_sent_again():
     core = asleep(core_with(), 1)
     core.update_weights("/ckpt/step1")
-    assert [c[0] for c in pull(core, "a", 1.0, level=1).control] == ["note_weights"]  # the reply is lost
-    assert [c[0] for c in pull(core, "a", 1.1, level=1).control] == ["note_weights"]  # no note reported: again
+    assert [type(c) for c in pull(core, "a", 1.0, level=1).control] == [NoteWeights]  # the reply is lost
+    assert [type(c) for c in pull(core, "a", 1.1, level=1).control] == [NoteWeights]  # no note reported: again
 
 
 def test_a_batch_is_refused_when_no_engine_woke():
@@ -246,6 +251,6 @@ def test_sleep_again_retries_only_the_replicas_that_failed():
     assert core.sleep_status()["errors"] == {}
     # b's report from before the order reached it still has the old error: not taken again
     error = "replica b: sleep(level=1): RuntimeError: boom"
-    assert sleeps(pull(core, "b", 0.3, level=0, goal=1, error=error)) == [("sleep", 1)]
+    assert sleeps(pull(core, "b", 0.3, level=0, goal=1, error=error)) == [Sleep(1)]
     assert core.sleep_status()["errors"] == {}
     assert sleeps(pull(core, "a", 0.3, level=1)) == []

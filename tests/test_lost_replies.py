@@ -6,13 +6,15 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import (EngineStats, Listing, ModelInfo, Report, SamplingSpec, SeqProgress,
+                                      SequenceRequest)
 
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
 def report(progress=(), held=None, model=None, aborting=()):
-    return Report("a", "i1", list(progress), EngineStats(), model, 8, held=held, aborting=list(aborting))
+    return Report("a", "i1", progress=list(progress), stats=EngineStats(), model=model, capacity=8,
+                  listing=None if held is None else Listing(held, list(aborting)))
 
 
 def setup(n=2, max_tokens=6):

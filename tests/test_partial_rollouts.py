@@ -228,11 +228,11 @@ def test_steal_spreads_a_batchs_resumed_samples_over_the_replicas():
                       id_prefix="r1-")
     replicas = ["a", "b", "c", "d"]
     for rid in replicas:
-        core.on_report(Report(rid, "i1", [], EngineStats(), ModelInfo(1000, 4096), 64), 0.0)
+        core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=64), 0.0)
     carried = [resumed([7] * 3, [-1.0] * 3, spec=SamplingSpec(max_tokens=100, logprobs=0), index=i) for i in range(32)]
     fresh = [SequenceRequest([5, 6], SamplingSpec(max_tokens=100, logprobs=0), 32 + i, 0) for i in range(32)]
     core.submit(carried + fresh, 0.1)
-    taken = {rid: core.on_report(Report(rid, "i1", [], EngineStats(), None, 64), 0.2).start for rid in replicas}
+    taken = {rid: core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), model=None, capacity=64), 0.2).start for rid in replicas}
     resumed_on = {rid: sum(1 for w in work if w.prompt_len > 2) for rid, work in taken.items()}
     assert resumed_on == {"a": 8, "b": 8, "c": 8, "d": 8}, resumed_on
     assert sum(len(w) for w in taken.values()) == 64

@@ -132,8 +132,9 @@ from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
 from rollout_cluster.state import SeqStatus
-from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, ModelInfo, Orders, Report, SamplingSpec,
-                                   SeqProgress, SequenceRequest)
+from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, LoadWeights, ModelInfo,
+                                      NoteWeights, Orders, Report, SamplingSpec, SeqProgress, SequenceRequest, Sleep,
+                                      SleepState, Wake, WeightsState)
 
 VOCAB = 4093  # prime, above any run's length (a repeat is never a full period); runs still wrap around it
 WEIGHTS_SHIFT = 1013  # a run made with weights version v is shifted by v x this (mod VOCAB)
@@ -307,17 +308,18 @@ class FakeReplica:
         if t - self.held_t >= HELD_EVERY_S:  # drained and listed together: consistent
             held, aborting, self.held_t = self.held(), self.aborting(), t
         self.reports += 1
-        report = Report(self.rid, self.incarnation, list(self.unsent), self.stats(),
-                        MODEL if self.first or held is not None else None,
-                        CAPACITY, self.weights[0], self.weights_error[0], self.weights_error[1], self.loading or 0,
-                        self.weights[1], held=held, aborting=aborting, sleep_level=self.sleep_level,
-                        sleep_goal=self.sleep_goal, sleep_error=self.sleep_error, weights_noted=self.noted[0],
-                        weights_noted_path=self.noted[1], number=self.reports)
+        report = Report(self.rid, self.incarnation, progress=list(self.unsent), stats=self.stats(),
+                        model=MODEL if self.first or held is not None else None, capacity=CAPACITY,
+                        weights=WeightsState(version=self.weights[0], error=self.weights_error[0],
+                                             error_version=self.weights_error[1], loading=self.loading or 0,
+                                             path=self.weights[1], noted=self.noted[0], noted_path=self.noted[1]),
+                        sleep=SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error),
+                        listing=None if held is None else Listing(held, aborting), number=self.reports)
         return report, ended
 
     def stats(self) -> EngineStats:
         e = self.engine
-        return EngineStats(running=len(e.running), waiting=len(e.waiting), context_tokens=e.context,
+        return EngineStats(running=len(e.running), context_tokens=e.context,
                            step_time_s=e.last_step_s)
 
     def apply(self, orders, late_abort: bool) -> None:
@@ -362,14 +364,15 @@ class FakeReplica:
             self.engine.abort(held)
         self.pending_aborts = set()
         self.unsent += self.engine.drain()
-        return Report(self.rid, self.incarnation, list(self.unsent), self.stats(), None, CAPACITY, self.weights[0],
-                      leaving=True)
+        return Report(self.rid, self.incarnation, progress=list(self.unsent), stats=self.stats(), model=None,
+                      capacity=CAPACITY, weights=WeightsState(version=self.weights[0]), leaving=True)
 
     def dead_engine_goodbye(self) -> Report:
         """replica.py `_leave_dead_engine`: the tokens made since the last report, no finals."""
         self.unsent += self.engine.drain()
-        return Report(self.rid, self.incarnation, list(self.unsent), self.stats(), None, CAPACITY, self.weights[0],
-                      leaving=True, engine_dead=True)
+        return Report(self.rid, self.incarnation, progress=list(self.unsent), stats=self.stats(), model=None,
+                      capacity=CAPACITY, weights=WeightsState(version=self.weights[0]), leaving=True,
+                      engine_dead=True)
 
 
 # ---- faults, batches, steps ---------------------------------------------------------------------
@@ -587,9 +590,9 @@ class Chaos:
                 if "weights" not in driven:
                     seen["weights"].append(reported_version(report))
                 if "sleep" not in driven:
-                    seen["sleep"].append(report.sleep_goal)
+                    seen["sleep"].append(report.sleep.goal)
             orders = on_report(report, now, timer)
-            if restarted and report.held is not None and not report.leaving:
+            if restarted and report.listing is not None and not report.leaving:
                 self._check_orphans_given_up(core, report, orders)
             return orders
         core._fail_queued, core.on_report = watched, watched_report
@@ -704,8 +707,8 @@ class Chaos:
     def _hold_s(core: RouterCore, rep: FakeReplica, report: Report) -> float:
         state = core.replicas.get(rep.rid)
         busy = state is not None and len(state.seqs) > 0
-        moving = report.sleep_level != report.sleep_goal and not report.sleep_error
-        return ROUTER.pull_wait_s if busy or len(core.queue) or report.weights_loading or moving \
+        moving = report.sleep.level != report.sleep.goal and not report.sleep.error
+        return ROUTER.pull_wait_s if busy or len(core.queue) or report.weights.loading or moving \
             else ROUTER.idle_pull_wait_s
 
     def _late_report(self, t: float, rep: FakeReplica, report: Report, core: RouterCore, sent: int) -> None:
@@ -740,8 +743,8 @@ class Chaos:
         if rep.engine_dead:  # the orders meet a dead engine: it says goodbye at once
             return self.schedule(t, self._pull, rep)
         rep.advance_to(t)
-        for cmd, arg in orders.control:
-            self._control(t, rep, cmd, arg)
+        for order in orders.control:
+            self._control(t, rep, order)
         ready_t = rep.load_end_t if rep.loading is not None else t  # replica.py awaits a load before new work
         if self.waits_for_moves:
             ready_t = max(ready_t, rep.move_end_t)
@@ -779,9 +782,9 @@ class Chaos:
         assert not orders, f"a leaving replica was given orders: {orders}"
 
     # -- control orders (replica.py _control, _load_weights, _move_sleep)
-    def _control(self, t: float, rep: FakeReplica, cmd: str, arg) -> None:
-        if cmd == "load_weights":
-            v = arg["version"]
+    def _control(self, t: float, rep: FakeReplica, order) -> None:
+        if isinstance(order, LoadWeights):
+            v = order.version
             if v in (rep.weights[0], rep.loading):
                 return  # a resent order of what is done or under way
             start = max(t, rep.load_end_t)  # after any load in progress, never beside it
@@ -792,23 +795,23 @@ class Chaos:
                                        f"{rep.sleep_goal} ending at {rep.move_end_t:.3f}")
             rep.load_end_t = end = start + self.rng.uniform(*LOAD_S)
             rep.loading = v
-            self.schedule(end, self._load_done, rep, v, arg["path"])
+            self.schedule(end, self._load_done, rep, v, order.path)
             if self.chance(self.faults.control_restart):
                 self.schedule(self.rng.uniform(t, end), self._restart_replica, rep)
-        elif cmd == "note_weights":
-            if arg["version"] > max(rep.weights[0], rep.noted[0]):
-                rep.noted = (arg["version"], arg["path"])
-        elif cmd in ("sleep", "wake"):
-            goal = int(arg) if cmd == "sleep" else 0
+        elif isinstance(order, NoteWeights):
+            if order.version > max(rep.weights[0], rep.noted[0]):
+                rep.noted = (order.version, order.path)
+        elif isinstance(order, (Sleep, Wake)):
+            goal = order.level if isinstance(order, Sleep) else 0
             failed = rep.sleep_error is not None and t >= rep.move_end_t
             if goal == rep.sleep_goal and not failed:
                 return  # a resent order of what is done or under way
             rep.sleep_goal, rep.sleep_error = goal, None
             start = max(t, rep.move_end_t, rep.load_end_t)  # after any move or load before it
             rep.move_end_t = end = start + self.rng.uniform(*MOVE_S)
-            self.schedule(end, self._move_done, rep, goal, arg if cmd == "wake" else None)
+            self.schedule(end, self._move_done, rep, goal, order if isinstance(order, Wake) else None)
         else:
-            raise AssertionError(f"unknown control order {cmd!r}")
+            raise AssertionError(f"unknown control order {order!r}")
 
     def _load_done(self, t: float, rep: FakeReplica, version: int, path: str) -> None:
         if rep.gone:
@@ -833,7 +836,7 @@ class Chaos:
             rep.noted = (0, "")
         return True
 
-    def _move_done(self, t: float, rep: FakeReplica, goal: int, wake_order: Optional[dict]) -> None:
+    def _move_done(self, t: float, rep: FakeReplica, goal: int, wake_order: Optional[Wake]) -> None:
         if rep.gone:
             return
         rep.advance_to(t)
@@ -844,8 +847,8 @@ class Chaos:
                 self.schedule(t + self.rng.uniform(0.0, 2.0), self._restart_replica, rep)
             return
         if rep.sleep_level == 2:  # the weights were dropped: reload those the wake order names
-            version, path = wake_order.get("version", rep.weights[0]), wake_order.get("path") or ""
-            if (version or wake_order.get("path")) and not self._load(t, rep, version, path, broken_if_failed=True):
+            version, path = wake_order.version, wake_order.path or ""
+            if (version or wake_order.path) and not self._load(t, rep, version, path, broken_if_failed=True):
                 rep.sleep_error = f"replica {rep.rid}: wake: RuntimeError: no weights after a level-2 sleep"
                 return
         rep.sleep_level = 0
@@ -896,8 +899,8 @@ class Chaos:
         was, counts = self.old_listed.get((core, rid), (None, {}))
         if was is not state:  # registered again: the router's listing history starts over
             counts = {}
-        aborting = set(map(tuple, report.aborting))
-        old = [k for k in map(tuple, report.held) if not k[0].startswith(core.id_prefix) and k not in aborting]
+        aborting = set(map(tuple, report.listing.aborting))
+        old = [k for k in map(tuple, report.listing.held) if not k[0].startswith(core.id_prefix) and k not in aborting]
         counts = {k: counts.get(k, 0) + 1 for k in old}
         for k, n in counts.items():
             if n >= 2:
@@ -1357,8 +1360,8 @@ def check_batches(batches: list, failed_versions: frozenset = frozenset()) -> No
 
 def reported_version(report: Report) -> int:
     """The weights version a restarted router may learn from a report: held (from a checkpoint) or noted."""
-    held = report.weights_version if report.weights_path else 0
-    return max(held, report.weights_noted if report.weights_noted_path else 0)
+    held = report.weights.version if report.weights.path else 0
+    return max(held, report.weights.noted if report.weights.noted_path else 0)
 
 
 def check_learned(core: RouterCore, what: str, reported: list) -> None:
@@ -1764,9 +1767,10 @@ def test_the_restart_checks_catch_a_router_that_learned_wrong_or_keeps_orphans()
     chaos = Chaos("pull", 0, Faults(), 1, [])
     chaos.core = core = chaos._new_core()  # a restarted one
     for rid, version, noted, goal in (("a", 2, 0, 0), ("b", 2, 3, 1)):
-        core.on_report(Report(rid, f"{rid}-1", [], EngineStats(), MODEL, CAPACITY, version,
-                              weights_path=f"/ckpt/{version}", sleep_level=goal, sleep_goal=goal,
-                              weights_noted=noted, weights_noted_path=f"/ckpt/{noted}" if noted else ""), 0.1)
+        core.on_report(Report(rid, f"{rid}-1", progress=[], stats=EngineStats(), model=MODEL, capacity=CAPACITY,
+                              weights=WeightsState(version=version, path=f"/ckpt/{version}", noted=noted,
+                                                   noted_path=f"/ckpt/{noted}" if noted else ""),
+                              sleep=SleepState(level=goal, goal=goal)), 0.1)
     learned = chaos.learned_from[core]
     assert learned == {"weights": [2, 3], "sleep": [0, 1]}, learned
     for what in ("weights", "sleep"):
@@ -1777,7 +1781,8 @@ def test_the_restart_checks_catch_a_router_that_learned_wrong_or_keeps_orphans()
         with pytest.raises(AssertionError, match="sleep goals"):
             check_learned(core, "sleep", goals)
     old = ("r1-b0:0", 1)
-    listing = Report("a", "a-1", [], EngineStats(), None, CAPACITY, held=[old])
+    listing = Report("a", "a-1", progress=[], stats=EngineStats(), model=None, capacity=CAPACITY,
+                     listing=Listing([old], []))
     chaos._check_orphans_given_up(core, listing, Orders())
     assert not chaos.violations
     chaos._check_orphans_given_up(core, listing, Orders(give_up=[old]))  # the second: given up
@@ -1789,7 +1794,8 @@ def test_the_restart_checks_catch_a_router_that_learned_wrong_or_keeps_orphans()
 
 # ---- bugs this harness found --------------------------------------------------------------------
 def _report(rid: str, held=None, model=None) -> Report:
-    return Report(rid, f"{rid}-1", [], EngineStats(), model, CAPACITY, held=held)
+    return Report(rid, f"{rid}-1", progress=[], stats=EngineStats(), model=model, capacity=CAPACITY,
+                  listing=None if held is None else Listing(held, []))
 
 
 def test_work_pushed_to_a_busy_replica_is_not_taken_for_lost():
@@ -1834,11 +1840,14 @@ def _control_report(rid: str, version: int = 0, loading: int = 0, error_version:
                     goal: Optional[int] = None, noted: int = 0, progress=(), leaving: bool = False,
                     number: int = 0) -> Report:
     """A replica's report of its weights (from /ckpt/<version>) and sleep state."""
-    return Report(rid, f"{rid}-1", list(progress), EngineStats(), MODEL, CAPACITY, version,
-                  f"replica {rid}: load_weights('/ckpt/{error_version}'): bad" if error_version else None,
-                  error_version, loading, f"/ckpt/{version}" if version else "", leaving=leaving, sleep_level=level,
-                  sleep_goal=level if goal is None else goal, weights_noted=noted,
-                  weights_noted_path=f"/ckpt/{noted}" if noted else "", number=number)
+    return Report(rid, f"{rid}-1", progress=list(progress), stats=EngineStats(), model=MODEL, capacity=CAPACITY,
+                  weights=WeightsState(version=version,
+                                       error=f"replica {rid}: load_weights('/ckpt/{error_version}'): bad" if error_version else None,
+                                       error_version=error_version, loading=loading,
+                                       path=f"/ckpt/{version}" if version else "", noted=noted,
+                                       noted_path=f"/ckpt/{noted}" if noted else ""),
+                  sleep=SleepState(level=level, goal=level if goal is None else goal), leaving=leaving,
+                  number=number)
 
 
 def _loaded(policy: str = "pull", failed: str = "") -> RouterCore:
@@ -1876,17 +1885,17 @@ def test_a_replica_woken_while_it_still_goes_to_sleep_starts_its_work_after_the_
         report, ended = rep.build_report(t, land_aborts=True)
         orders = core.on_report(report, t)
         rep.unsent = []
-        for cmd, arg in orders.control:
-            chaos._control(t, rep, cmd, arg)
+        for order in orders.control:
+            chaos._control(t, rep, order)
         started_t = max(t, rep.move_end_t) if orders.start else t  # work waits for the moves
         chaos._start_work(started_t, rep, orders, t, ended)
-        return [cmd for cmd, _ in orders.control], len(orders.start)
+        return [type(order) for order in orders.control], len(orders.start)
 
     pull(0.0)
     core.sleep_fleet(1)
-    assert pull(0.1) == (["sleep"], 0)  # its engine goes to sleep until 2.1
+    assert pull(0.1) == ([Sleep], 0)  # its engine goes to sleep until 2.1
     core.wake_fleet()
-    assert pull(0.2) == (["wake"], 0)  # queued after the sleep: awake again at 4.1
+    assert pull(0.2) == ([Wake], 0)  # queued after the sleep: awake again at 4.1
     assert pull(0.3) == ([], 0) and (rep.sleep_level, rep.sleep_goal, rep.move_end_t) == (0, 0, 4.1)
     assert core.sleep_status() == {"level": 0, "replicas": {"r0": 0}, "moving": [], "errors": {}}  # "awake"
     _four(core, 0.35)
@@ -1991,7 +2000,7 @@ def test_a_restarted_router_does_not_put_the_fleet_to_sleep_under_a_running_batc
     assert len(core.on_report(_control_report("a"), 0.2).start) == 4
     core.on_report(_control_report("b", level=1), 0.3)
     orders = core.on_report(_control_report("a"), 0.4)
-    assert core.sleep.level == 0 and ("sleep", 1) not in orders.control, (core.sleep_status(), orders.control)
+    assert core.sleep.level == 0 and Sleep(1) not in orders.control, (core.sleep_status(), orders.control)
 
 
 def test_a_restarted_router_runs_a_batch_submitted_while_the_replicas_load_new_weights():
@@ -2032,7 +2041,7 @@ def test_a_late_pull_does_not_make_a_sleeping_replica_look_awake():
     core.on_report(_control_report("a", number=1), 0.0)
     late = _control_report("a", number=2)  # sent at 0.05, applied at 2.1
     core.sleep_fleet(2)
-    assert core.on_report(_control_report("a", number=3), 0.1).control == [("sleep", 2)]
+    assert core.on_report(_control_report("a", number=3), 0.1).control == [Sleep(2)]
     assert not core.on_report(_control_report("a", level=2, number=4), 2.0)  # asleep: this pull is held
     core.wake_fleet()
     core.on_report(late, 2.1)
@@ -2106,4 +2115,4 @@ def test_a_restarted_router_does_not_move_a_level_2_sleeper_to_level_1():
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
     core.on_report(_control_report("a", level=1), 0.0)
     orders = core.on_report(_control_report("b", level=2), 0.1)
-    assert ("sleep", 1) not in orders.control and core.sleep.level == 2, (orders.control, core.sleep_status())
+    assert Sleep(1) not in orders.control and core.sleep.level == 2, (orders.control, core.sleep_status())

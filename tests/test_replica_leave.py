@@ -11,7 +11,8 @@ COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
 def report(rid, progress=(), model=None, leaving=False):
-    return Report(rid, f"{rid}-1", list(progress), EngineStats(), model, 8, leaving=leaving)
+    return Report(rid, f"{rid}-1", progress=list(progress), stats=EngineStats(), model=model, capacity=8,
+                  leaving=leaving)
 
 
 def test_a_leaving_replica_hands_its_partials_back_and_gets_nothing_more():

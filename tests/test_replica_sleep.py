@@ -5,6 +5,7 @@ tests/e2e/test_sleep_mode.py."""
 import asyncio
 
 from rollout_cluster.config import ClusterConfig, EngineConfig
+from rollout_cluster.protocol import LoadWeights, NoteWeights, Sleep, Wake
 from rollout_cluster.serve.replica import EngineReplica
 
 
@@ -44,9 +45,9 @@ def replica(engine, model="models/none", load_format="auto", weights_path=""):
 
 def run(r, *orders):
     async def go():
-        for cmd, arg in orders:
-            await r._control(cmd, arg)
-            assert r.sleep_goal == (arg if cmd == "sleep" else 0)  # set before the next pull
+        for order in orders:
+            await r._control(order)
+            assert r.sleep_goal == (order.level if isinstance(order, Sleep) else 0)  # set before the next pull
         await r.sleep_task
 
     asyncio.run(go())
@@ -56,38 +57,38 @@ def run(r, *orders):
 def test_sleep_and_wake_move_in_order_and_a_resent_order_is_ignored():
     eng = FakeEngine()
     r = replica(eng)
-    run(r, ("sleep", 1), ("sleep", 1))
+    run(r, Sleep(1), Sleep(1))
     assert r.sleep_level == 1 and r.sleep_error is None and eng.calls == [("sleep", 1)]
-    run(r, ("wake", {"path": None, "version": 0}))
+    run(r, Wake(None, 0))
     assert r.sleep_level == 0 and eng.calls == [("sleep", 1), ("wake",)]  # level 1: no reload
 
 
 def test_an_engine_that_does_not_sleep_is_an_error_not_a_level():
     r = replica(FakeEngine(lies=True))
-    run(r, ("sleep", 1))
+    run(r, Sleep(1))
     assert r.sleep_level == 0 and "the engine says it is awake" in r.sleep_error
 
 
 def test_level_two_needs_a_checkpoint_to_reload(tmp_path):
     r = replica(FakeEngine(), model="Qwen/Qwen2.5-7B-Instruct")  # a hub id: nothing local
-    run(r, ("sleep", 2))
+    run(r, Sleep(2))
     assert r.sleep_level == 0 and r.engine.calls == []
     assert "sleep(level=2)" in r.sleep_error and "no local checkpoint" in r.sleep_error
     dummy = replica(FakeEngine(), model=str(tmp_path), load_format="dummy")
-    run(dummy, ("sleep", 2))
+    run(dummy, Sleep(2))
     assert "load_format 'dummy'" in dummy.sleep_error
 
 
 def test_a_deep_wake_reloads_the_weights_the_order_names(tmp_path):
     eng = FakeEngine()
     r = replica(eng, model=str(tmp_path))
-    run(r, ("sleep", 2), ("wake", {"path": "/ckpt/step3", "version": 3}))
+    run(r, Sleep(2), Wake("/ckpt/step3", 3))
     assert eng.calls == [("sleep", 2), ("wake",), ("load", "/ckpt/step3")]
     assert (r.sleep_level, r.weights_version, r.weights_path) == (0, 3, "/ckpt/step3")
     # with no update since start, the config's own checkpoint, and still version 0
     eng2 = FakeEngine()
     r2 = replica(eng2, model=str(tmp_path))
-    run(r2, ("sleep", 2), ("wake", {"path": None, "version": 0}))
+    run(r2, Sleep(2), Wake(None, 0))
     assert eng2.calls[-1] == ("load", str(tmp_path)) and (r2.weights_version, r2.weights_path) == (0, "")
 
 
@@ -111,9 +112,9 @@ class FailingEngine(FakeEngine):
 def test_a_failed_wake_is_tried_again_at_the_next_wake_order():
     eng = FailingEngine()
     r = replica(eng)
-    run(r, ("sleep", 1), ("wake", {"path": None, "version": 0}))
+    run(r, Sleep(1), Wake(None, 0))
     assert r.sleep_level == 1 and "out of memory" in r.sleep_error and r.broken is None
-    run(r, ("wake", {"path": None, "version": 0}))  # the same goal again: it failed, so it runs
+    run(r, Wake(None, 0))  # the same goal again: it failed, so it runs
     assert r.sleep_level == 0 and r.sleep_error is None
 
 
@@ -121,10 +122,10 @@ def test_vllm_failing_to_sleep_leaves_the_engine_untrusted_but_a_refusal_does_no
     from rollout_cluster.engines.base import SleepRefused
 
     r = replica(FailingEngine(fail_sleep=AssertionError("freed_bytes >= 0")))
-    run(r, ("sleep", 1))
+    run(r, Sleep(1))
     assert r.sleep_level == 0 and "freed_bytes" in r.sleep_error and "failed going to sleep" in str(r.broken)
     refused = replica(FailingEngine(fail_sleep=SleepRefused("engine.enable_sleep_mode is false")))
-    run(refused, ("sleep", 1))
+    run(refused, Sleep(1))
     assert "enable_sleep_mode" in refused.sleep_error and refused.broken is None
 
 
@@ -136,10 +137,10 @@ def test_a_deep_wake_whose_checkpoint_is_gone_has_no_weights_and_asks_for_a_rest
     ckpt = tmp_path / "step3"
     ckpt.mkdir()
     r = replica(Missing(), weights_path=str(ckpt))
-    run(r, ("sleep", 2))
+    run(r, Sleep(2))
     assert r.sleep_level == 2
     ckpt.rmdir()  # the trainer rotated it away while the engine slept
-    run(r, ("wake", {"path": str(ckpt), "version": 3}))
+    run(r, Wake(str(ckpt), 3))
     assert "no such checkpoint" in r.sleep_error and "no weights after a level-2 sleep" in str(r.broken)
     assert replica(FakeEngine(), weights_path=str(ckpt))._reload_source() is None  # refused at sleep
 
@@ -147,15 +148,15 @@ def test_a_deep_wake_whose_checkpoint_is_gone_has_no_weights_and_asks_for_a_rest
 def test_a_note_of_an_update_made_while_asleep_is_held_until_a_load_brings_it(tmp_path):
     eng = FakeEngine()
     r = replica(eng, model=str(tmp_path))
-    run(r, ("sleep", 2))
+    run(r, Sleep(2))
 
     async def notes():
-        await r._control("note_weights", {"path": "/ckpt/step2", "version": 2})
-        await r._control("note_weights", {"path": "/ckpt/step1", "version": 1})  # older: kept out
+        await r._control(NoteWeights("/ckpt/step2", 2))
+        await r._control(NoteWeights("/ckpt/step1", 1))  # older: kept out
 
     asyncio.run(notes())
     assert r.noted == (2, "/ckpt/step2") and eng.calls == [("sleep", 2)]  # a note loads nothing
-    run(r, ("wake", {"path": "/ckpt/step2", "version": 2}))
+    run(r, Wake("/ckpt/step2", 2))
     assert (r.weights_version, r.weights_path, r.noted) == (2, "/ckpt/step2", (0, ""))
 
 
@@ -198,9 +199,9 @@ def test_a_load_ordered_while_the_engine_still_goes_to_sleep_waits_for_the_moves
     r.noted = (0, "")
 
     async def go():
-        await r._control("sleep", 1)
-        await r._control("wake", {"path": None, "version": 0})  # before the sleep ended
-        await r._control("load_weights", {"path": "/ckpt/2", "version": 2})
+        await r._control(Sleep(1))
+        await r._control(Wake(None, 0))  # before the sleep ended
+        await r._control(LoadWeights("/ckpt/2", 2))
         await asyncio.gather(r.sleep_task, r.loading[1])
 
     asyncio.run(go())
@@ -236,7 +237,7 @@ def sleep_wake_then_work(eng) -> tuple:
     r = replica(eng)
     r.noted, r.unsent, r.stopping, r.incarnation, r.model = (0, ""), [], False, "i1", None
     work = Work("s", 1, [1, 2], SamplingSpec())
-    run_pull_loop(r, [Orders(control=[("sleep", 1), ("wake", {"path": None, "version": 0})]), Orders(start=[work])])
+    run_pull_loop(r, [Orders(control=[Sleep(1), Wake(None, 0)]), Orders(start=[work])])
     return r, work
 
 

@@ -14,16 +14,17 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import (EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress,
-                                   SequenceRequest, Work)
+from rollout_cluster.protocol import (EngineStats, InputError, Listing, ModelInfo, Report, SamplingSpec,
+                                      SeqProgress, SequenceRequest, WeightsState, Work)
 
 COST = load_profile("h200-1.5b", max_num_seqs=4)
 PROMPT = [5, 6, 7]
 
 
 def report(progress=(), held=None, capacity=4, version=0, path="") -> Report:
-    return Report("a", "i1", list(progress), EngineStats(), ModelInfo(1000, 4096), capacity,
-                  weights_version=version, weights_path=path, held=held, aborting=[])
+    return Report("a", "i1", progress=list(progress), stats=EngineStats(), model=ModelInfo(1000, 4096),
+                  capacity=capacity, weights=WeightsState(version=version, path=path),
+                  listing=None if held is None else Listing(held, []))
 
 
 def new_router() -> RouterCore:
@@ -270,7 +271,8 @@ def test_a_replica_that_goes_takes_its_listing_of_old_segments_with_it():
     core.on_report(report(held=[("r1-b0:1", 1)]), 0.5)
     bid = core.submit([request()], 1.0, previous_ids=["r1-b0:1"])
     assert core.orphan_listings == {"r1-b0:1": 1} and core.awaiting_orphans
-    core.on_report(Report("b", "i1", [], EngineStats(), ModelInfo(1000, 4096), 4, held=[], aborting=[]), 1.1)
+    core.on_report(Report("b", "i1", progress=[], stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=4,
+                          listing=Listing([], [])), 1.1)
     core.remove_replica("a", 1.2)  # died with the old segment: it runs nowhere now
     assert not core.orphan_listings
     # b's listing shows nothing old; the fleet counts 2, so one that has not joined may still hold it

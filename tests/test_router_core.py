@@ -73,7 +73,7 @@ def test_static_split_is_contiguous_and_even():
 
 
 def _register(core, rid, now=0.0, capacity=8, model=ModelInfo(100, 64)):
-    return core.on_report(Report(rid, "i1", [], EngineStats(), model, capacity), now)
+    return core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), model=model, capacity=capacity), now)
 
 
 def _core(policy="pull", **pc):
@@ -113,8 +113,8 @@ def test_bad_request_errors_name_the_field_and_batch_goes_on(prompt, spec, field
     assert not finished
     orders = core.decide("a", 0.1)
     assert [w.seq_id for w in orders.start] == [f"{bid}:0"]
-    core.on_report(Report("a", "i1", [SeqProgress(f"{bid}:0", 1, [5, 6, 7, 8], None, "length")], EngineStats(),
-                          None, 8), 0.2)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(f"{bid}:0", 1, [5, 6, 7, 8], None, "length")],
+                          stats=EngineStats(), model=None, capacity=8), 0.2)
     done, _, finished = core.fetch(bid, 0)
     assert finished and [c.index for c in done] == [1, 0] and done[1].token_ids == [5, 6, 7, 8]
 
@@ -126,12 +126,15 @@ def test_give_up_racing_natural_finish_returns_once():
     _register(core, "b")
     bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4), 0, 0)], 0.0)
     work = core.decide("a", 0.0).start[0]
-    orders = core.on_report(Report("a", "i1", [SeqProgress(work.seq_id, 1, [7, 8])], EngineStats(), None, 8), 0.1)
+    orders = core.on_report(Report("a", "i1", progress=[SeqProgress(work.seq_id, 1, [7, 8])], stats=EngineStats(),
+                                   model=None, capacity=8), 0.1)
     assert orders.give_up == [(work.seq_id, 1)]  # ordered at 2 tokens...
     # ...but the engine finished naturally before it saw the order, then acknowledged nothing.
-    core.on_report(Report("a", "i1", [SeqProgress(work.seq_id, 1, [9, 10], None, "length")], EngineStats(), None, 8), 0.2)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(work.seq_id, 1, [9, 10], None, "length")],
+                          stats=EngineStats(), model=None, capacity=8), 0.2)
     # a late abort report of the same attempt must be dropped
-    core.on_report(Report("a", "i1", [SeqProgress(work.seq_id, 1, [], None, "abort")], EngineStats(), None, 8), 0.3)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(work.seq_id, 1, [], None, "abort")],
+                          stats=EngineStats(), model=None, capacity=8), 0.3)
     done, _, finished = core.fetch(bid, 0)
     assert finished and len(done) == 1 and done[0].token_ids == [7, 8, 9, 10] and done[0].migrations == []
     assert core.counters["stale_reports"] == 1 and not core.decide("b", 0.4).start
@@ -144,14 +147,18 @@ def test_give_up_continues_elsewhere_with_prompt_plus_partial():
     spec = SamplingSpec(max_tokens=5, min_tokens=3, seed=11, logprobs=0)
     bid = core.submit([SequenceRequest([1, 2], spec, 0, 0)], 0.0)
     w1 = core.decide("a", 0.0).start[0]
-    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [7, 8], [-0.1, -0.2])], EngineStats(), None, 8), 0.1)
-    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [9], [-0.3], "abort")], EngineStats(), None, 8), 0.2)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [7, 8], [-0.1, -0.2])],
+                          stats=EngineStats(), model=None, capacity=8), 0.1)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [9], [-0.3], "abort")],
+                          stats=EngineStats(), model=None, capacity=8), 0.2)
     w2 = core.decide("b", 0.3).start[0]
     assert w2.attempt == 2 and w2.prompt_token_ids == [1, 2, 7, 8, 9]
     assert (w2.sampling.max_tokens, w2.sampling.min_tokens, w2.sampling.seed) == (2, 0, 14)
     # a late delta from attempt 1 is dropped
-    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [99])], EngineStats(), None, 8), 0.35)
-    core.on_report(Report("b", "i1", [SeqProgress(w1.seq_id, 2, [10, 11], [-0.4, -0.5], "length")], EngineStats(), None, 8), 0.4)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [99])], stats=EngineStats(), model=None,
+                          capacity=8), 0.35)
+    core.on_report(Report("b", "i1", progress=[SeqProgress(w1.seq_id, 2, [10, 11], [-0.4, -0.5], "length")],
+                          stats=EngineStats(), model=None, capacity=8), 0.4)
     (c,), _, finished = core.fetch(bid, 0)
     assert finished and c.token_ids == [7, 8, 9, 10, 11] and c.logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
     assert c.replicas == ["a", "b"]
@@ -166,13 +173,17 @@ def test_continuation_reprefill_counts_what_the_engine_did_not_find_cached():
     _register(core, "b")
     core.submit([SequenceRequest([1, 2, 3, 4], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
     w1 = core.decide("a", 0.0).start[0]
-    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [7, 8], cached_tokens=0)], EngineStats(), None, 8), 0.1)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [7, 8], cached_tokens=0)],
+                          stats=EngineStats(), model=None, capacity=8), 0.1)
     assert core.counters["reprefilled_tokens"] == 0  # the first segment is not a re-prefill
-    core.on_report(Report("a", "i1", [SeqProgress(w1.seq_id, 1, [9], None, "abort")], EngineStats(), None, 8), 0.2)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [9], None, "abort")], stats=EngineStats(),
+                          model=None, capacity=8), 0.2)
     w2 = core.decide("b", 0.3).start[0]
     assert w2.prompt_len == 7 and core.counters["reprefill_tokens"] == 7  # sent: prompt + 3 generated
-    core.on_report(Report("b", "i1", [SeqProgress(w1.seq_id, 2, [10], cached_tokens=4)], EngineStats(), None, 8), 0.4)
-    core.on_report(Report("b", "i1", [SeqProgress(w1.seq_id, 2, [11])], EngineStats(), None, 8), 0.5)  # -1: not again
+    core.on_report(Report("b", "i1", progress=[SeqProgress(w1.seq_id, 2, [10], cached_tokens=4)],
+                          stats=EngineStats(), model=None, capacity=8), 0.4)
+    core.on_report(Report("b", "i1", progress=[SeqProgress(w1.seq_id, 2, [11])], stats=EngineStats(), model=None,
+                          capacity=8), 0.5)  # -1: not again
     assert core.counters["reprefilled_tokens"] == 3 and core.counters["reprefill_segments_measured"] == 1
 
 
@@ -183,13 +194,15 @@ def test_dead_replica_work_resumes_from_last_reported_tokens():
     bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, j) for j in range(2)], 0.0)
     works = core.decide("a", 0.0).start + core.decide("b", 0.0).start
     wa = next(w for w in works if core.seqs[w.seq_id].replica == "a")
-    core.on_report(Report("a", "i1", [SeqProgress(wa.seq_id, 1, [4, 5])], EngineStats(), None, 8), 1.0)
-    core.on_report(Report("b", "i1", [], EngineStats(), None, 8), 6.5)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(wa.seq_id, 1, [4, 5])], stats=EngineStats(), model=None,
+                          capacity=8), 1.0)
+    core.on_report(Report("b", "i1", progress=[], stats=EngineStats(), model=None, capacity=8), 6.5)
     assert core.expire(7.0) == ["a"]
     w = core.decide("b", 7.0).start[0]
     assert w.seq_id == wa.seq_id and w.prompt_token_ids == [1, 2, 4, 5] and w.sampling.max_tokens == 4
     # the dead replica comes back with an old report: dropped
-    core.on_report(Report("a", "i1", [SeqProgress(wa.seq_id, 1, [6], None, "length")], EngineStats(), None, 8), 7.1)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(wa.seq_id, 1, [6], None, "length")],
+                          stats=EngineStats(), model=None, capacity=8), 7.1)
     assert core.counters["stale_reports"] == 1
     assert [(m.source, m.destination, m.at_token, m.reason) for m in core.seqs[wa.seq_id].migrations] == [
         ("a", "b", 2, "replica_lost")]
@@ -201,7 +214,7 @@ def test_restarted_replica_requeues_its_old_work():
     _register(core, "a")
     core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
     w = core.decide("a", 0.0).start[0]
-    orders = core.on_report(Report("a", "i2", [], EngineStats(), None, 8), 1.0)  # new incarnation
+    orders = core.on_report(Report("a", "i2", progress=[], stats=EngineStats(), model=None, capacity=8), 1.0)  # new incarnation
     assert [x.seq_id for x in orders.start] == [w.seq_id] and orders.start[0].attempt == 2
 
 
@@ -233,7 +246,8 @@ def test_cancel_finishes_queued_at_once_and_running_on_confirmation():
     assert len(done) == 2 and all(c.finish_reason == "abort" for c in done) and not finished
     orders = core.decide("a", 0.2)
     assert orders.give_up == [(w.seq_id, 1)] and not orders.start
-    core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, 1, [3], None, "abort")], EngineStats(), None, 1), 0.3)
+    core.on_report(Report("a", "i1", progress=[SeqProgress(w.seq_id, 1, [3], None, "abort")], stats=EngineStats(),
+                          model=None, capacity=1), 0.3)
     done, _, finished = core.fetch(bid, 0)
     assert finished and done[-1].token_ids == [3] and done[-1].finish_reason == "abort"
     assert not core.decide("a", 0.4).start
@@ -306,8 +320,9 @@ def test_long_lived_router_keeps_bounded_statistics():
     for b in range(3):
         bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=3), 0, j) for j in range(40)], float(b))
         works = core.decide("a", float(b), timer=lambda: 0.0).start
-        core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, w.attempt, [5, 6, 7], None, "length") for w in works],
-                              EngineStats(), None, 64), b + 0.5)
+        core.on_report(Report("a", "i1",
+                              progress=[SeqProgress(w.seq_id, w.attempt, [5, 6, 7], None, "length") for w in works],
+                              stats=EngineStats(), model=None, capacity=64), b + 0.5)
         assert core.fetch(bid, 0)[2]
         core.release(bid)
     assert len(core.finished_lengths) == 120
@@ -320,12 +335,20 @@ def test_long_lived_router_keeps_bounded_statistics():
 def test_step_time_reports_are_kept_only_while_tracing():
     core = _core()
     _register(core, "a")
-    core.on_report(Report("a", "i1", [], EngineStats(running=4, context_tokens=900, seq_tokens_per_s=50.0), None, 8), 1.0)
+    core.on_report(Report("a", "i1", progress=[],
+                          stats=EngineStats(running=4, context_tokens=900, seq_tokens_per_s=50.0), model=None,
+                          capacity=8), 1.0)
     assert core.step_samples == []
     core.trace = []
-    core.on_report(Report("a", "i1", [], EngineStats(running=4, context_tokens=900, seq_tokens_per_s=50.0), None, 8), 2.0)
-    core.on_report(Report("a", "i1", [], EngineStats(running=0, context_tokens=0, seq_tokens_per_s=50.0), None, 8), 3.0)
-    core.on_report(Report("a", "i1", [], EngineStats(running=3, context_tokens=700, seq_tokens_per_s=0.0), None, 8), 4.0)
+    core.on_report(Report("a", "i1", progress=[],
+                          stats=EngineStats(running=4, context_tokens=900, seq_tokens_per_s=50.0), model=None,
+                          capacity=8), 2.0)
+    core.on_report(Report("a", "i1", progress=[],
+                          stats=EngineStats(running=0, context_tokens=0, seq_tokens_per_s=50.0), model=None,
+                          capacity=8), 3.0)
+    core.on_report(Report("a", "i1", progress=[],
+                          stats=EngineStats(running=3, context_tokens=700, seq_tokens_per_s=0.0), model=None,
+                          capacity=8), 4.0)
     assert core.step_samples == [(4, 900, 0.02)]  # idle and unmeasured reports carry no sample
 
 
@@ -338,13 +361,15 @@ def test_router_keeps_tokens_in_compact_arrays_and_hands_out_lists():
     _register(core, "a")
     bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4, logprobs=0), 0, 0)], 0.0)
     (w,) = core.decide("a", 0.0).start
-    core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, w.attempt, [5, 6], [-0.5, -0.25], None, offset=0)],
-                          EngineStats(), None, 8), 0.1)
+    core.on_report(Report("a", "i1",
+                          progress=[SeqProgress(w.seq_id, w.attempt, [5, 6], [-0.5, -0.25], None, offset=0)],
+                          stats=EngineStats(), model=None, capacity=8), 0.1)
     seq = core.seqs[w.seq_id]
     assert isinstance(seq.token_ids, array) and seq.token_ids.itemsize == 4
     assert isinstance(seq.logprobs, array) and seq.logprobs.typecode == "d"
-    core.on_report(Report("a", "i1", [SeqProgress(w.seq_id, w.attempt, [7, 8], [-1.0, -2.0], "length", offset=2)],
-                          EngineStats(), None, 8), 0.2)
+    core.on_report(Report("a", "i1",
+                          progress=[SeqProgress(w.seq_id, w.attempt, [7, 8], [-1.0, -2.0], "length", offset=2)],
+                          stats=EngineStats(), model=None, capacity=8), 0.2)
     assert isinstance(core.batches[bid].results[0].token_ids, array)
     done, _, finished = core.fetch(bid, 0)
     assert finished and type(done[0].token_ids) is list and type(done[0].logprobs) is list

@@ -5,7 +5,8 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import (EngineStats, InputError, Listing, ModelInfo, Report, SamplingSpec,
+                                      SeqProgress, SequenceRequest)
 
 COST = load_profile("h200-1.5b", max_num_seqs=4)
 
@@ -17,7 +18,8 @@ def make_core(prefix=""):
 
 
 def listing(held, aborting=(), progress=()):
-    return Report("a", "a-1", list(progress), EngineStats(), None, 4, held=list(held), aborting=list(aborting))
+    return Report("a", "a-1", progress=list(progress), stats=EngineStats(), model=None, capacity=4,
+                  listing=Listing(list(held), list(aborting)))
 
 
 def test_attempts_the_router_does_not_know_are_given_up_once_two_listings_show_them():

@@ -14,7 +14,8 @@ from rollout_cluster.protocol import EngineStats, ModelInfo, Report
 
 
 def report(rid: str, leaving: bool = False) -> Report:
-    return Report(rid, "i1", [], EngineStats(), ModelInfo(100, 64), 8, leaving=leaving)
+    return Report(rid, "i1", progress=[], stats=EngineStats(), model=ModelInfo(100, 64), capacity=8,
+                  leaving=leaving)
 
 
 def test_pull_answers_name_an_interval_that_follows_the_live_fleet():

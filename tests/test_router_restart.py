@@ -15,8 +15,8 @@ from rollout_cluster.driver import RolloutClient, follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
-from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, ModelInfo, Report, SamplingSpec,
-                                   SeqProgress, SequenceRequest, WeightsVersionError)
+from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, ModelInfo, Report,
+                                      SamplingSpec, SeqProgress, SequenceRequest, WeightsState, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=64)
 
@@ -68,8 +68,10 @@ class FakeRouter:
         self.now += 0.01
         version, path = self.weights
         held = [(w.seq_id, w.attempt) for w in getattr(self, "running", [])]  # the replica's listing
-        return self.core.on_report(Report("a", f"inc{self.generation}", progress, EngineStats(), model, 64,
-                                          weights_version=version, weights_path=path, held=held, aborting=[]),
+        return self.core.on_report(Report("a", f"inc{self.generation}", progress=progress, stats=EngineStats(),
+                                          model=model, capacity=64,
+                                          weights=WeightsState(version=version, path=path),
+                                          listing=None if held is None else Listing(held, [])),
                                    self.now)
 
     def _submit(self, requests, wait_for_replica_s=None, weights_version=None, previous_ids=None):

@@ -6,7 +6,8 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
-from rollout_cluster.protocol import EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
+from rollout_cluster.protocol import (EngineStats, InputError, LoadWeights, ModelInfo, Report, SamplingSpec,
+                                      SeqProgress, SequenceRequest, WeightsState)
 
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 MODEL = ModelInfo(100, 64)
@@ -15,8 +16,9 @@ MODEL = ModelInfo(100, 64)
 def pull(core, rid, now, version=0, progress=(), error=None, model=None, error_version=None, loading=0, path=""):
     if error_version is None:
         error_version = core.weights_version
-    return core.on_report(Report(rid, "i1", list(progress), EngineStats(), model, 8, version, error, error_version,
-                                 loading, path), now)
+    return core.on_report(Report(rid, "i1", progress=list(progress), stats=EngineStats(), model=model, capacity=8,
+                                 weights=WeightsState(version=version, error=error, error_version=error_version,
+                                                      loading=loading, path=path)), now)
 
 
 def core_with(replicas=("a", "b"), policy="pull"):
@@ -34,12 +36,12 @@ def ordered(core, path, *replicas):
     """update_weights(path), and each of `replicas` pulls once: it has its load order."""
     version = core.update_weights(path)
     for rid in replicas:
-        assert loads(pull(core, rid, 0.1)) == [{"path": path, "version": version}]
+        assert loads(pull(core, rid, 0.1)) == [LoadWeights(path, version)]
     return version
 
 
 def loads(orders):
-    return [arg for cmd, arg in orders.control if cmd == "load_weights"]
+    return [c for c in orders.control if isinstance(c, LoadWeights)]
 
 
 def finish(core, rid, work, now, version):
@@ -50,15 +52,15 @@ def test_every_replica_gets_one_load_order_and_no_work_until_it_holds_the_weight
     core = core_with()
     assert core.update_weights("/ckpt/step1") == 1
     a = pull(core, "a", 0.1)
-    assert loads(a) == [{"path": "/ckpt/step1", "version": 1}]
+    assert loads(a) == [LoadWeights("/ckpt/step1", 1)]
     assert loads(pull(core, "a", 0.2, loading=1)) == []  # ordered once, not at every pull
     bid = batch(core, now=0.3)
     assert not pull(core, "a", 0.4, loading=1).start  # still loading: no work
     got_a = pull(core, "a", 0.5, version=1).start  # loaded: the fair share among loaded replicas: all
     b = pull(core, "b", 0.6)
-    assert loads(b) == [{"path": "/ckpt/step1", "version": 1}] and not b.start
+    assert loads(b) == [LoadWeights("/ckpt/step1", 1)] and not b.start
     # b's next report shows neither the version nor a load of it: the order was lost, send it again
-    assert loads(pull(core, "b", 0.65)) == [{"path": "/ckpt/step1", "version": 1}]
+    assert loads(pull(core, "b", 0.65)) == [LoadWeights("/ckpt/step1", 1)]
     got_b = pull(core, "b", 0.7, version=1).start
     assert len(got_a) == 2 and not got_b
     for w in got_a:
@@ -94,8 +96,9 @@ def test_a_replica_that_joins_later_loads_the_current_weights_first():
     core = core_with(("a",))
     ordered(core, "/ckpt/step1", "a")
     pull(core, "a", 0.2, version=1)
-    c = core.on_report(Report("c", "i1", [], EngineStats(), MODEL, 8, 0), 0.3)  # a restart: version 0
-    assert loads(c) == [{"path": "/ckpt/step1", "version": 1}]
+    c = core.on_report(Report("c", "i1", progress=[], stats=EngineStats(), model=MODEL, capacity=8,
+                              weights=WeightsState(version=0)), 0.3)  # a restart: version 0
+    assert loads(c) == [LoadWeights("/ckpt/step1", 1)]
     batch(core, now=0.4)
     assert not pull(core, "c", 0.5).start
     assert pull(core, "c", 0.6, version=1).start
@@ -114,7 +117,7 @@ def test_a_failed_load_is_reported_and_a_batch_with_no_loaded_replica_is_refused
     assert core.weights_status()["errors"] == {}
     # the replica reports version 1's failure until it loads version 2: not an error of version 2
     stale = pull(core, "a", 0.4, error="replica a: load_weights('/missing'): ...", error_version=1)
-    assert loads(stale) == [{"path": "/ckpt/good", "version": 2}] and core.weights_status()["errors"] == {}
+    assert loads(stale) == [LoadWeights("/ckpt/good", 2)] and core.weights_status()["errors"] == {}
     pull(core, "a", 0.5, version=2)
     bid = batch(core, now=0.6)
     assert pull(core, "a", 0.7, version=2).start and not pull(core, "b", 0.7, version=0).start
@@ -130,7 +133,7 @@ def test_a_loading_replicas_share_waits_for_it():
     a = pull(core, "a", 0.3, version=1)
     b = pull(core, "b", 0.3)
     assert len(a.start) == 2 and not loads(a)
-    assert loads(b) == [{"path": "/ckpt/step1", "version": 1}] and not b.start
+    assert loads(b) == [LoadWeights("/ckpt/step1", 1)] and not b.start
     assert {w.seq_id for w in pull(core, "b", 0.4, version=1).start} == {f"{bid}:2", f"{bid}:3"}
 
 
@@ -179,7 +182,7 @@ def test_a_restarted_router_takes_the_version_the_replicas_hold():
     a = pull(core, "a", 0.1, version=3, path="/ckpt/step3")
     assert core.weights_version == 3 and core.weights_path == "/ckpt/step3" and not loads(a)
     b = pull(core, "b", 0.1, version=0)  # b restarted too: it loads the same
-    assert loads(b) == [{"path": "/ckpt/step3", "version": 3}]
+    assert loads(b) == [LoadWeights("/ckpt/step3", 3)]
     bid = batch(core, now=0.2)
     assert pull(core, "a", 0.3, version=3, path="/ckpt/step3").start
     assert core.batches[bid].weights_version == 3

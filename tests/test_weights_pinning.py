@@ -14,14 +14,14 @@ from rollout_cluster.router_core import RouterCore
 from rollout_cluster.serve import router as router_module
 from rollout_cluster.serve.router import Router
 from rollout_cluster.protocol import (EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress,
-                                   SequenceRequest, WeightsVersionError)
+                                      SequenceRequest, WeightsState, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
 def report(rid: str, version: int = 0, path: str = "", progress=()) -> Report:
-    return Report(rid, "i1", list(progress), EngineStats(), ModelInfo(1000, 4096), 8,
-                  weights_version=version, weights_path=path)
+    return Report(rid, "i1", progress=list(progress), stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=8,
+                  weights=WeightsState(version=version, path=path))
 
 
 def batch(n: int = 3) -> list:

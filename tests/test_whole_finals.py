@@ -14,8 +14,8 @@ from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
 from rollout_cluster.serve.replica import EngineReplica
-from rollout_cluster.protocol import (EngineStats, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
-                                   SequenceRequest, Work)
+from rollout_cluster.protocol import (EngineStats, Listing, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
+                                      SequenceRequest, Work)
 from test_router_adoption import Out
 
 COST = load_profile("h200-1.5b", max_num_seqs=4)
@@ -172,7 +172,8 @@ def test_a_replica_sends_its_undelivered_final_whole_after_a_failed_pull():
 
 # ---- the routers ---------------------------------------------------------------------------------
 def report(progress=(), held=None) -> Report:
-    return Report("a", "i1", list(progress), EngineStats(), ModelInfo(1000, 4096), 4, held=held, aborting=[])
+    return Report("a", "i1", progress=list(progress), stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=4,
+                  listing=None if held is None else Listing(held, []))
 
 
 def router(prefix: str) -> RouterCore:
@@ -315,10 +316,11 @@ def test_a_final_of_a_segment_another_router_started_goes_whole():
 
 def test_a_goodbyes_delta_final_is_not_asked_for_again_and_its_resubmission_starts():
     new = router("r2-")
-    new.on_report(Report("b", "i1", [], EngineStats(), ModelInfo(1000, 4096), 4, held=[], aborting=[]), 0.1)
+    new.on_report(Report("b", "i1", progress=[], stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=4,
+                         listing=Listing([], [])), 0.1)
     bid = new.submit([request()], 0.5, previous_ids=["r1-b0:0"])  # waits: replica b has not listed
     delta = SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)
-    goodbye = Report("a", "i1", [delta], EngineStats(), None, 4, leaving=True)
+    goodbye = Report("a", "i1", progress=[delta], stats=EngineStats(), model=None, capacity=4, leaving=True)
     assert not new.on_report(goodbye, 1.0).report_whole and not new.whole_asked
     (w,) = new.decide("b", 1.1).start  # it ended with a's goodbye: from its prompt, at once
     assert w.seq_id == f"{bid}:0" and w.prompt_token_ids == PROMPT

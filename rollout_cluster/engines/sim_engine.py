@@ -66,8 +66,8 @@ class SimEngine(EngineAdapter):
 
     def stats(self) -> EngineStats:
         c = self.core
-        return EngineStats(running=len(c.running), waiting=len(c.waiting), context_tokens=c.context,
-                           kv_usage=c.context / c.cost.kv_tokens, step_time_s=c.last_step_s * self.time_scale)
+        return EngineStats(running=len(c.running), context_tokens=c.context,
+                           step_time_s=c.last_step_s * self.time_scale)
 
     async def load_weights(self, path: str) -> None:
         """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""

@@ -301,8 +301,8 @@ class VllmEngine(EngineAdapter):
 
     def stats(self) -> EngineStats:
         running = len(self.tasks)
-        return EngineStats(running=min(running, self.capacity), waiting=max(0, running - self.capacity),
-                           context_tokens=sum(self.context.values()), step_time_s=self._step_ema,
+        return EngineStats(running=min(running, self.capacity), context_tokens=sum(self.context.values()),
+                           step_time_s=self._step_ema,
                            seq_tokens_per_s=self._rate_ema)
 
     async def load_weights(self, path: str) -> None:

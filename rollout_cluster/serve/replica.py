@@ -19,7 +19,8 @@ from ray import serve
 from ..config import URGENT_REPORT_GAP_FRAC, load_config
 from ..engines.base import SleepRefused, WeightsLoadBroken
 from ..engines.factory import make_engine
-from ..protocol import Report
+from ..protocol import (ControlOrder, Listing, LoadWeights, NoteWeights, Report, Sleep, SleepState, Wake,
+                        WeightsState)
 
 log = logging.getLogger("ray.serve")
 HELD_EVERY_S = 2.0  # how often a report lists every attempt the engine holds (lost-reply recovery)
@@ -81,13 +82,15 @@ class EngineReplica:
             # The model goes with the first report and every listing: a router that restarted
             # while this replica's pulls went through learns it within HELD_EVERY_S.
             self.report_number += 1
-            report = Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(),
-                            self.model if first or held is not None else None, self.engine.capacity,
-                            self.weights_version, self.weights_error, self.weights_error_version,
-                            self.loading[0] if self.loading else 0, self.weights_path, held, aborting,
-                            sleep_level=self.sleep_level, sleep_goal=self.sleep_goal, sleep_error=self.sleep_error,
-                            weights_noted=self.noted[0], weights_noted_path=self.noted[1],
-                            number=self.report_number)
+            report = Report(self.replica_id, self.incarnation, progress=self.unsent, stats=self.engine.stats(),
+                            model=self.model if first or held is not None else None, capacity=self.engine.capacity,
+                            weights=WeightsState(version=self.weights_version, error=self.weights_error,
+                                                 error_version=self.weights_error_version,
+                                                 loading=self.loading[0] if self.loading else 0,
+                                                 path=self.weights_path, noted=self.noted[0],
+                                                 noted_path=self.noted[1]),
+                            sleep=SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error),
+                            listing=None if held is None else Listing(held, aborting), number=self.report_number)
             try:
                 # Bounded: a call to a router killed under it can stay unanswered for good (Serve's
                 # handle does not always fail it), and past replica_timeout_s the router has taken
@@ -104,8 +107,8 @@ class EngineReplica:
             first = self.pull_failed = False
             self.router_id = orders.router_id
             try:
-                for cmd, arg in orders.control:
-                    await self._control(cmd, arg)
+                for order in orders.control:
+                    await self._control(order)
                 moves = self._moves_in_progress()
                 if orders.start and moves:
                     # The router sends no work while a load or a sleep move runs, as far as it knows:
@@ -200,30 +203,31 @@ class EngineReplica:
         """The last report: everything not yet sent, marked leaving (the router requeues the rest)."""
         if hasattr(self, "dispatched"):  # (the pull loop ran) finals whole where another router may take them
             self.unsent = [self._as_sent(p) for p in self.unsent]
-        return Report(self.replica_id, self.incarnation, self.unsent, self.engine.stats(), None,
-                      self.engine.capacity, self.weights_version, leaving=True, engine_dead=engine_dead)
+        return Report(self.replica_id, self.incarnation, progress=self.unsent, stats=self.engine.stats(),
+                      model=None, capacity=self.engine.capacity,
+                      weights=WeightsState(version=self.weights_version), leaving=True, engine_dead=engine_dead)
 
-    async def _control(self, cmd: str, arg) -> None:
-        if cmd == "load_weights":
-            if arg["version"] in (self.weights_version, self.loading and self.loading[0]):
+    async def _control(self, order: ControlOrder) -> None:
+        if isinstance(order, LoadWeights):
+            if order.version in (self.weights_version, self.loading and self.loading[0]):
                 return  # a resent order of what is done or under way
             # In the background: the replica keeps pulling (and reporting `loading`), so a load longer
             # than router.replica_timeout_s does not look like a dead replica. After any load or
             # sleep move in progress, never beside it.
             before = self._moves_in_progress()
-            task = asyncio.get_running_loop().create_task(self._load_weights(arg["path"], arg["version"], before))
-            self.loading = (arg["version"], task)
-        elif cmd == "note_weights":  # asleep: the router orders the load at wake; keep it for a new router
-            if arg["version"] > max(self.weights_version, self.noted[0]):
-                self.noted = (arg["version"], arg["path"])
-        elif cmd in ("sleep", "wake"):
-            goal = int(arg) if cmd == "sleep" else 0
+            task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before))
+            self.loading = (order.version, task)
+        elif isinstance(order, NoteWeights):  # asleep: the router orders the load at wake; keep it for a new router
+            if order.version > max(self.weights_version, self.noted[0]):
+                self.noted = (order.version, order.path)
+        elif isinstance(order, (Sleep, Wake)):
+            goal = order.level if isinstance(order, Sleep) else 0
             failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
             if goal == self.sleep_goal and not failed:
                 return  # a resent order of what is done or under way (a failed move is tried again)
             self.sleep_goal, self.sleep_error = goal, None
             before = [t for t in (self.sleep_task, self.loading and self.loading[1]) if t]
-            reload = arg if cmd == "wake" else None
+            reload = order if isinstance(order, Wake) else None
             self.sleep_task = asyncio.get_running_loop().create_task(self._move_sleep(goal, reload, before))
 
     def _moves_in_progress(self) -> list:
@@ -241,7 +245,7 @@ class EngineReplica:
         model = self.cfg.model_path()
         return model if os.path.isdir(model) and eng.load_format != "dummy" else None
 
-    async def _move_sleep(self, goal: int, reload: Optional[dict], before: list) -> None:
+    async def _move_sleep(self, goal: int, reload: Optional[Wake], before: list) -> None:
         """Sleep at `goal`, or wake (goal 0) and, from level 2, reload the weights the wake order
         names (the router's current version) before reporting awake. In the background, like a load:
         the replica keeps pulling, and reports `sleep_goal` until `sleep_level` reaches it."""
@@ -266,7 +270,7 @@ class EngineReplica:
                 await self.engine.wake()
                 if was == 2:
                     try:
-                        await self._reload_after_deep_sleep(reload or {})
+                        await self._reload_after_deep_sleep(reload or Wake(None, self.weights_version))
                     except Exception as e:  # level 2 dropped the weights: without a reload there are none
                         self.broken = RuntimeError(f"no weights after a level-2 sleep: {e}")
                         raise
@@ -278,10 +282,10 @@ class EngineReplica:
             self.sleep_error = (f"replica {self.replica_id}: {f'sleep(level={goal})' if goal else 'wake'}: "
                                 f"{type(e).__name__}: {e}")
 
-    async def _reload_after_deep_sleep(self, order: dict) -> None:
-        version = order.get("version", self.weights_version)
-        path = order.get("path") or self._reload_source()
-        if version == 0 and not order.get("path"):  # the config's model: no checkpoint version to report
+    async def _reload_after_deep_sleep(self, order: Wake) -> None:
+        version = order.version
+        path = order.path or self._reload_source()
+        if version == 0 and not order.path:  # the config's model: no checkpoint version to report
             if path:
                 await self.engine.load_weights(path)
             return

@@ -97,8 +97,8 @@ class Router:
             ev.clear()
             rep = core.replicas.get(report.replica_id)
             # a load's or a sleep move's end is news: pull again soon
-            moving = report.sleep_level != report.sleep_goal and not report.sleep_error
-            busy = (rep is not None and rep.seqs) or report.weights_loading or moving
+            moving = report.sleep.level != report.sleep.goal and not report.sleep.error
+            busy = (rep is not None and rep.seqs) or report.weights.loading or moving
             wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_for(len(core.replicas))
             try:
                 await asyncio.wait_for(ev.wait(), wait)

@@ -80,9 +80,10 @@ class Simulation:
 
     def _report(self, rid: str, first: bool) -> Report:
         e = self.engines[rid]
-        stats = EngineStats(running=len(e.running), waiting=len(e.waiting), context_tokens=e.context,
+        stats = EngineStats(running=len(e.running), context_tokens=e.context,
                             step_time_s=e.last_step_s * self.slowdown[rid])
-        return Report(rid, "sim", e.drain(), stats, self.model if first else None, self.cost.max_num_seqs)
+        return Report(rid, "sim", progress=e.drain(), stats=stats, model=self.model if first else None,
+                      capacity=self.cost.max_num_seqs)
 
     def _advance(self, rid: str, until: float) -> None:
         e = self.engines[rid]
