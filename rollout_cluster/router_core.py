@@ -15,8 +15,9 @@ from typing import Optional
 
 from .policy.base import Decision, Policy
 from .router_adoption import OrphanAdoption
-from .resume import check_output, resumed_state
+from .resume import resumed_state
 from .router_control import EngineControl
+from .validation import check_request
 from .state import ClusterView, GroupState, ReplicaState, SeqState, SeqStatus, WorkQueue
 from .protocol import (BatchLostError, Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec,
                     SequenceRequest, Work)
@@ -170,29 +171,7 @@ class RouterCore(EngineControl, OrphanAdoption):
 
     def _validate(self, req: SequenceRequest) -> Optional[str]:
         try:
-            if not isinstance(req.sampling, SamplingSpec):
-                raise InputError("sampling", req.sampling, "must be a SamplingSpec")
-            req.sampling.validate()
-            ids = req.prompt_token_ids
-            if ids is not None:
-                if not isinstance(ids, list) or not ids:
-                    raise InputError("prompt_token_ids", ids, "must be a non-empty list of token ids")
-                bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
-                if bad is not None:
-                    raise InputError("prompt_token_ids", bad, "every token id must be an integer")
-            m = self.model
-            check_output(req, m)
-            if m is not None and ids is not None:
-                bad = next((t for t in ids if not 0 <= t < m.vocab_size), None)
-                if bad is not None:
-                    raise InputError("prompt_token_ids", bad, f"token id outside the vocabulary [0, {m.vocab_size})")
-            if m is not None:
-                if req.prompt_len >= m.max_model_len:
-                    raise InputError("prompt_token_ids", f"<{req.prompt_len} tokens>",
-                                     f"prompt longer than the model's context (max_model_len={m.max_model_len})")
-                if req.prompt_len + req.sampling.max_tokens > m.max_model_len:
-                    raise InputError("max_tokens", req.sampling.max_tokens,
-                                     f"prompt ({req.prompt_len}) + max_tokens exceeds max_model_len={m.max_model_len}")
+            check_request(req, self.model)
         except InputError as e:
             return str(e)
         except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
