@@ -70,7 +70,7 @@ def identification(requests: list, cost, replicas: int) -> list:
     from rollout_cluster.config import PolicyConfig
     from rollout_cluster.policy.estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array
     from rollout_cluster.policy.steal import StealPolicy
-    from rollout_cluster.state import SeqStatus
+    from rollout_cluster.router.state import SeqStatus
 
     policy = StealPolicy(PolicyConfig(name="steal", tail_isolation=True), cost)
     rows, decide = [], policy.decide

@@ -22,7 +22,7 @@ from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress
 
 
@@ -74,7 +74,7 @@ def main() -> None:
             cpu += time.process_time() - t0
             held[rid] = left + [(w, 0, core.seqs[w.seq_id].request.hidden_length) for w in orders.start]
         done = core.batches[bid].size == len(core.batches[bid].order)
-    tokens = core.counters["generated_tokens"]
+    tokens = core.counters.generated_tokens
     out = {"sequences": len(reqs), "generated_tokens": tokens, "logprobs": a.logprobs, "deltas": a.deltas}
     if a.cpu:
         out.update(router_cpu_s=round(cpu, 3), router_cpu_us_per_token=round(1e6 * cpu / tokens, 3))

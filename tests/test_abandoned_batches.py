@@ -6,7 +6,7 @@ import pytest
 from rollout_cluster.config import ConfigError, PolicyConfig, load_config
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest,
                                       WeightsState)
 
@@ -35,7 +35,7 @@ def test_an_unfetched_batch_is_cancelled_dropped_and_named_when_fetched_late(cor
     core.on_report(report("a", [SeqProgress(running[0].seq_id, running[0].attempt, [7, 8], offset=0)]), 1.0)
     assert core.drop_abandoned(100.0, idle_s=100.0) == []  # not yet: 100 s is not past 100 s
     assert core.drop_abandoned(100.5, idle_s=100.0) == [bid]
-    assert bid not in core.batches and not any(k[0] == bid for k in core.groups)
+    assert bid not in core.batches and not any(k[0] == bid for k in core.batches.groups)
     assert len(core.queue) == 0  # the queued one never starts
     give_ups = core.decide("a", 100.5).give_up  # the running ones are given up
     assert sorted(give_ups) == sorted((w.seq_id, w.attempt) for w in running)
@@ -53,7 +53,7 @@ def test_a_batch_that_is_fetched_is_kept_however_long_it_runs(core):
         core.fetch(bid, 0, now=float(t))
         assert core.drop_abandoned(float(t) + 5, idle_s=30.0) == []
     assert bid in core.batches
-    assert core.batches_status(1000.0)[bid] == {"size": 3, "finished": 0, "age_s": 1000.0, "unfetched_s": 10.0}
+    assert core.batches.status(1000.0)[bid] == {"size": 3, "finished": 0, "age_s": 1000.0, "unfetched_s": 10.0}
 
 
 def test_a_finished_batch_nobody_collected_is_dropped_too_and_zero_means_never(core):
@@ -62,7 +62,7 @@ def test_a_finished_batch_nobody_collected_is_dropped_too_and_zero_means_never(c
     core.on_report(report("a", [SeqProgress(w.seq_id, w.attempt, [3] * 8, None, "length")]), 1.0)
     assert core.fetch(bid, 0)[2] is True  # done, but its driver never called fetch(now=...) again
     assert core.drop_abandoned(5000.0, idle_s=0) == []
-    assert core.drop_abandoned(5000.0, idle_s=900.0) == [bid] and "1 of 1" in core.dropped[bid]
+    assert core.drop_abandoned(5000.0, idle_s=900.0) == [bid] and "1 of 1" in core.batches.dropped[bid]
 
 
 def test_the_other_batches_run_on(core):
@@ -83,7 +83,7 @@ def test_the_setting_is_checked():
 
 
 def test_dropped_batches_and_weights_show_in_the_metrics():
-    from rollout_cluster.metrics import PrometheusRouterMetrics
+    from rollout_cluster.serve.metrics import PrometheusRouterMetrics
 
     metrics = PrometheusRouterMetrics(port=0)
     c = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=1, replica_timeout_s=1e9,

@@ -9,7 +9,7 @@ from rollout_cluster.config import ClusterConfig, EngineConfig, PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.serve.replica import EngineReplica
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest, Work
 
@@ -157,8 +157,8 @@ def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences
     (goodbye,) = r.router.reports
     assert goodbye.leaving and goodbye.engine_dead and [p.token_ids for p in goodbye.progress] == [[7]]
     # a death, not a scale-down: Serve replaces the replica, the fleet keeps its size
-    assert core.counters["replica_deaths"] == 1 and core.counters["replica_leaves"] == 0
-    assert core.expected_replicas == 2
+    assert core.counters.replica_deaths == 1 and core.counters.replica_leaves == 0
+    assert core.fleet.expected == 2
     with pytest.raises(RuntimeError, match="the engine died: RuntimeError: EngineCore encountered an issue"):
         r.check_health()
     # the sequence continues on another replica from all three tokens, with nothing lost or repeated

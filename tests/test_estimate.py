@@ -83,7 +83,7 @@ def test_expected_remaining_array_matches_the_scalar_estimate(seed):
     """The steal policy's vectorised group estimate equals estimate.expected_remaining (within
     the erf approximation), for groups of every size and progress, with and without siblings."""
     from rollout_cluster.policy.estimate import expected_remaining, expected_remaining_array
-    from rollout_cluster.state import GroupState
+    from rollout_cluster.router.state import GroupState
     rng = random.Random(seed)
     seqs, groups = [], []
     for _ in range(3000):

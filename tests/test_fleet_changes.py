@@ -5,7 +5,7 @@ import pytest
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest,
                                       WeightsState)
 
@@ -49,26 +49,26 @@ class Fleet:
 def test_expected_fleet_size_follows_joins_and_leaves_not_deaths():
     fleet = Fleet("pull", expected=2)
     fleet.pull("a")
-    assert fleet.core.expected_replicas == 2  # still starting: the configured size stands
+    assert fleet.core.fleet.expected == 2  # still starting: the configured size stands
     for rid in ("b", "c"):
         fleet.pull(rid)
-    assert fleet.core.expected_replicas == 3
+    assert fleet.core.fleet.expected == 3
     fleet.pull("d")
-    assert fleet.core.expected_replicas == 4
+    assert fleet.core.fleet.expected == 4
     fleet.core.remove_replica("d", fleet.now)  # a death takes back a join that raised the count
-    assert fleet.core.expected_replicas == 3
+    assert fleet.core.fleet.expected == 3
     fleet.pull("d2")  # ...and its replacement puts it back
-    assert fleet.core.expected_replicas == 4
+    assert fleet.core.fleet.expected == 4
     fleet.pull("d2", leaving=True)
-    assert fleet.core.expected_replicas == 3 and set(fleet.core.replicas) == {"a", "b", "c"}
+    assert fleet.core.fleet.expected == 3 and set(fleet.core.fleet.replicas) == {"a", "b", "c"}
     fleet.pull("d2", leaving=True)  # a goodbye said twice (or by a replica already declared dead)
-    assert fleet.core.expected_replicas == 3 and fleet.core.counters["replica_leaves"] == 1
+    assert fleet.core.fleet.expected == 3 and fleet.core.counters.replica_leaves == 1
     fleet.pull("d2")  # a late pull of the replica that left: not a new replica
-    assert set(fleet.core.replicas) == {"a", "b", "c"} and fleet.core.expected_replicas == 3
+    assert set(fleet.core.fleet.replicas) == {"a", "b", "c"} and fleet.core.fleet.expected == 3
     fleet.core.remove_replica("c", fleet.now)  # takes back the last join that raised the count
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
     fleet.core.remove_replica("b", fleet.now)  # no such join left: Serve replaces it, the count stands
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
 
 
 def test_a_replacement_after_a_leave_is_no_surplus_and_a_dead_engine_keeps_the_count():
@@ -79,18 +79,18 @@ def test_a_replacement_after_a_leave_is_no_surplus_and_a_dead_engine_keeps_the_c
     for rid in ("a", "b"):
         fleet.pull(rid)
     fleet.pull("b", leaving=True)
-    assert fleet.core.expected_replicas == 1
+    assert fleet.core.fleet.expected == 1
     fleet.pull("b2")  # Serve's replacement
-    assert fleet.core.expected_replicas == 2 and fleet.core.surplus_joins == 0
+    assert fleet.core.fleet.expected == 2 and fleet.core.fleet.surplus_joins == 0
     fleet.core.remove_replica("a", fleet.now)  # a timed-out death: Serve replaces it
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
     fleet.pull("a2")
     # an engine that died says goodbye itself: a death, and Serve's replacement comes after it
     report = Report("a2", "a2-1", progress=[], stats=EngineStats(), model=None, capacity=32, leaving=True,
                     engine_dead=True)
     fleet.core.on_report(report, fleet.now + 1)
-    assert fleet.core.expected_replicas == 2 and set(fleet.core.replicas) == {"b2"}
-    assert fleet.core.counters["replica_deaths"] == 2 and fleet.core.counters["replica_leaves"] == 1
+    assert fleet.core.fleet.expected == 2 and set(fleet.core.fleet.replicas) == {"b2"}
+    assert fleet.core.counters.replica_deaths == 2 and fleet.core.counters.replica_leaves == 1
 
 
 def test_a_rolling_update_leaves_no_unfilled_leave_behind():
@@ -101,11 +101,11 @@ def test_a_rolling_update_leaves_no_unfilled_leave_behind():
     for rid in ("a", "b", "b2"):
         fleet.pull(rid)
     fleet.pull("b", leaving=True)
-    assert fleet.core.expected_replicas == 2 and fleet.core.unfilled_leaves == 0
+    assert fleet.core.fleet.expected == 2 and fleet.core.fleet.unfilled_leaves == 0
     fleet.pull("a2")  # a's replacement, before a timed out
-    assert fleet.core.expected_replicas == 3
+    assert fleet.core.fleet.expected == 3
     fleet.core.remove_replica("a", fleet.now)
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
 
 
 def test_a_driver_target_is_the_count_before_the_fleet_moves_and_stays_through_it():
@@ -116,23 +116,23 @@ def test_a_driver_target_is_the_count_before_the_fleet_moves_and_stays_through_i
     for rid in ("a", "b"):
         fleet.pull(rid)
     fleet.core.set_fleet_target(4, fleet.now)
-    assert fleet.core.expected_replicas == 4  # before the new replicas join
+    assert fleet.core.fleet.expected == 4  # before the new replicas join
     for rid in ("c", "d"):
         fleet.pull(rid)
-    assert fleet.core.expected_replicas == 4 and fleet.core.surplus_joins == 0
+    assert fleet.core.fleet.expected == 4 and fleet.core.fleet.surplus_joins == 0
     fleet.core.remove_replica("d", fleet.now)  # a death: Serve replaces it, the count stands
-    assert fleet.core.expected_replicas == 4
+    assert fleet.core.fleet.expected == 4
     fleet.pull("d2")
     fleet.core.set_fleet_target(2, fleet.now)
-    assert fleet.core.expected_replicas == 2  # before any replica left
+    assert fleet.core.fleet.expected == 2  # before any replica left
     for rid in ("c", "d2"):  # Serve stops two: their leaves do not lower the count again
         fleet.pull(rid, leaving=True)
-    assert fleet.core.expected_replicas == 2 and fleet.core.unfilled_leaves == 0
-    assert set(fleet.core.replicas) == {"a", "b"}
+    assert fleet.core.fleet.expected == 2 and fleet.core.fleet.unfilled_leaves == 0
+    assert set(fleet.core.fleet.replicas) == {"a", "b"}
     fleet.pull("b", leaving=True)  # a leave below the count (declarative scale-down) still lowers it
-    assert fleet.core.expected_replicas == 1
+    assert fleet.core.fleet.expected == 1
     fleet.pull("e")  # and a join above it raises it
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
 
 
 def test_a_driver_target_no_replica_comes_for_is_dropped_after_a_replica_timeout():
@@ -142,7 +142,7 @@ def test_a_driver_target_no_replica_comes_for_is_dropped_after_a_replica_timeout
     fleet.now += 61  # past replica_timeout_s (60): the two never came (no node can host them)
     fleet.pull("a")
     fleet.core.expire(fleet.now)
-    assert fleet.core.expected_replicas == 1
+    assert fleet.core.fleet.expected == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -152,19 +152,19 @@ def test_a_router_that_expects_more_replicas_than_come_settles_on_those_that_did
     timeout, it takes the fleet it has, so chunked's first round and static's shares do not wait
     for ever; a replica that joins later raises the count again."""
     fleet = Fleet(policy, expected=3)
-    timeout = fleet.core.replica_timeout_s
+    timeout = fleet.core.fleet.replica_timeout_s
     for rid in ("a", "b"):
         fleet.pull(rid)
     fleet.core.expire(fleet.now + timeout / 2)
-    assert fleet.core.expected_replicas == 3  # still within the timeout: the others may be starting
+    assert fleet.core.fleet.expected == 3  # still within the timeout: the others may be starting
     fleet.now += timeout + 1
     for rid in ("a", "b"):
         fleet.pull(rid)  # alive
     fleet.core.expire(fleet.now)
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
     fleet.run_batch(["a", "b"])
     fleet.pull("c")
-    assert fleet.core.expected_replicas == 3
+    assert fleet.core.fleet.expected == 3
 
 
 def test_a_death_gives_its_replacement_a_replica_timeout_before_the_count_drops():
@@ -174,21 +174,21 @@ def test_a_death_gives_its_replacement_a_replica_timeout_before_the_count_drops(
     fleet.pull("a")
     fleet.core.remove_replica("b", fleet.now)  # b died long after the last join
     fleet.core.expire(fleet.now + 1)
-    assert fleet.core.expected_replicas == 2  # its replacement is expected
+    assert fleet.core.fleet.expected == 2  # its replacement is expected
     fleet.pull("a")
-    fleet.now += fleet.core.replica_timeout_s + 1
+    fleet.now += fleet.core.fleet.replica_timeout_s + 1
     fleet.pull("a")
     fleet.core.expire(fleet.now)
-    assert fleet.core.expected_replicas == 1  # none came
+    assert fleet.core.fleet.expected == 1  # none came
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_replacement_that_joins_before_the_dead_replica_times_out_does_not_strand_a_batch(policy):
     fleet = fleet_after_a_batch(policy)
     fleet.pull("c")  # b crashed; its replacement is up before the router declares b dead
-    assert fleet.core.expected_replicas == 3
+    assert fleet.core.fleet.expected == 3
     fleet.core.remove_replica("b", fleet.now)  # b times out
-    assert fleet.core.expected_replicas == 2
+    assert fleet.core.fleet.expected == 2
     fleet.run_batch(["a", "c"])  # chunked's first round waits for the expected fleet: not for ever
 
 
@@ -196,7 +196,7 @@ def test_static_share_of_a_replica_without_the_current_weights_is_run_by_another
     """b failed to load the weights: it keeps pulling but is hidden from the policy, and its share
     must not wait for it."""
     fleet = fleet_after_a_batch("static")
-    fleet.core.weights_version = 1
+    fleet.core.weights.version = 1
     fleet.weights = {"a": 1, "b": 0}
     fleet.pull("a")
     fleet.pull("b")
@@ -233,7 +233,7 @@ def test_a_replaced_replica_does_not_strand_the_next_batch(policy):
 def test_a_scaled_down_fleet_splits_the_next_batch_over_the_replicas_left(policy):
     fleet = fleet_after_a_batch(policy)
     fleet.pull("b", leaving=True)  # Serve stopped b (scale-down): it said goodbye
-    assert fleet.core.expected_replicas == 1
+    assert fleet.core.fleet.expected == 1
     used = fleet.run_batch(["a"])
     assert set(used.values()) == {"a"}
 
@@ -241,7 +241,7 @@ def test_a_scaled_down_fleet_splits_the_next_batch_over_the_replicas_left(policy
 def test_static_shares_follow_a_scale_up():
     fleet = fleet_after_a_batch("static")
     fleet.pull("c")  # the deployment was scaled up
-    assert fleet.core.expected_replicas == 3
+    assert fleet.core.fleet.expected == 3
     used = fleet.run_batch(["a", "b", "c"])
     assert sorted(list(used.values()).count(r) for r in ("a", "b", "c")) == [4, 4, 4]
 

@@ -1,13 +1,13 @@
-"""vLLM sleep mode through RouterCore (fleet_sleep.py, router_control.py): between batches only,
+"""vLLM sleep mode through RouterCore (router/sleep.py, router/weights.py): between batches only,
 one order to every replica (a joiner's at registration, a lost one again), no work and no
 batches while asleep, and a wake that brings the current weights back."""
 import pytest
 
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
-from rollout_cluster.fleet_sleep import FleetSleep
+from rollout_cluster.router.sleep import FleetSleep
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (EngineStats, InputError, LoadWeights, ModelInfo, NoteWeights, Report,
                                       SamplingSpec, SeqProgress, SequenceRequest, Sleep, SleepState, Wake,
                                       WeightsState)
@@ -170,7 +170,7 @@ def test_a_batch_runs_after_wake():
 
 
 def test_the_fleets_level_is_a_metric():
-    from rollout_cluster.metrics import PrometheusRouterMetrics
+    from rollout_cluster.serve.metrics import PrometheusRouterMetrics
 
     metrics = PrometheusRouterMetrics(port=0)
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), 1, metrics=metrics)

@@ -5,7 +5,7 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (EngineStats, Listing, ModelInfo, Report, SamplingSpec, SeqProgress,
                                       SequenceRequest)
 
@@ -33,7 +33,7 @@ def test_a_report_sent_again_after_a_lost_reply_counts_its_tokens_once():
     core.on_report(report([delta, later]), 0.2)  # the retry carries it again, then the rest
     done, _, finished = core.fetch(bid, 0)
     assert finished and done[0].token_ids == [7, 8, 9, 10, 11, 12]
-    assert core.counters["duplicate_reports"] == 1 and core.counters["generated_tokens"] == 6
+    assert core.counters.duplicate_reports == 1 and core.counters.generated_tokens == 6
 
 
 def test_work_in_a_lost_reply_runs_again_once_the_replica_lists_what_it_holds():
@@ -42,20 +42,20 @@ def test_work_in_a_lost_reply_runs_again_once_the_replica_lists_what_it_holds():
     assert len(lost) == 2
     again = core.on_report(report(held=[]), 0.1).start  # "I hold nothing": both go out again
     assert [(w.seq_id, w.attempt) for w in again] == [(w.seq_id, w.attempt + 1) for w in lost]
-    assert core.counters["lost_orders"] == 2
+    assert core.counters.lost_orders == 2
     # the new attempts are held; the replica lists them and nothing moves
     assert not core.on_report(report(held=[(w.seq_id, w.attempt) for w in again]), 0.2).start
     for w in again:
         core.on_report(report([SeqProgress(w.seq_id, w.attempt, [5] * 6, None, "length", offset=0)]), 0.3)
     done, _, finished = core.fetch(bid, 0)
-    assert finished and [len(c.token_ids) for c in done] == [6, 6] and core.counters["lost_orders"] == 2
+    assert finished and [len(c.token_ids) for c in done] == [6, 6] and core.counters.lost_orders == 2
 
 
 def test_work_in_the_reply_being_answered_is_not_taken_for_lost():
     """The list comes with the pull that the new work answers: the replica has not seen it yet."""
     core, _ = setup(n=1)
     orders = core.on_report(report(held=[]), 0.1)
-    assert len(orders.start) == 1 and core.counters["lost_orders"] == 0
+    assert len(orders.start) == 1 and core.counters.lost_orders == 0
 
 
 def test_a_lost_reply_mid_segment_resumes_from_the_last_reported_tokens():
@@ -107,13 +107,13 @@ def test_a_give_up_in_a_lost_reply_is_sent_again_once_the_replica_still_lists_th
     # the next report, without the list, cannot tell: nothing is resent
     assert core.on_report(report(), 0.3).give_up == []
     again = core.on_report(report(held=[key]), 0.4).give_up  # the replica still runs it
-    assert again == [key] and core.counters["lost_orders"] == 1
+    assert again == [key] and core.counters.lost_orders == 1
     # this time it arrives: the engine lists the attempt as aborting, then reports the abort
     assert core.on_report(report(held=[key], aborting=[key]), 0.5).give_up == []
     core.on_report(report([SeqProgress(work.seq_id, work.attempt, [9], None, "abort", offset=2)], held=[]), 0.6)
     done, _, finished = core.fetch(bid, 0)
     assert finished and done[0].finish_reason == "abort" and done[0].token_ids == [7, 8, 9]
-    assert core.counters["lost_orders"] == 1
+    assert core.counters.lost_orders == 1
 
 
 def test_a_delivered_give_up_is_not_sent_twice():
@@ -126,7 +126,7 @@ def test_a_delivered_give_up_is_not_sent_twice():
     core.on_report(report([SeqProgress(work.seq_id, work.attempt, [4], None, "abort", offset=0)], held=[]), 0.4)
     done, _, finished = core.fetch(bid, 0)
     assert finished and done[0].token_ids == [4]
-    assert core.counters["lost_orders"] == 0
+    assert core.counters.lost_orders == 0
 
 
 def test_the_sim_replica_stops_listing_what_it_gives_up():

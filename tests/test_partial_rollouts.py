@@ -11,9 +11,9 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.driver import expand, follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.jsonl_io import merge_results, read_requests
-from rollout_cluster.metrics import PrometheusRouterMetrics
+from rollout_cluster.serve.metrics import PrometheusRouterMetrics
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.sim.simulator import Simulation
 from rollout_cluster.protocol import (Completion, EngineStats, InputError, ModelInfo, Partial, Report, SamplingSpec,
                                    SeqProgress, SequenceRequest, partials)
@@ -42,7 +42,7 @@ def test_a_resumed_sample_continues_after_its_output_and_comes_back_whole():
     assert list(c.token_ids) == [7, 8, 9, 9, 9, 9]
     assert list(c.logprobs) == [-0.1, -0.2, -0.3, -0.5, -0.5, -0.5]
     assert not c.migrations  # resuming is not a move
-    assert core.counters["partials_resumed"] == 1 and core.counters["partial_tokens_resumed"] == 3
+    assert core.counters.partials_resumed == 1 and core.counters.partial_tokens_resumed == 3
 
 
 def test_bad_resumed_outputs_fail_naming_the_field_and_the_rest_of_the_batch_runs():
@@ -84,7 +84,7 @@ def test_a_resumed_sample_is_taken_over_after_a_router_restart():
     (c,), _, _ = core.fetch(bid, 0)
     assert list(c.token_ids) == [7, 8, 20, 21, 9, 9] and c.resumed_tokens == 2
     assert list(c.logprobs) == [-1.0, -1.0, -2.0, -2.0, -0.5, -0.5]
-    assert core.counters["adopted"] == 1
+    assert core.counters.adopted == 1
 
 
 def test_an_orphan_that_did_not_start_from_the_resumed_output_is_not_taken():
@@ -92,7 +92,7 @@ def test_an_orphan_that_did_not_start_from_the_resumed_output_is_not_taken():
     orphan_handed_over(core, whole("r1-b0:0", [20, 21], [-2.0, -2.0], prompt=PROMPT + [6, 6]))
     bid = core.submit([resumed([7, 8], [-1.0, -1.0])], 2.0, previous_ids=["r1-b0:0"])
     (work,) = finish(core, 2.1, extra=4)
-    assert work.prompt_token_ids == PROMPT + [7, 8] and core.counters["adopted"] == 0
+    assert work.prompt_token_ids == PROMPT + [7, 8] and core.counters.adopted == 0
     (c,), _, _ = core.fetch(bid, 0)
     assert list(c.token_ids) == [7, 8, 9, 9, 9, 9]
 

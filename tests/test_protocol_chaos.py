@@ -130,8 +130,8 @@ from rollout_cluster.config import URGENT_REPORT_GAP_FRAC, PolicyConfig, RouterC
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
-from rollout_cluster.state import SeqStatus
+from rollout_cluster.router.core import NoLiveReplicaError, RouterCore
+from rollout_cluster.router.state import SeqStatus
 from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, LoadWeights, ModelInfo,
                                       NoteWeights, Orders, Report, SamplingSpec, SeqProgress, SequenceRequest, Sleep,
                                       SleepState, Wake, WeightsState)
@@ -650,11 +650,11 @@ class Chaos:
         while self.events[0][0] <= end:
             self._step(end, None)
         self.seen["a final sent whole after a failed pull, its known part dropped"] += sum(
-            core.counters["finals_whole_trimmed"] for core in self.cores)
+            core.counters.finals_whole_trimmed for core in self.cores)
         self.seen["a resubmitted sequence took its old segment's output over"] += sum(
-            core.counters["adopted"] for core in self.cores)
+            core.counters.adopted for core in self.cores)
         self.seen["a final that reached a new router as a delta asked for again, whole"] += sum(
-            core.counters["whole_finals_asked"] for core in self.cores)
+            core.counters.whole_finals_asked for core in self.cores)
 
     def _step(self, limit: float, on_limit) -> None:
         t, _, handler, args = heapq.heappop(self.events)
@@ -668,7 +668,7 @@ class Chaos:
         raise AssertionError(f"batches not done after {MAX_VIRTUAL_S:.0f} virtual s: unfetched per batch {left}; "
                              f"step {self.step_i} of {len(self.steps)}, plan {self.plan}; "
                              f"router seqs {[(s.seq_id, s.status.value, s.replica) for s in self.core.seqs.values()]}; "
-                             f"replicas {sorted(self.core.replicas)}; counters {self.core.counters}")
+                             f"replicas {sorted(self.core.fleet.replicas)}; counters {self.core.counters}")
 
     # -- replica side
     def _pull(self, t: float, rep: FakeReplica) -> None:
@@ -705,7 +705,7 @@ class Chaos:
 
     @staticmethod
     def _hold_s(core: RouterCore, rep: FakeReplica, report: Report) -> float:
-        state = core.replicas.get(rep.rid)
+        state = core.fleet.replicas.get(rep.rid)
         busy = state is not None and len(state.seqs) > 0
         moving = report.sleep.level != report.sleep.goal and not report.sleep.error
         return ROUTER.pull_wait_s if busy or len(core.queue) or report.weights.loading or moving \
@@ -881,9 +881,9 @@ class Chaos:
         holds other weights and failed loading these (none is still loading them, by what the router
         knows: ordered by it, or reported loading (ordered by the router before a restart), not held,
         no error)."""
-        v = core.weights_version
-        loading = sorted(rid for rid, r in core.replicas.items() if v in (r.weights_ordered, r.weights_loading)
-                         and r.weights_version != v and rid not in core.weights_errors)
+        v = core.weights.version
+        loading = sorted(rid for rid, r in core.fleet.replicas.items() if v in (r.weights_ordered, r.weights_loading)
+                         and r.weights_version != v and rid not in core.weights.errors)
         queued = sum(s.status is SeqStatus.QUEUED for s in core.seqs.values())
         if loading and queued:
             self.violations.append(f"{self.now:.3f} {queued} queued sequences failed for want of weights version "
@@ -895,7 +895,7 @@ class Chaos:
         two listings in a row again (the give-up's reply may be lost). (This replaced a timed
         guess, "still held two listings' time after the restart", that restarts at any time made
         wrong: a replica cut off after one listing may end the attempt itself before the next.)"""
-        rid, state = report.replica_id, core.replicas.get(report.replica_id)
+        rid, state = report.replica_id, core.fleet.replicas.get(report.replica_id)
         was, counts = self.old_listed.get((core, rid), (None, {}))
         if was is not state:  # registered again: the router's listing history starts over
             counts = {}
@@ -975,7 +975,7 @@ class Chaos:
     def _serve_join(self, t: float, why: str, dead: Optional[FakeReplica]) -> None:
         if self.calm:
             return  # not placed before the calm period: never
-        if dead is not None and dead.rid in self.core.replicas:
+        if dead is not None and dead.rid in self.core.fleet.replicas:
             self.seen["replacement joined before the dead one expired"] += 1
         rid = f"s{next(self._joins)}"
         self.fleet_log.append((t, why, rid))
@@ -999,7 +999,7 @@ class Chaos:
             unfetched = t - b.fetched_t
             assert b.abandon_t is not None and not b.released, f"{bid} dropped while its driver fetches it"
             assert ABANDON_S < unfetched <= ABANDON_S + EXPIRE_EVERY_S + 1e-9, f"{bid}: {unfetched:.2f} s unfetched"
-            assert bid not in core.batches and not [k for k in core.groups if k[0] == bid]
+            assert bid not in core.batches and not [k for k in core.batches.groups if k[0] == bid]
             left = [s for s in core.seqs.values() if s.batch_id == bid]
             assert all(s.status is SeqStatus.GIVING_UP for s in left), [(s.seq_id, s.status) for s in left]
             b.dropped_t = t
@@ -1069,7 +1069,7 @@ class Chaos:
     # -- driver side
     def _submit(self, t: float, b: Batch) -> None:
         core = self.core
-        if not core.replicas or t < self.router_down_until:  # (RolloutClient waits for a replica too)
+        if not core.fleet.replicas or t < self.router_down_until:  # (RolloutClient waits for a replica too)
             return self.schedule(t + 0.2, self._submit, b)
         positions = [i for i in range(len(b.requests)) if i not in b.got]  # all, but after a router restart
         # as BatchAcrossRestarts: each resubmitted sequence names its id under the router that restarted
@@ -1078,17 +1078,17 @@ class Chaos:
             bid = self._order(core, "weights", core.submit, [b.requests[i] for i in positions], t,
                               previous_ids=previous)
         except NoLiveReplicaError as e:  # every replica failed loading the weights: the trainer tries again
-            assert "no replica holds weights version" in str(e) and core.weights_version in self.failed_versions, e
+            assert "no replica holds weights version" in str(e) and core.weights.version in self.failed_versions, e
             self.seen["submit refused: no replica holds the weights"] += 1
             try:
                 self.driver_version = self._order(core, "weights", core.update_weights,
-                                                  f"/ckpt/{core.weights_version + 1}")
+                                                  f"/ckpt/{core.weights.version + 1}")
             except RuntimeError:
                 pass  # another batch runs, or the last update still loads
             return self.schedule(t + 0.5, self._submit, b)
         except RuntimeError as e:
             if "still load weights version" in str(e):  # a restarted router waits for the loads to end
-                assert self.routers > 1 and core.weights_learning, e
+                assert self.routers > 1 and core.weights.learning, e
                 self.seen["submit refused: a restarted router's replicas still load"] += 1
                 return self.schedule(t + 0.5, self._submit, b)
             # a restarted router kept the fleet asleep (or no engine woke): wake it
@@ -1099,7 +1099,7 @@ class Chaos:
         if any(rep.loading is not None for rep in self.live()):
             self.seen["submitted while loading"] += 1
         b.cursor, b.order, b.fetched_t = 0, [], t
-        assert b.version == core.weights_version and len(core.batches[bid].results) == len(positions)
+        assert b.version == core.weights.version and len(core.batches[bid].results) == len(positions)
 
     def _cancel(self, t: float, b: Batch) -> None:
         if b.bid is None:
@@ -1180,7 +1180,7 @@ class Chaos:
     def _act(self, t: float, action: tuple) -> bool:
         core, kind = self.core, action[0]
         if kind == "update":
-            v, asleep = max(action[1], core.weights_version + 1), core.sleep.level
+            v, asleep = max(action[1], core.weights.version + 1), core.sleep.level
             self.driver_version = self._order(core, "weights", core.update_weights, f"/ckpt/{v}", v)
             self.seen["update asleep" if asleep else "update"] += 1
         elif kind == "sleep":
@@ -1214,7 +1214,7 @@ class Chaos:
                 self._order(core, "sleep", core.sleep_fleet, self.want_level) if self.want_level \
                     else self._order(core, "sleep", core.wake_fleet)
             return False
-        if not core.sleep.level and core.weights_version < self.driver_version:
+        if not core.sleep.level and core.weights.version < self.driver_version:
             # A restarted router took an older version than the driver's update (it restarted while
             # the replicas loaded, or before they heard of it): RolloutClient raises "replaced
             # meanwhile", and the trainer updates again.
@@ -1223,8 +1223,8 @@ class Chaos:
             self.plan[:0] = [("update", self.driver_version)]
             return False
         sleep, weights = core.sleep_status(), core.weights_status()
-        expected = max(core.expected_replicas, len(core.replicas))
-        at = [rid for rid in core.replicas if sleep["replicas"].get(rid) == sleep["level"]]
+        expected = max(core.fleet.expected, len(core.fleet.replicas))
+        at = [rid for rid in core.fleet.replicas if sleep["replicas"].get(rid) == sleep["level"]]
         if len(at) + len(sleep["errors"]) < expected:
             return False
         if sleep["level"]:
@@ -1245,32 +1245,32 @@ class Chaos:
         fails. STEP_TIMEOUT_S is far above what a step takes here, so the router stranded work: it
         must run queued work or fail it ("no replica holds weights version v") once no replica can."""
         core = self.core
-        usable = sorted(rid for rid, r in core.replicas.items() if core.usable(r))
+        usable = sorted(rid for rid, r in core.fleet.replicas.items() if core.usable(r))
         unfetched = [len(b.requests) - len(b.got) for b in batches]
         raise AssertionError(
             f"a step not done after {STEP_TIMEOUT_S:.0f} s: unfetched {unfetched}; "
-            f"{core.weights_status()}, {core.sleep_status()}, usable {usable} of {core.expected_replicas} expected; "
+            f"{core.weights_status()}, {core.sleep_status()}, usable {usable} of {core.fleet.expected} expected; "
             f"seqs {[(s.seq_id, s.status.value, s.replica) for s in core.seqs.values()][:6]}; fleet {self.fleet_log}")
 
     def _control_during_batch(self, t: float) -> None:
         core = self.core
         if not core.seqs or self.learning is not None:
             return
-        before = (core.weights_version, core.weights_path, core.sleep.level, dict(core.outbox))
+        before = (core.weights.version, core.weights.path, core.sleep.level, dict(core.outbox.orders))
         with pytest.raises(RuntimeError, match="unfinished"):
-            core.update_weights("/ckpt/mid-batch", core.weights_version + 1)
+            core.update_weights("/ckpt/mid-batch", core.weights.version + 1)
         with pytest.raises(RuntimeError, match="unfinished"):
             core.sleep_fleet(self.rng.choice((1, 2)))
-        assert (core.weights_version, core.weights_path, core.sleep.level, dict(core.outbox)) == before
+        assert (core.weights.version, core.weights.path, core.sleep.level, dict(core.outbox.orders)) == before
         self.seen["control refused mid-batch"] += 1
 
     def _converge(self, t: float) -> None:
         """After the steps: a last update if a load failed somewhere, and a wake if not awake."""
         core = self.core
         try:
-            if core.weights_errors:
+            if core.weights.errors:
                 self.driver_version = self._order(core, "weights", core.update_weights,
-                                                  f"/ckpt/{core.weights_version + 1}")
+                                                  f"/ckpt/{core.weights.version + 1}")
         except RuntimeError as e:
             assert "still loading" in str(e), e
             return self.schedule(t + 0.3, self._converge)
@@ -1373,7 +1373,7 @@ def check_learned(core: RouterCore, what: str, reported: list) -> None:
     awake if none was."""
     if what == "weights":
         version = max(reported, default=0)
-        assert (core.weights_version, core.weights_path) == (version, f"/ckpt/{version}" if version else None), \
+        assert (core.weights.version, core.weights.path) == (version, f"/ckpt/{version}" if version else None), \
             f"version {version} held or noted, learned {core.weights_status()}"
     else:
         level = max(reported, default=0)
@@ -1383,8 +1383,8 @@ def check_learned(core: RouterCore, what: str, reported: list) -> None:
 def check_router_holds_nothing(core: RouterCore) -> None:
     assert not core.seqs, f"sequences left: {list(core.seqs)}"
     assert len(core.queue) == 0 and not core.queue.reserved
-    assert all(len(r.seqs) == 0 for r in core.replicas.values()), {r: list(s.seqs) for r, s in core.replicas.items()}
-    assert not core.give_up_t and not core.batches and not core.groups
+    assert all(len(r.seqs) == 0 for r in core.fleet.replicas.values()), {r: list(s.seqs) for r, s in core.fleet.replicas.items()}
+    assert not core.give_up_t and not core.batches and not core.batches.groups
 
 
 def check_engines_idle(chaos: Chaos) -> None:
@@ -1396,9 +1396,9 @@ def check_engines_idle(chaos: Chaos) -> None:
 def check_fleet_converged(chaos: Chaos) -> None:
     """Every live replica holds the router's weights, loads nothing, is awake and keeps no note;
     the router's status says the same of the same replicas."""
-    core, v = chaos.core, chaos.core.weights_version
+    core, v = chaos.core, chaos.core.weights.version
     live = {rid: rep for rid, rep in chaos.fleet.items() if not rep.gone}
-    assert sorted(core.replicas) == sorted(live), (sorted(core.replicas), sorted(live))
+    assert sorted(core.fleet.replicas) == sorted(live), (sorted(core.fleet.replicas), sorted(live))
     for rid, rep in live.items():
         state = (rep.weights, rep.loading, rep.sleep_level, rep.sleep_goal, rep.sleep_error, rep.noted)
         assert state == ((v, f"/ckpt/{v}" if v else ""), None, 0, 0, None, (0, "")), f"{rid}: {state}"
@@ -1480,10 +1480,10 @@ def check_fleet_counted(chaos: Chaos) -> None:
     the live fleet: exactly the replicas that pull."""
     core = chaos.core
     live = sorted(rid for rid, rep in chaos.fleet.items() if not rep.gone)
-    assert sorted(core.replicas) == live, (sorted(core.replicas), live, chaos.fleet_log)
-    assert core.expected_replicas == len(live), (
-        f"expected_replicas {core.expected_replicas} after the calm period, live fleet {live} "
-        f"(surplus_joins {core.surplus_joins}, unfilled_leaves {core.unfilled_leaves}); fleet {chaos.fleet_log}")
+    assert sorted(core.fleet.replicas) == live, (sorted(core.fleet.replicas), live, chaos.fleet_log)
+    assert core.fleet.expected == len(live), (
+        f"expected_replicas {core.fleet.expected} after the calm period, live fleet {live} "
+        f"(surplus_joins {core.fleet.surplus_joins}, unfilled_leaves {core.fleet.unfilled_leaves}); fleet {chaos.fleet_log}")
 
 
 def run_probe(chaos: Chaos) -> Batch:
@@ -1500,7 +1500,7 @@ def run_probe(chaos: Chaos) -> Batch:
     def stranded() -> None:
         raise AssertionError(f"the probe batch is not done {PROBE_LIMIT_S:.0f} s after it went in: fetched "
                              f"{len(probe.got)} of {len(probe.requests)}; expected_replicas "
-                             f"{chaos.core.expected_replicas}, live {live}; fleet {chaos.fleet_log}")
+                             f"{chaos.core.fleet.expected}, live {live}; fleet {chaos.fleet_log}")
     while not probe.settled:
         chaos._step(t0 + PROBE_LIMIT_S, stranded)
     end = chaos.now + 2.0
@@ -1549,10 +1549,10 @@ def test_without_faults_nothing_is_lost_or_recovered(policy):
     chaos = run_case(policy, 100, Faults())
     check_no_superseded_work(chaos)
     c = chaos.core.counters
-    assert (c["lost_orders"], c["orphans_given_up"], c["duplicate_reports"], c["recovered"], c["handed_back"],
-            c["stale_reports"]) == (0, 0, 0, 0, 0, 0), c
+    assert (c.lost_orders, c.orphans_given_up, c.duplicate_reports, c.recovered, c.handed_back,
+            c.stale_reports) == (0, 0, 0, 0, 0, 0), c
     if policy in ("steal", "scripted"):
-        assert c["migrations"] > 0, c
+        assert c.migrations > 0, c
 
 
 @pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(CONTROL_SEEDS)])
@@ -1566,7 +1566,7 @@ def test_an_abandoned_batch_is_dropped_and_leaves_the_router(policy, seed):
     check_no_superseded_work(chaos)
     abandoned = chaos.batches[0]
     assert abandoned.dropped_t is not None, "the abandoned batch finished before it could be dropped"
-    assert abandoned.bid in chaos.core.dropped and all(b.dropped_t is None for b in chaos.batches[1:])
+    assert abandoned.bid in chaos.core.batches.dropped and all(b.dropped_t is None for b in chaos.batches[1:])
 
 
 @pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(4)])
@@ -1648,16 +1648,16 @@ def test_the_count_follows_the_fleet_before_the_settling_rule():
         core.expire(t)
 
     def count() -> tuple:
-        return core.expected_replicas, len(core.replicas)
+        return core.fleet.expected, len(core.fleet.replicas)
     pull(0.0)
     assert count() == (3, 3)
     fleet.discard("r2")  # r2 dies; Serve's replacement s0 comes before r2 times out
     fleet.add("s0")
     pull(1.0)
-    assert count() == (4, 4) and core.surplus_joins == 1
+    assert count() == (4, 4) and core.fleet.surplus_joins == 1
     for t in (2.0, 3.0, 4.0, 5.5):
         pull(t)
-    assert count() == (3, 3) and core.surplus_joins == 0  # r2 expired: its replacement's join taken back
+    assert count() == (3, 3) and core.fleet.surplus_joins == 0  # r2 expired: its replacement's join taken back
     core.on_report(replace(_report("r1"), leaving=True), 6.0)  # a declarative scale-down
     fleet.discard("r1")
     assert count() == (2, 2)
@@ -1671,7 +1671,7 @@ def test_the_count_follows_the_fleet_before_the_settling_rule():
     for rid in ("r0", "s0", "s1"):
         core.on_report(replace(_report(rid), leaving=True), 10.5)
         fleet.discard(rid)
-        assert core.expected_replicas == 1
+        assert core.fleet.expected == 1
     pull(11.0)
     assert count() == (1, 1)
     core = RouterCore(make_policy(POLICIES["static"], COST), expected_replicas=3,
@@ -1694,8 +1694,8 @@ def test_a_replica_back_after_its_timeout_has_its_old_attempts_given_up():
     chaos = run_case("steal", 0, Faults(fleet=[(1.0, "stall")]), replicas=2, batches=[Batch(long, 0.05)])
     check_no_superseded_work(chaos)
     c = chaos.core.counters
-    assert c["replica_deaths"] == 1 and c["recovered"] == 4 and c["stale_reports"] > 0, c
-    assert c["orphans_given_up"] == 4, c
+    assert c.replica_deaths == 1 and c.recovered == 4 and c.stale_reports > 0, c
+    assert c.orphans_given_up == 4, c
     ((_, _, stalled),) = chaos.fleet_log
     lost = [m for done in chaos.batches[0].got.values() for m in done.migrations if m.reason == "replica_lost"]
     assert len(lost) == 4 and {m.source for m in lost} == {stalled}, lost
@@ -1816,7 +1816,7 @@ def test_work_pushed_to_a_busy_replica_is_not_taken_for_lost():
     assert to_c.seq_id == "b0:3" and [(w.seq_id, w.attempt) for w in core.outbox["b"].start] == [("b0:0", 2)]
     # ...and b (1 running) is pushed b0:0 attempt 2. b's next pull reports and lists what it runs:
     orders = core.on_report(_report("b", held=held["b"]), 1.4)
-    assert core.counters["lost_orders"] == 0
+    assert core.counters.lost_orders == 0
     assert [(w.seq_id, w.attempt) for w in orders.start] == [("b0:0", 2)]  # one attempt, not also a third
 
 
@@ -1913,7 +1913,7 @@ def test_a_restarted_router_takes_the_highest_version_any_replica_holds_or_noted
         core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)
         core.on_report(b, 0.0)
         core.on_report(a, 0.1)
-        assert (core.weights_version, core.weights_path) == (3, "/ckpt/3"), core.weights_status()
+        assert (core.weights.version, core.weights.path) == (3, "/ckpt/3"), core.weights_status()
 
 
 def test_a_restarted_router_gives_no_work_to_a_replica_still_loading_other_weights():
@@ -1927,7 +1927,7 @@ def test_a_restarted_router_gives_no_work_to_a_replica_still_loading_other_weigh
     with pytest.raises(RuntimeError, match=r"replica\(s\) a, b still load weights version 3, ordered by a "
                                            r"router before this one restarted"):
         _four(core, 0.1)
-    assert not core.usable(core.replicas["a"])
+    assert not core.usable(core.fleet.replicas["a"])
     for rid in "ab":
         core.on_report(_control_report(rid, version=3), 0.2)
     bid = _four(core, 0.3)
@@ -1980,8 +1980,8 @@ def test_chunked_starts_its_first_round_without_a_replica_that_failed_loading():
         work += core.on_report(_control_report("a", version=1), t).start
         core.on_report(_control_report("b", error_version=1), t)
         core.expire(t)
-    usable = [rid for rid, r in core.replicas.items() if core.usable(r)]
-    assert work, f"expected {core.expected_replicas} replicas, usable {usable}"
+    usable = [rid for rid, r in core.fleet.replicas.items() if core.usable(r)]
+    assert work, f"expected {core.fleet.expected} replicas, usable {usable}"
 
 
 # ---- bugs the harness found once its workarounds went (fixed) ----------------------------------
@@ -2090,13 +2090,13 @@ def test_queued_work_is_failed_when_the_last_replica_holding_its_weights_dies():
     remove_replica fails queued work only for a replica that leaves. (("scripted", 293, False) and
     ("steal", 264, False) timed out so.)"""
     core = _loaded(failed="b")
-    core.replica_timeout_s = 5.0
+    core.fleet.replica_timeout_s = 5.0
     bid = _four(core, 0.3)
     assert len(core.on_report(_control_report("a", version=1), 0.4).start) == 4
     for t in (1.0, 6.0, 12.0, 30.0, 120.0):  # a pulls no more
         core.on_report(_control_report("b", error_version=1), t)
         core.expire(t)
-    assert core.expected_replicas == 1
+    assert core.fleet.expected == 1
     with pytest.raises(NoLiveReplicaError, match="no replica holds weights version 1"):
         _four(core, 121.0)
     done, _, finished = core.fetch(bid, 0)

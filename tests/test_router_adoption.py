@@ -1,4 +1,4 @@
-"""A restarted router takes over what its predecessor's segments generated (router_adoption.py).
+"""A restarted router takes over what its predecessor's segments generated (router/adoption.py).
 
 The replicas still run the old router's segments after it died. The new router gives them up as
 orphans and asks for their whole output; a driver's resubmission names each sequence's old id,
@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from rollout_cluster import router_adoption
+from rollout_cluster.router import adoption as router_adoption
 from rollout_cluster.config import EngineConfig, PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (EngineStats, InputError, Listing, ModelInfo, Report, SamplingSpec,
                                       SeqProgress, SequenceRequest, WeightsState, Work)
 
@@ -63,7 +63,7 @@ def finish(core: RouterCore, now: float, extra: int, work=None) -> list:
 def test_an_orphans_output_is_taken_over_by_its_resubmission_and_continued():
     core = new_router()
     orphan_handed_over(core, whole("r1-b0:3", [11, 12, 13, 14], [-1.0, -2.0, -3.0, -4.0]))
-    assert "r1-b0:3" in core.orphan_outputs
+    assert "r1-b0:3" in core.adoption.orphan_outputs
     bid = core.submit([request(max_tokens=10)], 2.0, previous_ids=["r1-b0:3"])
     (work,) = finish(core, 2.1, extra=6)
     # the continuation: prompt + the taken-over tokens, with what is left of max_tokens
@@ -72,13 +72,13 @@ def test_an_orphans_output_is_taken_over_by_its_resubmission_and_continued():
     assert done and list(c.token_ids) == [11, 12, 13, 14] + [9] * 6
     assert list(c.logprobs) == [-1.0, -2.0, -3.0, -4.0] + [-0.5] * 6
     assert [(m.reason, m.at_token, m.destination) for m in c.migrations] == [("router_restart", 4, "a")]
-    assert core.counters["adopted"] == 1 and core.counters["adopted_tokens"] == 4 and not core.orphan_outputs
+    assert core.counters.adopted == 1 and core.counters.adopted_tokens == 4 and not core.adoption.orphan_outputs
 
 
 def test_a_resubmission_that_comes_first_waits_for_the_output_and_takes_it():
     core = new_router()
     bid = core.submit([request(max_tokens=8)], 1.0, previous_ids=["r1-b0:0"])
-    assert "r1-b0:0" in core.awaiting_orphans
+    assert "r1-b0:0" in core.adoption.awaiting_orphans
     assert not core.decide("a", 1.1).start  # free slots, but its old segment may still be running
     started = orphan_handed_over(core, whole("r1-b0:0", [21, 22], [-1.0, -1.0]), now=1.5).start
     (work,) = finish(core, 2.0, extra=6, work=started)  # it started as soon as its output came
@@ -96,7 +96,7 @@ def test_a_resubmission_whose_output_never_comes_starts_from_its_prompt_after_a_
     assert not core.decide("a", 1.2).start
     core.expire(1.0 + router_adoption.ADOPT_WAIT_S)
     (late,) = core.decide("a", 11.1).start
-    assert late.seq_id == f"{bid}:0" and late.prompt_token_ids == PROMPT and not core.awaiting_orphans
+    assert late.seq_id == f"{bid}:0" and late.prompt_token_ids == PROMPT and not core.adoption.awaiting_orphans
     bid2 = core.submit([request()], 11.5, previous_ids=["r1-b0:9"])
     core.cancel(bid2, 11.6)  # a cancel reaches a waiting sequence too
     (c,), _, done = core.fetch(bid2, 0)
@@ -142,7 +142,7 @@ def test_an_output_that_is_not_exactly_this_sequence_is_not_taken(case):
         core.on_report(report(version=1, path="/ckpt/step-1"), 1.8)
     bid = core.submit([req], 2.0, previous_ids=["r1-b0:5"])
     seq = core.seqs[f"{bid}:0"]
-    assert seq.generated == 0 and not seq.migrations and core.counters["adopted"] == 0  # from its prompt
+    assert seq.generated == 0 and not seq.migrations and core.counters.adopted == 0  # from its prompt
 
 
 def test_earlier_segments_are_taken_over_with_the_logprobs_their_work_carried():
@@ -174,7 +174,7 @@ def test_an_output_is_taken_once_and_kept_only_for_a_while(monkeypatch):
         core.submit([request()], 2.5, previous_ids=["x", "y"])
     orphan_handed_over(core, whole("r1-b0:8", [1], [-1.0]), now=3.0)
     core.expire(3.0 + router_adoption.ORPHAN_KEEP_S + 1)
-    assert not core.orphan_outputs
+    assert not core.adoption.orphan_outputs
 
 
 class Out:
@@ -232,16 +232,16 @@ def test_a_resubmission_waits_only_while_its_old_segment_may_still_run():
     core.on_report(report(held=[("r1-b0:1", 1)]), 0.5)  # every replica has listed: r1-b0:1 runs, r1-b0:0 not
     bid = core.submit([request(), request(index=1)], 1.0, previous_ids=["r1-b0:0", "r1-b0:1"])
     (started,) = core.decide("a", 1.1).start
-    assert started.seq_id == f"{bid}:0" and list(core.awaiting_orphans) == ["r1-b0:1"]
+    assert started.seq_id == f"{bid}:0" and list(core.adoption.awaiting_orphans) == ["r1-b0:1"]
     # r1-b0:1 ends on its own before its give-up: a delta, its earlier tokens went with the old
     # router. The router asks for it again, whole, and waits on.
     ended = SeqProgress("r1-b0:1", 1, [4], None, "stop", offset=7)
     orders = core.on_report(report([ended], held=[started_key(started)]), 1.2)
-    assert orders.report_whole == [("r1-b0:1", 1)] and not orders.start and list(core.awaiting_orphans) == ["r1-b0:1"]
+    assert orders.report_whole == [("r1-b0:1", 1)] and not orders.start and list(core.adoption.awaiting_orphans) == ["r1-b0:1"]
     core.expire(1.2 + router_adoption.ADOPT_WAIT_S)  # it never comes (an engine that kept nothing)
     (late,) = core.decide("a", 11.3).start
-    assert late.seq_id == f"{bid}:1" and late.prompt_token_ids == PROMPT and not core.awaiting_orphans
-    assert not core.whole_asked
+    assert late.seq_id == f"{bid}:1" and late.prompt_token_ids == PROMPT and not core.adoption.awaiting_orphans
+    assert not core.adoption.whole_asked
 
 
 def test_a_replica_that_lists_nothing_of_the_old_router_releases_the_waiting_sequences():
@@ -249,7 +249,7 @@ def test_a_replica_that_lists_nothing_of_the_old_router_releases_the_waiting_seq
     bid = core.submit([request()], 1.0, previous_ids=["r1-b0:0"])
     assert not core.decide("a", 1.1).start
     (started,) = core.on_report(report(held=[]), 1.5).start  # its listing: nothing of the old router's
-    assert started.seq_id == f"{bid}:0" and not core.awaiting_orphans
+    assert started.seq_id == f"{bid}:0" and not core.adoption.awaiting_orphans
 
 
 def started_key(work) -> tuple:
@@ -261,7 +261,7 @@ def test_of_two_attempts_the_old_router_made_the_latest_is_kept():
     later = SeqProgress("r1-b0:2", 2, [7, 7, 7], [-1.0] * 3, "abort", offset=0, prompt_token_ids=PROMPT + [6])
     earlier = SeqProgress("r1-b0:2", 1, [6], [-1.0], "abort", offset=0, prompt_token_ids=PROMPT)
     core.on_report(report([later, earlier], held=[]), 1.0)
-    assert core.orphan_outputs["r1-b0:2"].attempt == 2
+    assert core.adoption.orphan_outputs["r1-b0:2"].attempt == 2
     bid = core.submit([request(logprobs=None)], 2.0, previous_ids=["r1-b0:2"])
     assert list(core.seqs[f"{bid}:0"].token_ids) == [6, 7, 7, 7]
 
@@ -270,11 +270,11 @@ def test_a_replica_that_goes_takes_its_listing_of_old_segments_with_it():
     core = new_router()
     core.on_report(report(held=[("r1-b0:1", 1)]), 0.5)
     bid = core.submit([request()], 1.0, previous_ids=["r1-b0:1"])
-    assert core.orphan_listings == {"r1-b0:1": 1} and core.awaiting_orphans
+    assert core.adoption.orphan_listings == {"r1-b0:1": 1} and core.adoption.awaiting_orphans
     core.on_report(Report("b", "i1", progress=[], stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=4,
                           listing=Listing([], [])), 1.1)
     core.remove_replica("a", 1.2)  # died with the old segment: it runs nowhere now
-    assert not core.orphan_listings
+    assert not core.adoption.orphan_listings
     # b's listing shows nothing old; the fleet counts 2, so one that has not joined may still hold it
     assert not core.decide("b", 1.3).start
     core.expire(1.0 + router_adoption.ADOPT_WAIT_S)
@@ -283,7 +283,7 @@ def test_a_replica_that_goes_takes_its_listing_of_old_segments_with_it():
 
 
 def test_a_take_over_is_counted_in_the_prometheus_metrics():
-    from rollout_cluster.metrics import PrometheusRouterMetrics
+    from rollout_cluster.serve.metrics import PrometheusRouterMetrics
 
     metrics = PrometheusRouterMetrics(port=0)
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), id_prefix="r2-", metrics=metrics)

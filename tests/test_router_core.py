@@ -6,7 +6,7 @@ import pytest
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
+from rollout_cluster.router.core import NoLiveReplicaError, RouterCore
 from rollout_cluster.sim.simulator import Simulation
 from rollout_cluster.protocol import (EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress,
                                    SequenceRequest)
@@ -137,7 +137,7 @@ def test_give_up_racing_natural_finish_returns_once():
                           stats=EngineStats(), model=None, capacity=8), 0.3)
     done, _, finished = core.fetch(bid, 0)
     assert finished and len(done) == 1 and done[0].token_ids == [7, 8, 9, 10] and done[0].migrations == []
-    assert core.counters["stale_reports"] == 1 and not core.decide("b", 0.4).start
+    assert core.counters.stale_reports == 1 and not core.decide("b", 0.4).start
 
 
 def test_give_up_continues_elsewhere_with_prompt_plus_partial():
@@ -175,16 +175,16 @@ def test_continuation_reprefill_counts_what_the_engine_did_not_find_cached():
     w1 = core.decide("a", 0.0).start[0]
     core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [7, 8], cached_tokens=0)],
                           stats=EngineStats(), model=None, capacity=8), 0.1)
-    assert core.counters["reprefilled_tokens"] == 0  # the first segment is not a re-prefill
+    assert core.counters.reprefilled_tokens == 0  # the first segment is not a re-prefill
     core.on_report(Report("a", "i1", progress=[SeqProgress(w1.seq_id, 1, [9], None, "abort")], stats=EngineStats(),
                           model=None, capacity=8), 0.2)
     w2 = core.decide("b", 0.3).start[0]
-    assert w2.prompt_len == 7 and core.counters["reprefill_tokens"] == 7  # sent: prompt + 3 generated
+    assert w2.prompt_len == 7 and core.counters.reprefill_tokens == 7  # sent: prompt + 3 generated
     core.on_report(Report("b", "i1", progress=[SeqProgress(w1.seq_id, 2, [10], cached_tokens=4)],
                           stats=EngineStats(), model=None, capacity=8), 0.4)
     core.on_report(Report("b", "i1", progress=[SeqProgress(w1.seq_id, 2, [11])], stats=EngineStats(), model=None,
                           capacity=8), 0.5)  # -1: not again
-    assert core.counters["reprefilled_tokens"] == 3 and core.counters["reprefill_segments_measured"] == 1
+    assert core.counters.reprefilled_tokens == 3 and core.counters.reprefill_segments_measured == 1
 
 
 def test_dead_replica_work_resumes_from_last_reported_tokens():
@@ -203,10 +203,10 @@ def test_dead_replica_work_resumes_from_last_reported_tokens():
     # the dead replica comes back with an old report: dropped
     core.on_report(Report("a", "i1", progress=[SeqProgress(wa.seq_id, 1, [6], None, "length")],
                           stats=EngineStats(), model=None, capacity=8), 7.1)
-    assert core.counters["stale_reports"] == 1
+    assert core.counters.stale_reports == 1
     assert [(m.source, m.destination, m.at_token, m.reason) for m in core.seqs[wa.seq_id].migrations] == [
         ("a", "b", 2, "replica_lost")]
-    assert core.counters["recovered"] == 1 and core.counters["migrations"] == 0
+    assert core.counters.recovered == 1 and core.counters.migrations == 0
 
 
 def test_restarted_replica_requeues_its_old_work():
@@ -297,7 +297,7 @@ def test_steal_vectorised_estimate_equals_the_scalar_one():
     from rollout_cluster.policy.estimate import expected_remaining
     from rollout_cluster.policy.steal import StealPolicy
 
-    from rollout_cluster.seq_table import SeqTable
+    from rollout_cluster.router.seq_table import SeqTable
 
     seqs = [SimpleNamespace(seq_id=f"s{i}", generated=g, max_tokens=m, context_tokens=100 + g, group=None,
                             request=SimpleNamespace(prompt_len=100, sampling=SimpleNamespace(max_tokens=m)))
@@ -313,7 +313,7 @@ def test_steal_vectorised_estimate_equals_the_scalar_one():
 
 def test_long_lived_router_keeps_bounded_statistics():
     """Regression: decision times and finished lengths grew by one entry per pull / sequence forever."""
-    from rollout_cluster import router_core
+    from rollout_cluster.router import core as router_core
 
     core = _core()
     _register(core, "a", capacity=64)

@@ -4,7 +4,7 @@ import pytest
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (EngineStats, InputError, Listing, ModelInfo, Report, SamplingSpec,
                                       SeqProgress, SequenceRequest)
 
@@ -29,7 +29,7 @@ def test_attempts_the_router_does_not_know_are_given_up_once_two_listings_show_t
     old = ("old-b0:0", 1)  # the restarted router's predecessor sent it
     assert core.on_report(listing([old, (mine.seq_id, mine.attempt)]), 1.0).give_up == []
     assert core.on_report(listing([old, (mine.seq_id, mine.attempt)]), 3.0).give_up == [old]
-    assert core.counters["orphans_given_up"] == 1
+    assert core.counters.orphans_given_up == 1
     # while its abort is on its way it is listed as aborting: not given up again
     assert core.on_report(listing([old, (mine.seq_id, mine.attempt)], aborting=[old]), 5.0).give_up == []
     assert core.on_report(listing([old, (mine.seq_id, mine.attempt)], aborting=[old]), 7.0).give_up == []
@@ -38,7 +38,7 @@ def test_attempts_the_router_does_not_know_are_given_up_once_two_listings_show_t
                            progress=[SeqProgress("old-b0:0", 1, [9], None, "abort", offset=0)]), 8.0)
     core.on_report(listing([], progress=[SeqProgress(mine.seq_id, mine.attempt, [4] * 50, None, "length")]), 9.0)
     (done,) = core.fetch(bid, 0)[0]
-    assert done.token_ids == [4] * 50 and core.counters["orphans_given_up"] == 1
+    assert done.token_ids == [4] * 50 and core.counters.orphans_given_up == 1
 
 
 def test_an_attempt_listed_once_while_its_final_is_drained_is_not_given_up():
@@ -48,7 +48,7 @@ def test_an_attempt_listed_once_while_its_final_is_drained_is_not_given_up():
     key = (w.seq_id, w.attempt)
     final = SeqProgress(w.seq_id, w.attempt, [1, 2, 3], None, "length")
     assert core.on_report(listing([key], progress=[final]), 1.0).give_up == []  # final and listing together
-    assert core.on_report(listing([]), 3.0).give_up == [] and core.counters["orphans_given_up"] == 0
+    assert core.on_report(listing([]), 3.0).give_up == [] and core.counters.orphans_given_up == 0
 
 
 def test_batch_ids_carry_the_routers_prefix():

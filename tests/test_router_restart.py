@@ -14,7 +14,7 @@ from rollout_cluster.config import PolicyConfig
 from rollout_cluster.driver import RolloutClient, follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, ModelInfo, Report,
                                       SamplingSpec, SeqProgress, SequenceRequest, WeightsState, WeightsVersionError)
 
@@ -269,7 +269,7 @@ def test_follow_batch_cancels_a_batch_past_its_timeout():
 
 
 def test_a_resubmission_names_each_sequences_id_under_the_lost_router():
-    """So that the new router can hand it what the old one's segment generated (router_adoption.py)."""
+    """So that the new router can hand it what the old one's segment generated (router/adoption.py)."""
     router, reqs = FakeRouter(per_fetch=3), requests(10)
     router.before_fetch = [lambda: None, router.restart, lambda: None, router.restart]
     results = client_over(router).run_requests(reqs)

@@ -10,9 +10,9 @@ from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.seq_table import SeqTable
+from rollout_cluster.router.seq_table import SeqTable
 from rollout_cluster.sim.simulator import Simulation
-from rollout_cluster.state import SeqStatus
+from rollout_cluster.router.state import SeqStatus
 
 
 def seq(i, rng):
@@ -99,7 +99,7 @@ def test_router_keeps_every_replica_table_exact_through_a_batch_with_migrations(
 
     def checked_report(report, now, timer=None):
         orders = on_report(report, now, timer)
-        for rep in core.replicas.values():
+        for rep in core.fleet.replicas.values():
             seqs = list(rep.seqs.values())
             want = {s.seq_id: (s.generated, s.request.prompt_len, s.request.sampling.max_tokens) for s in seqs}
             assert table_columns(rep.seqs, False) == want

@@ -5,7 +5,7 @@ import pytest
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import NoLiveReplicaError, RouterCore
+from rollout_cluster.router.core import NoLiveReplicaError, RouterCore
 from rollout_cluster.protocol import (EngineStats, InputError, LoadWeights, ModelInfo, Report, SamplingSpec,
                                       SeqProgress, SequenceRequest, WeightsState)
 
@@ -15,7 +15,7 @@ MODEL = ModelInfo(100, 64)
 
 def pull(core, rid, now, version=0, progress=(), error=None, model=None, error_version=None, loading=0, path=""):
     if error_version is None:
-        error_version = core.weights_version
+        error_version = core.weights.version
     return core.on_report(Report(rid, "i1", progress=list(progress), stats=EngineStats(), model=model, capacity=8,
                                  weights=WeightsState(version=version, error=error, error_version=error_version,
                                                       loading=loading, path=path)), now)
@@ -89,7 +89,7 @@ def test_update_is_refused_while_a_batch_runs_and_versions_only_grow():
         core.update_weights("")
     with pytest.raises(InputError, match="path=None"):
         core.update_weights(None)
-    assert core.weights_version == 5 and core.weights_path == "/ckpt/step5"
+    assert core.weights.version == 5 and core.weights.path == "/ckpt/step5"
 
 
 def test_a_replica_that_joins_later_loads_the_current_weights_first():
@@ -170,7 +170,7 @@ def test_queued_work_fails_with_the_reasons_once_no_replica_can_hold_the_weights
     """The batch was submitted while a replica still held the version; then every load failed."""
     core = core_with(("a",))
     ordered(core, "/ckpt/step1", "a")
-    core.replicas["a"].weights_version = 1  # as if loaded, so that submit accepts the batch
+    core.fleet.replicas["a"].weights_version = 1  # as if loaded, so that submit accepts the batch
     bid = batch(core, now=0.2)
     pull(core, "a", 0.3, error="replica a: load_weights('/ckpt/step1'): torn checkpoint")
     done, _, finished = core.fetch(bid, 0)
@@ -180,7 +180,7 @@ def test_queued_work_fails_with_the_reasons_once_no_replica_can_hold_the_weights
 def test_a_restarted_router_takes_the_version_the_replicas_hold():
     core = core_with(("a", "b"))  # a fresh router: version 0, no path
     a = pull(core, "a", 0.1, version=3, path="/ckpt/step3")
-    assert core.weights_version == 3 and core.weights_path == "/ckpt/step3" and not loads(a)
+    assert core.weights.version == 3 and core.weights.path == "/ckpt/step3" and not loads(a)
     b = pull(core, "b", 0.1, version=0)  # b restarted too: it loads the same
     assert loads(b) == [LoadWeights("/ckpt/step3", 3)]
     bid = batch(core, now=0.2)

@@ -10,7 +10,7 @@ import pytest
 from rollout_cluster.config import ClusterConfig, EngineConfig, PolicyConfig, to_dict
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.serve import router as router_module
 from rollout_cluster.serve.router import Router
 from rollout_cluster.protocol import (EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress,
@@ -40,7 +40,7 @@ def core_holding(version: int, path: str = "/ckpt") -> RouterCore:
 
 def run_to_end(core: RouterCore, bid: str) -> list:
     work = core.decide("a", 1.0).start
-    core.on_report(report("a", core.weights_version, core.weights_path or "",
+    core.on_report(report("a", core.weights.version, core.weights.path or "",
                           [SeqProgress(w.seq_id, w.attempt, [7] * 4, None, "length", offset=0) for w in work]), 1.1)
     new, _, done = core.fetch(bid, 0, 1.2)
     assert done
@@ -77,12 +77,12 @@ def test_a_weights_version_that_is_no_version_names_the_field_and_the_value(bad)
 def test_a_new_router_learns_the_version_from_its_replicas_before_it_accepts_it():
     core = RouterCore(make_policy(PolicyConfig(name="pull"), COST))
     core.on_report(report("a"), 0.0)  # a replica on the config's model: 0 so far
-    assert core.learning_weights_below(2) and not core.learning_weights_below(0)
+    assert core.weights.learning_below(2) and not core.weights.learning_below(0)
     with pytest.raises(WeightsVersionError, match=r"version 0 \('the config model'\); this router is new \(or "
                                                   r"restarted\) and has learned it from 1 replica\(s\) so far"):
         core.submit(batch(), 0.1, weights_version=2)
     core.on_report(report("b", 2, "/ckpt/step-2"), 0.2)  # holds the latest update
-    assert not core.learning_weights_below(2)
+    assert not core.weights.learning_below(2)
     bid = core.submit(batch(), 0.3, weights_version=2)
     assert core.batches[bid].weights_version == 2
 

@@ -4,7 +4,7 @@ Its final report is a delta: the tokens since the last report. If the router res
 the new one never got the earlier deltas, and the delta alone is useless to it. So a replica
 whose pull failed sends its undelivered finals whole (the engine keeps each ended segment's
 output until its final is delivered): a new router keeps that output for the sequence's
-resubmission (router_adoption.py), and the old one, if it was only slow, drops the part it has.
+resubmission (router/adoption.py), and the old one, if it was only slow, drops the part it has.
 """
 import asyncio
 
@@ -12,7 +12,7 @@ from rollout_cluster.config import ClusterConfig, EngineConfig, PolicyConfig, Ro
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
-from rollout_cluster.router_core import RouterCore
+from rollout_cluster.router.core import RouterCore
 from rollout_cluster.serve.replica import EngineReplica
 from rollout_cluster.protocol import (EngineStats, Listing, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
                                       SequenceRequest, Work)
@@ -193,7 +193,7 @@ def test_the_router_that_was_only_slow_takes_the_tail_of_a_whole_final_once():
     core.on_report(report([SeqProgress(w.seq_id, w.attempt, [11, 12], [-1.0, -2.0], offset=0)]), 0.2)
     resent = SeqProgress(w.seq_id, w.attempt, [11, 12], [-1.0, -2.0], offset=0)
     core.on_report(report([resent]), 0.3)  # a delta sent again: dropped
-    assert core.counters["duplicate_reports"] == 1
+    assert core.counters.duplicate_reports == 1
     whole = SeqProgress(w.seq_id, w.attempt, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0,
                         prompt_token_ids=list(PROMPT))
     core.on_report(report([whole], held=[]), 0.4)
@@ -201,10 +201,10 @@ def test_the_router_that_was_only_slow_takes_the_tail_of_a_whole_final_once():
     assert done
     assert list(c.token_ids) == [11, 12, 13] and list(c.logprobs) == [-1.0, -2.0, -3.0]
     assert c.finish_reason == "stop" and not c.migrations
-    assert core.counters["finals_whole_trimmed"] == 1 and core.counters["generated_tokens"] == 3
+    assert core.counters.finals_whole_trimmed == 1 and core.counters.generated_tokens == 3
     core.release(bid)
     core.on_report(report([whole], held=[]), 0.5)  # again, its reply lost: the router's own, finished
-    assert core.counters["orphan_outputs_kept"] == 0 and not core.orphan_outputs
+    assert core.counters.orphan_outputs_kept == 0 and not core.adoption.orphan_outputs
 
 
 def test_a_segment_that_ended_while_no_router_listened_finishes_its_resubmission():
@@ -217,11 +217,11 @@ def test_a_segment_that_ended_while_no_router_listened_finishes_its_resubmission
     ended = [SeqProgress(w.seq_id, w.attempt, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0,
                          prompt_token_ids=list(PROMPT)) for w in work]
     new.on_report(report(ended, held=[]), 1.0)
-    assert new.counters["orphan_outputs_kept"] == 2
+    assert new.counters.orphan_outputs_kept == 2
     bid = new.submit([request(), request()], 1.5, previous_ids=[w.seq_id for w in work])
     got, _, done = new.fetch(bid, 0)
     assert done
-    assert len(got) == 2 and new.counters["adopted"] == 2
+    assert len(got) == 2 and new.counters.adopted == 2
     for c in got:
         assert list(c.token_ids) == [11, 12, 13] and list(c.logprobs) == [-1.0, -2.0, -3.0]
         assert c.finish_reason == "stop" and [m.reason for m in c.migrations] == ["router_restart"]
@@ -234,7 +234,7 @@ def test_a_final_that_reached_a_new_router_as_a_delta_is_asked_for_again_whole()
     new = router("r2-")
     delta = SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)
     orders = new.on_report(report([delta], held=[]), 1.0)
-    assert orders.report_whole == [("r1-b0:0", 1)] and new.counters["orphan_outputs_kept"] == 0
+    assert orders.report_whole == [("r1-b0:0", 1)] and new.counters.orphan_outputs_kept == 0
     assert not new.on_report(report([delta], held=[]), 1.1).report_whole  # asked once
     bid = new.submit([request()], 1.2, previous_ids=["r1-b0:0"])
     assert not new.decide("a", 1.3).start  # it waits for the whole output
@@ -242,7 +242,7 @@ def test_a_final_that_reached_a_new_router_as_a_delta_is_asked_for_again_whole()
     new.on_report(report([whole], held=[]), 1.4)
     (c,), _, done = new.fetch(bid, 0)
     assert done and list(c.token_ids) == [11, 12, 13] and [m.reason for m in c.migrations] == ["router_restart"]
-    assert not new.whole_asked and new.counters["adopted"] == 1
+    assert not new.adoption.whole_asked and new.counters.adopted == 1
 
 
 def test_the_vllm_adapter_sends_an_ended_final_again_whole_when_asked():
@@ -321,20 +321,20 @@ def test_a_goodbyes_delta_final_is_not_asked_for_again_and_its_resubmission_star
     bid = new.submit([request()], 0.5, previous_ids=["r1-b0:0"])  # waits: replica b has not listed
     delta = SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)
     goodbye = Report("a", "i1", progress=[delta], stats=EngineStats(), model=None, capacity=4, leaving=True)
-    assert not new.on_report(goodbye, 1.0).report_whole and not new.whole_asked
+    assert not new.on_report(goodbye, 1.0).report_whole and not new.adoption.whole_asked
     (w,) = new.decide("b", 1.1).start  # it ended with a's goodbye: from its prompt, at once
     assert w.seq_id == f"{bid}:0" and w.prompt_token_ids == PROMPT
 
 
 def test_a_whole_final_that_never_comes_releases_its_resubmission_when_the_ask_expires():
-    from rollout_cluster import router_adoption
+    from rollout_cluster.router import adoption as router_adoption
     new = router("r2-")
     new.on_report(report([SeqProgress("r1-b0:0", 1, [13], [-3.0], "stop", offset=2)], held=[]), 1.0)
     bid = new.submit([request()], 5.0, previous_ids=["r1-b0:0"])
     assert not new.decide("a", 5.1).start  # waits for the whole output asked at 1.0
     new.expire(1.0 + router_adoption.ADOPT_WAIT_S)  # the ask expires before the claim's own wait
     (w,) = new.decide("a", 11.1).start
-    assert w.seq_id == f"{bid}:0" and not new.awaiting_orphans and not new.whole_asked
+    assert w.seq_id == f"{bid}:0" and not new.adoption.awaiting_orphans and not new.adoption.whole_asked
 
 
 def test_chunked_rounds_carry_no_prior_logprobs_and_other_continuations_do():

@@ -2,7 +2,7 @@
 random pushes, removals, re-reservations and released lanes."""
 import random
 
-from rollout_cluster.state import SeqState, WorkQueue
+from rollout_cluster.router.state import SeqState, WorkQueue
 from rollout_cluster.protocol import SamplingSpec, SequenceRequest
 
 

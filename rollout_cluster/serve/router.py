@@ -8,6 +8,7 @@ Drivers call `submit` and long-poll `fetch`.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 import logging
 import resource
 import time
@@ -17,10 +18,10 @@ from ray import serve
 
 from ..config import load_config
 from ..engines.cost_model import load_profile
-from ..metrics import PrometheusRouterMetrics
+from .metrics import PrometheusRouterMetrics
 from ..niceness import set_niceness
 from ..policy import make_policy
-from ..router_core import NoLiveReplicaError, RouterCore
+from ..router.core import NoLiveReplicaError, RouterCore
 from ..protocol import Orders, Report
 
 log = logging.getLogger("ray.serve")
@@ -59,7 +60,7 @@ class Router:
                 self._wake_all()
             dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
             for bid in dropped:
-                log.warning("batch %s: %s", bid, self.core.dropped[bid])
+                log.warning("batch %s: %s", bid, self.core.batches.dropped[bid])
                 self.batch_progress.pop(bid, None)
                 self.submit_t.pop(bid, None)
             if dropped:
@@ -77,35 +78,38 @@ class Router:
     async def pull(self, report: Report) -> Orders:
         now = time.monotonic()
         core = self.core
-        before, requeues = core.finished_count, core.requeues
-        orders = core.on_report(report, now, timer=time.perf_counter)
-        if core.finished_count != before:
+        applied = core.apply(report, now)
+        if applied.finished:
             self._notify_batches()
-        if core.requeues != requeues:  # requeued work (give-up partials): held pulls take it now
+        if applied.requeued:  # requeued work (give-up partials): held pulls take it now
             self._wake_all()
-        if report.leaving:  # its work is back in the queue: the others take it now
+        if applied.left:  # its work is back in the queue: the others take it now
             log.info("replica %s left; its sequences were requeued", report.replica_id)
             self.work_ready.pop(report.replica_id, None)
             self._wake_all()
-            return orders
-        if core.outbox:
-            for rid in core.outbox:
-                if rid in self.work_ready:
-                    self.work_ready[rid].set()
+            return Orders()
+        if applied.replica_id is None:
+            return Orders()  # a late pull of a replica that left
+        orders = core.decide(report.replica_id, now, timer=time.perf_counter)
+        if core.trace is not None:
+            core.trace.append((now, report.replica_id, len(core.fleet.replicas[report.replica_id].seqs)))
+        for rid in core.outbox.replica_ids():  # the decision left orders for others (give-ups)
+            if rid in self.work_ready:
+                self.work_ready[rid].set()
         if not orders:
             ev = self.work_ready.setdefault(report.replica_id, asyncio.Event())
             ev.clear()
-            rep = core.replicas.get(report.replica_id)
+            rep = core.fleet.replicas.get(report.replica_id)
             # a load's or a sleep move's end is news: pull again soon
             moving = report.sleep.level != report.sleep.goal and not report.sleep.error
             busy = (rep is not None and rep.seqs) or report.weights.loading or moving
-            wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_for(len(core.replicas))
+            wait = self.cfg.router.pull_wait_s if busy else self.cfg.router.idle_pull_wait_for(len(core.fleet.replicas))
             try:
                 await asyncio.wait_for(ev.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             orders = core.decide(report.replica_id, time.monotonic(), timer=time.perf_counter)
-        orders.report_interval_s = self.cfg.router.report_interval_for(len(core.replicas))
+        orders.report_interval_s = self.cfg.router.report_interval_for(len(core.fleet.replicas))
         orders.router_id = self.router_id
         return orders
 
@@ -119,16 +123,16 @@ class Router:
         core, learn_until = self.core, None
         while True:
             now = time.monotonic()
-            ready = bool(core.replicas) and core.model is not None
-            if ready and not core.learning_weights_below(weights_version):
+            ready = bool(core.fleet.replicas) and core.model is not None
+            if ready and not core.weights.learning_below(weights_version):
                 break
             if ready:  # replicas report their weights as they join: the rest join soon or hold the same
                 learn_until = learn_until or now + WEIGHTS_LEARN_WAIT_S
                 if now >= min(learn_until, deadline):
                     break  # core.submit refuses it, naming both versions
             elif now >= deadline:
-                what = (f"{len(core.replicas)} replicas pull, but none has said which model it runs"
-                        if core.replicas else "no live engine replica")
+                what = (f"{len(core.fleet.replicas)} replicas pull, but none has said which model it runs"
+                        if core.fleet.replicas else "no live engine replica")
                 raise NoLiveReplicaError(
                     f"{what} after {wait:.0f} s (router.submit_wait_for_replica_s): "
                     "the batch was not run; check that the engine replicas started")
@@ -192,7 +196,7 @@ class Router:
     async def set_fleet_target(self, replicas: int) -> int:
         """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
         self.core.set_fleet_target(replicas, time.monotonic())
-        return self.core.expected_replicas
+        return self.core.fleet.expected
 
     async def status(self) -> dict:
         c = self.core
@@ -202,7 +206,7 @@ class Router:
                                "step_time_s": r.stats.step_time_s} for rid, r in c.replicas.items()},
             "queued": len(c.queue), "live_sequences": len(c.seqs), "batches": len(c.batches),
             "batch_ids": c.batches_status(time.monotonic()),  # cancel one: RolloutClient.cancel(batch_id)
-            "policy": c.policy.name, "counters": dict(c.counters),
+            "policy": c.policy.name, "counters": asdict(c.counters),
             "model": None if c.model is None else c.model.__dict__,
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
@@ -246,6 +250,5 @@ class Router:
         self.cfg.validate()
         self.core.policy = make_policy(pc, load_profile(self.cfg.profile_path(), self.cfg.engine.max_num_seqs))
         self.core.decision_times.clear()
-        for k in self.core.counters:
-            self.core.counters[k] = 0
+        self.core.counters.__init__()  # (the components hold this object: reset it in place)
         return pc.name

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..engines.cost_model import CostModel
 from ..policy.base import Policy
-from ..router_core import RouterCore
+from ..router.core import RouterCore
 from ..protocol import EngineStats, ModelInfo, Report
 from .engine import FastEngineCore
 
@@ -154,7 +154,7 @@ class Simulation:
             heapq.heappush(heap, (nxt, rid))
         completions = [None if c is None else c.with_lists() for c in batch.results]
         return SimResult(makespan_s=max(finish_times, default=0.0), completions=completions,
-                         counters=dict(core.counters), decision_times_s=core.decision_times,
+                         counters=asdict(core.counters), decision_times_s=core.decision_times,
                          trace=trace, finish_times=finish_times, busy_s=dict(self.busy),
                          preemptions=sum(e.preemptions for e in self.engines.values()),
                          reprefill_tokens=self.reprefill_tokens,

@@ -9,12 +9,14 @@ engine is at and the one it was last told to reach (`Report.sleep_level`, `sleep
 router sends the order again only when a lost reply took it (the goal is not the fleet's and no
 order is waiting in the outbox). A replica gets work only while it and the fleet are awake.
 
-Plain bookkeeping, no clock and no I/O: RouterCore drives it.
+Plain bookkeeping, no clock and no I/O: RouterCore drives it and sends the orders it makes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from ..protocol import InputError, Sleep, Wake, is_int
 
 SLEEP_LEVELS = (1, 2)
 
@@ -25,6 +27,26 @@ class FleetSleep:
     at: dict = field(default_factory=dict)  # replica_id -> (level its engine is at, its goal)
     errors: dict = field(default_factory=dict)  # replica_id -> why reaching `level` failed there
     ordered: bool = False  # a driver set the level (a fresh router has not)
+
+    @staticmethod
+    def check_level(level) -> None:
+        if not is_int(level) or level not in SLEEP_LEVELS:
+            raise InputError("level", level, "must be 1 (offload the weights to host memory, drop the KV cache) "
+                             "or 2 (drop both; waking reloads the latest checkpoint)")
+
+    def order(self, weights_path: Optional[str], weights_version: int) -> Sleep | Wake:
+        """The order that takes a replica to the fleet's level: a level-2 sleeper reloads the
+        fleet's current weights when it wakes."""
+        return Sleep(self.level) if self.level else Wake(weights_path, weights_version)
+
+    def refusal(self, replica_ids) -> Optional[str]:
+        """Why a batch cannot run now (None: it can): the fleet sleeps, or no live engine woke."""
+        if self.level:
+            return (f"the engines are asleep (level {self.level}, RolloutClient.sleep): call wake() before "
+                    "submitting a batch")
+        if self.errors and all(rid in self.errors for rid in replica_ids):
+            return "no engine woke: " + "; ".join(sorted(self.errors.values())) + " (wake() again tries once more)"
+        return None
 
     def set(self, level: int) -> None:
         self.level = level

@@ -1,8 +1,8 @@
-"""A restarted router takes over what its predecessor's segments generated. RouterCore mixes it in.
+"""A restarted router takes over what its predecessor's segments generated.
 
 The router keeps a batch in memory, so a router that restarts loses its batches, and the driver
-submits the sequences it has not received again (batch_follow.py). The replicas, though, still
-run the old router's segments. The new router gives them up as orphans (RouterCore._reconcile)
+submits the sequences it has not received again (client/follower.py). The replicas, though, still
+run the old router's segments. The new router gives them up as orphans (RouterCore's reconcile)
 and asks for their whole output in the final report (Orders.report_whole), not a delta. It keeps
 that output for ORPHAN_KEEP_S, by the old sequence id. A resubmitted sequence names its old id
 (`previous_ids`), and takes the output over: it continues from it as after a migration
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
-from .state import SeqState, SeqStatus
-from .protocol import Migration, Orders, SeqProgress
+from ..protocol import Migration, SeqProgress
+from .counters import RouterCounters, RouterMetrics
+from .fleet import Fleet
+from .outbox import Outbox
+from .state import ReplicaState, SeqState, SeqStatus
 
 ORPHAN_KEEP_S = 600.0  # how long an orphan's output waits for its driver to submit the sequence again
 ORPHANS_KEPT = 1 << 16  # and how many of them, at most (the oldest go first)
@@ -45,24 +48,38 @@ class OrphanOutput:
     prior_logprobs: Optional[array] = None  # of the prompt's generated tail (a continuation's earlier segments)
 
     @classmethod
-    def of(cls, rep, p: SeqProgress, now: float) -> "OrphanOutput":
+    def of(cls, rep: ReplicaState, p: SeqProgress, now: float) -> "OrphanOutput":
         return cls(rep.replica_id, rep.weights_version, p.attempt, array("i", p.prompt_token_ids),
                    array("i", p.token_ids), None if p.logprobs is None else array("d", p.logprobs),
                    p.finish_reason, now, None if p.prior_logprobs is None else array("d", p.prior_logprobs))
 
 
+class AdoptionHost(Protocol):
+    """What adoption needs of the router's sequences: RouterCore provides it."""
+
+    def seq(self, seq_id: str) -> Optional[SeqState]: ...  # a live sequence
+    def batch_version(self, batch_id: str) -> Optional[int]: ...  # its batch's weights version (None: gone)
+    def requeue(self, seq: SeqState) -> None: ...  # into the queue (a continuation if it has tokens)
+    def unqueue(self, seq: SeqState) -> None: ...  # out of the queue: it waits for its output
+    def finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None: ...
+
+
 class OrphanAdoption:
-    """Needs RouterCore's seqs, batches, queue, replicas, outbox, expected_replicas, counters,
-    metrics, record_tokens, id_prefix and _finish."""
+    """The old router's outputs, kept until their sequences come back, and those waiting for them."""
 
-    def _init_adoption(self) -> None:
-        self.orphan_outputs: dict = {}  # old seq_id -> OrphanOutput, in arrival order
-        self.awaiting_orphans: dict = {}  # old seq_id -> (new seq_id, since): resubmitted before it ended
-        self.orphan_listings: dict = {}  # old seq_id -> how many replicas listed it running, at their last listing
+    def __init__(self, host: AdoptionHost, fleet: Fleet, outbox: Outbox, counters: RouterCounters,
+                 metrics: RouterMetrics, record_tokens: bool, id_prefix: str):
+        self.host, self.fleet, self.outbox = host, fleet, outbox
+        self.counters, self.metrics = counters, metrics
+        self.record_tokens = record_tokens  # the simulator keeps no tokens: nothing to take over
+        self.id_prefix = id_prefix  # this router's sequences' ids start with it; a predecessor's do not
+        self.orphan_outputs: dict[str, OrphanOutput] = {}  # old seq_id -> its output, in arrival order
+        self.awaiting_orphans: dict[str, tuple[str, float]] = {}  # old seq_id -> (new seq_id, since): resubmitted before it ended
+        self.orphan_listings: dict[str, int] = {}  # old seq_id -> how many replicas listed it running, at their last listing
         # old seq_id -> when its final came as a delta and its whole output was asked for again
-        self.whole_asked: dict = {}
+        self.whole_asked: dict[str, float] = {}
 
-    def _note_orphans(self, rep, ids: frozenset) -> None:
+    def note_listing(self, rep: ReplicaState, ids: frozenset) -> None:
         """A replica's listing: `ids` are the sequences it runs that this router does not know."""
         rep.listed = True
         for sid in rep.orphan_ids - ids:
@@ -82,7 +99,7 @@ class OrphanAdoption:
                 self._stop_waiting(old)
 
     def _every_replica_listed(self) -> bool:
-        return len(self.replicas) >= self.expected_replicas and all(r.listed for r in self.replicas.values())
+        return len(self.fleet.replicas) >= self.fleet.expected and all(r.listed for r in self.fleet.replicas.values())
 
     def _may_still_run(self, old: str) -> bool:
         """Its whole output may still come: a replica runs it, one has not listed what it runs,
@@ -91,11 +108,11 @@ class OrphanAdoption:
 
     def _stop_waiting(self, old: str) -> None:
         sid, _ = self.awaiting_orphans.pop(old)
-        seq = self.seqs.get(sid)
+        seq = self.host.seq(sid)
         if seq is not None and seq.status is SeqStatus.QUEUED:
-            self.queue.push(seq)
+            self.host.requeue(seq)
 
-    def _orphan_final(self, rep, p: SeqProgress, now: float, leaving: bool = False) -> bool:
+    def take_final(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False) -> bool:
         """An unknown attempt's final report. If it is a whole output, keep it for the sequence's
         resubmission, or hand it to that sequence at once. Returns whether it was taken."""
         if p.finish_reason is None:
@@ -109,8 +126,8 @@ class OrphanAdoption:
                 # (Not of a replica saying goodbye: it goes, with what it kept.)
                 if p.seq_id not in self.whole_asked:
                     self.whole_asked[p.seq_id] = now
-                    self.outbox.setdefault(rep.replica_id, Orders()).report_whole.append((p.seq_id, p.attempt))
-                    self.counters["whole_finals_asked"] += 1
+                    self.outbox.to(rep.replica_id).report_whole.append((p.seq_id, p.attempt))
+                    self.counters.whole_finals_asked += 1
             elif p.seq_id in self.awaiting_orphans:
                 self._stop_waiting(p.seq_id)  # ended, and its output went with the old router
             return False
@@ -118,22 +135,22 @@ class OrphanAdoption:
         out = OrphanOutput.of(rep, p, now)
         waiting = self.awaiting_orphans.pop(p.seq_id, None)
         if waiting is not None:
-            seq = self.seqs.get(waiting[0])
+            seq = self.host.seq(waiting[0])
             if seq is not None:
                 adopted = self._adopt(seq, out, now)
                 if seq.status is SeqStatus.QUEUED:
-                    self.queue.push(seq)  # it runs now, continued or from its prompt
+                    self.host.requeue(seq)  # it runs now, continued or from its prompt
                 if adopted:
                     return True
         kept = self.orphan_outputs.get(p.seq_id)
         if kept is None or kept.attempt < out.attempt:  # the old router's latest attempt of it
             self.orphan_outputs[p.seq_id] = out
-            self.counters["orphan_outputs_kept"] += 1
+            self.counters.orphan_outputs_kept += 1
         while len(self.orphan_outputs) > ORPHANS_KEPT:
             self.orphan_outputs.pop(next(iter(self.orphan_outputs)))
         return True
 
-    def _claim_orphans(self, seqs: list, previous_ids: list, now: float) -> None:
+    def claim(self, seqs: list, previous_ids: list, now: float) -> None:
         """Resubmitted sequences (None: refused as invalid), each with the id it had under the router
         that restarted (or None)."""
         for seq, old in zip(seqs, previous_ids):
@@ -143,7 +160,7 @@ class OrphanAdoption:
             if out is None:
                 if self._may_still_run(old):  # wait for its output a little
                     self.awaiting_orphans[old] = (seq.seq_id, now)
-                    self.queue.remove(seq)
+                    self.host.unqueue(seq)
             elif not self._adopt(seq, out, now):
                 self.orphan_outputs[old] = out  # not this one's (another prompt): it may still be claimed
 
@@ -154,8 +171,8 @@ class OrphanAdoption:
                 or not self.record_tokens):
             return False
         req = seq.request
-        batch = self.batches.get(seq.batch_id)
-        if batch is None or out.weights_version != batch.weights_version or req.prompt_token_ids is None:
+        version = self.host.batch_version(seq.batch_id)
+        if version is None or out.weights_version != version or req.prompt_token_ids is None:
             return False
         prompt = req.prompt_token_ids
         if out.prompt_token_ids[:len(prompt)].tolist() != prompt:
@@ -175,20 +192,20 @@ class OrphanAdoption:
         seq.generated = len(tokens)
         seq.replicas.append(out.replica_id)
         seq.migrations.append(Migration(out.replica_id, None, seq.generated, now - seq.submitted_t, "router_restart"))
-        self.counters["adopted"] += 1
-        self.counters["adopted_tokens"] += len(tokens)
+        self.counters.adopted += 1
+        self.counters.adopted_tokens += len(tokens)
         self.metrics.resumed(out.replica_id, "router_restart")
         # "length" may be the old router's cut (a chunk, a hidden length's stop): the end only at a cap
         hidden = req.hidden_length
         at_cap = seq.generated >= req.sampling.max_tokens or (hidden is not None and seq.generated >= hidden)
         if out.finish_reason == "stop" or at_cap:
-            self.queue.remove(seq)
-            self._finish(seq, "stop" if out.finish_reason == "stop" else "length", now, out.replica_id)
+            self.host.unqueue(seq)
+            self.host.finish(seq, "stop" if out.finish_reason == "stop" else "length", now, out.replica_id)
         else:
-            self.queue.push(seq)  # a continuation now: the continuations' lane
+            self.host.requeue(seq)  # a continuation now: the continuations' lane
         return True
 
-    def _expire_orphans(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         for old in [k for k, o in self.orphan_outputs.items() if now - o.t > ORPHAN_KEEP_S]:
             del self.orphan_outputs[old]
         for old in [k for k, t in self.whole_asked.items() if now - t >= ADOPT_WAIT_S]:
@@ -196,5 +213,5 @@ class OrphanAdoption:
             if old in self.awaiting_orphans and not self._may_still_run(old):
                 self._stop_waiting(old)
         for old, (sid, t) in list(self.awaiting_orphans.items()):
-            if sid not in self.seqs or now - t >= ADOPT_WAIT_S:
+            if self.host.seq(sid) is None or now - t >= ADOPT_WAIT_S:
                 self._stop_waiting(old)  # no output came: from its prompt

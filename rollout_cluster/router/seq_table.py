@@ -1,11 +1,10 @@
 """The sequences on one replica: a mapping by seq_id for the router, numpy columns for the policy.
 
-The steal policy estimates a replica's finish time from every sequence's progress, context and
-cap. Rebuilding those arrays from the SeqState objects at each decision cost O(batch) Python work
-(four list comprehensions over up to max_num_seqs sequences), the largest share of decision
-time. Here they are kept up to date as the router changes the state, at O(1) a change: a
-sequence joins (dispatch), leaves (finish, give-up, loss; the last row moves into its slot),
-reports tokens, or is told to give up. Row order is therefore not insertion order.
+The steal policy reads every sequence's progress, context and cap at each decision. The columns
+are kept up to date as the router changes the state, at O(1) a change: a sequence joins
+(dispatch), leaves (finish, give-up, loss), reports tokens, or is told to give up. A decision
+then reads arrays instead of walking SeqState objects. Row order is not insertion order: a
+leaving sequence's row is filled by the last one.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""Prometheus metrics of the router, served on `metrics.port` (0: off)."""
+"""Prometheus metrics of the router, served on `metrics.port` (0: off): the RouterMetrics hooks
+(counters.py) exported, and gauges read from the core every second."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .router_core import RouterCore, RouterMetrics
+from ..router.core import RouterCore
+from ..router.counters import RouterMetrics
 
 
 class PrometheusRouterMetrics(RouterMetrics):
@@ -60,13 +62,13 @@ class PrometheusRouterMetrics(RouterMetrics):
 
     def gauges(self, core: RouterCore) -> None:
         self.queued.set(len(core.queue))
-        self.weights_version.set(core.weights_version)
-        self.weights_failed.set(len(core.weights_errors))
+        self.weights_version.set(core.weights.version)
+        self.weights_failed.set(len(core.weights.errors))
         self.sleep_level.set(core.sleep.level)
-        self.replicas.set(len(core.replicas))
-        self.expected.set(core.expected_replicas)
-        for rid, rep in core.replicas.items():
+        self.replicas.set(len(core.fleet.replicas))
+        self.expected.set(core.fleet.expected)
+        for rid, rep in core.fleet.replicas.items():
             self.running.labels(rid).set(len(rep.seqs))
-        for rid in self._running_labels - set(core.replicas):  # gone: sum() must not count it
+        for rid in self._running_labels - set(core.fleet.replicas):  # gone: sum() must not count it
             self.running.remove(rid)
-        self._running_labels = set(core.replicas)
+        self._running_labels = set(core.fleet.replicas)

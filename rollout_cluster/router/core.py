@@ -1,0 +1,634 @@
+"""RouterCore: the single owner of sequence state. No Ray, no asyncio, no clock.
+
+The Ray Serve Router deployment wraps it in asyncio; the simulator drives it in virtual time; the
+tests call it directly. A replica's pull is two calls, as vLLM v1's scheduler splits
+`update_from_output` and `schedule`:
+    applied = core.apply(report, now)       # register, take its state, its tokens, its listing
+    orders = core.decide(replica_id, now)   # the policy's decision, and what waits for it
+(`on_report` does both.) Drivers call `submit`, `fetch` and `cancel`; a periodic `expire` declares
+silent replicas dead and drops abandoned batches. Migration semantics: docs/semantics.md.
+
+The state a sequence moves through is here (submit, dispatch, apply progress, give up, requeue,
+finish); the parts with state of their own are components it holds and calls: `batches`
+(batches.py), `fleet` (fleet.py), `weights` (weights.py), `sleep` (sleep.py), `adoption`
+(adoption.py), `outbox` (outbox.py); a request's rules are in validation.py.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..policy.base import Decision, Policy
+from ..protocol import (Completion, InputError, LoadWeights, Migration, ModelInfo, NoteWeights, Orders, Report,
+                        SamplingSpec, SeqProgress, SequenceRequest, Sleep, Wake, Work)
+from ..validation import check_request
+from .adoption import OrphanAdoption
+from .batches import Batches
+from .counters import RouterCounters, RouterMetrics
+from .fleet import Fleet
+from .outbox import Outbox
+from .sleep import FleetSleep
+from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
+from .weights import FleetWeights
+
+# A long-lived router serves batch after batch: its statistics keep a bounded recent window.
+STEP_SAMPLES_KEPT = 100_000
+DECISION_TIMES_KEPT = 100_000
+FINISHED_LENGTHS_KEPT = 4096
+
+
+class NoLiveReplicaError(RuntimeError):
+    pass
+
+
+@dataclass
+class Applied:
+    """What applying one report changed, so that the caller wakes whoever waits for it."""
+
+    replica_id: Optional[str]  # the replica, registered; None: the report was ignored (it had left)
+    finished: bool = False  # sequences finished: their drivers' fetches have news
+    requeued: bool = False  # work went back to the queue: held pulls can take it
+    left: bool = False  # the replica said goodbye; its work is back in the queue
+
+
+def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
+    """Progress report `p` without its first `skip` tokens (the router has them already)."""
+    return replace(p, token_ids=p.token_ids[skip:], num_tokens=p.num_tokens - skip, offset=p.offset + skip,
+                   logprobs=None if p.logprobs is None else p.logprobs[skip:], prompt_token_ids=None)
+
+
+def _append_bounded(values: list, value, keep: int) -> None:
+    values.append(value)
+    if len(values) > 2 * keep:  # trim in bulk: amortised O(1) per append
+        del values[:-keep]
+
+
+class RouterCore:
+    def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
+                 metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
+                 id_prefix: str = ""):
+        self.policy = policy
+        self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
+        self.metrics = metrics or RouterMetrics()
+        self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
+        self.counters = RouterCounters()
+        self.queue = WorkQueue()
+        self.seqs: dict[str, SeqState] = {}  # seq_id -> state, every unfinished sequence of every batch
+        self.give_up_t: dict[str, tuple[float, Optional[str]]] = {}  # seq_id -> (when ordered, destination)
+        self.model: Optional[ModelInfo] = None  # the first replica's; requests are checked against it
+        self.batches = Batches(id_prefix)
+        self.fleet = Fleet(expected_replicas, replica_timeout_s)
+        self.outbox = Outbox()
+        self.weights = FleetWeights()
+        self.sleep = FleetSleep()
+        self.adoption = OrphanAdoption(self, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
+                                       id_prefix)
+        self.finished_lengths: list[int] = []  # recent finished sequences' lengths (the policy's evidence)
+        self.decision_times: list[float] = []
+        self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
+        # While tracing: (running, context tokens, s per token per sequence) per report, for fitting a
+        # cost profile to the engines as they run here (calibrate --from-samples).
+        self.step_samples: list = []
+        self.finished_count = 0  # sequences finished, ever
+        self.requeues = 0  # sequences put back in the queue, ever
+
+    # ---- driver side ------------------------------------------------------------------------------
+    def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
+               weights_version: Optional[int] = None, previous_ids: Optional[list] = None) -> str:
+        """Queue a batch of SequenceRequests. Invalid ones finish at once with an error. With
+        `weights_version`, the batch is refused unless the fleet's weights are that version.
+        `previous_ids` (one per request, or None): the ids the sequences had under a router that
+        restarted; what that router's segments generated is taken over (adoption.py)."""
+        self._refuse_batch(weights_version)
+        bad = next((i for i, r in enumerate(requests) if not isinstance(r, SequenceRequest)), None)
+        if bad is not None:  # refused whole, before anything is registered
+            raise InputError(f"requests[{bad}]", requests[bad], "must be a SequenceRequest")
+        if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)):
+            raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
+        self.weights.learning = False  # this batch runs on the version known now, and awake
+        self.sleep.settle()
+        batch = self.batches.open(len(requests), now, self.weights.version, batch_id)
+        bid = batch.batch_id
+        self.batches.open_groups(bid, [r.prompt_index for r in requests])
+        for i, req in enumerate(requests):
+            seq = SeqState(f"{bid}:{i}", bid, i, (bid, req.prompt_index), req, now)
+            error = self._validate(req)
+            if error:
+                seq.error = error
+                self._finish(seq, "error", now, replica_id=None)
+                continue
+            if req.output_token_ids:  # a partial rollout resumed: a continuation from the start
+                seq.resume(self.record_tokens)
+                self.counters.partials_resumed += 1
+                self.counters.partial_tokens_resumed += seq.generated
+                self.metrics.resumed("-", "partial")
+            self.seqs[seq.seq_id] = seq
+            self.queue.push(seq)
+        if previous_ids is not None:
+            self.adoption.claim([self.seqs.get(f"{bid}:{i}") for i in range(len(requests))], previous_ids, now)
+        return bid
+
+    def _refuse_batch(self, weights_version: Optional[int]) -> None:
+        """Raise if no batch can run now: no replica, other weights, asleep, weights in doubt."""
+        replicas = self.fleet.replicas
+        if not replicas:
+            raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
+        self.weights.check_batch(weights_version, len(replicas))
+        asleep = self.sleep.refusal(replicas)
+        if asleep:
+            raise RuntimeError(asleep)
+        if self.weights.learning:  # a router restarted during update_weights: a batch now would run
+            loading = sorted(rid for rid, r in replicas.items() if r.weights_loading)  # on a version about to go
+            if loading:
+                v = max(replicas[rid].weights_loading for rid in loading)
+                raise RuntimeError(f"replica(s) {', '.join(loading[:4])} still load weights version {v}, ordered by "
+                                   "a router before this one restarted: wait until status()['weights'] shows them "
+                                   "held, or call update_weights again")
+        if self.weights.none_can_load(replicas):
+            raise NoLiveReplicaError(self.weights.failure())
+
+    def _validate(self, req: SequenceRequest) -> Optional[str]:
+        try:
+            check_request(req, self.model)
+        except InputError as e:
+            return str(e)
+        except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
+            return f"invalid request: {type(e).__name__}: {e}"
+        return None
+
+    def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple:
+        """(completions finished since `cursor`, new cursor, batch done)."""
+        return self.batches.fetch(batch_id, cursor, now)
+
+    def cancel(self, batch_id: str, now: float) -> int:
+        """Stop a batch (the driver timed out or gave up): queued sequences finish as "abort"
+        at once, running ones when their replica confirms the give-up. Returns how many."""
+        seqs = [s for s in self.seqs.values() if s.batch_id == batch_id]
+        if batch_id in self.batches:
+            self.batches[batch_id].cancelled = True
+        for seq in seqs:
+            seq.cancelled = True
+            if seq.status is SeqStatus.QUEUED:
+                self.queue.remove(seq)
+                self._finish(seq, "abort", now, None)
+            elif seq.status is SeqStatus.RUNNING:
+                self._order_give_up(seq)
+        return len(seqs)
+
+    def drop_abandoned(self, now: float, idle_s: float) -> list:
+        """Cancel and forget every batch nobody fetched from for `idle_s` seconds: its driver died
+        (a trainer that crashed mid-step). Its running sequences are given up, its queued ones never
+        start, and its tokens leave the router's memory. Returns the dropped ids."""
+        gone = self.batches.abandoned(now, idle_s)
+        for bid in gone:
+            self.batches.drop(bid, now)  # (its reason, from the state before the cancel)
+            self.cancel(bid, now)
+            self.metrics.batches_abandoned(1)
+        return gone
+
+    def release(self, batch_id: str) -> None:
+        """The driver fetched the whole batch: forget it."""
+        self.batches.release(batch_id)
+
+    # ---- the fleet's weights and sleep (between batches) --------------------------------------------
+    def update_weights(self, path: str, version: Optional[int] = None) -> int:
+        """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
+        nodes) as `version` (default: the current one + 1). Replicas load at their next pull."""
+        version = self.weights.checked(path, version)
+        self._refuse_while_running("update_weights", "weights change between batches")
+        self._refuse_while_loading("update_weights")
+        self.weights.update(path, version)
+        for rep in self.fleet.replicas.values():
+            self._order_weights(rep)
+        return version
+
+    def sleep_fleet(self, level: int = 1) -> int:
+        """Put every engine to sleep at vLLM's `level` (1: weights to host memory, KV cache dropped;
+        2: both dropped, reloaded from the latest checkpoint at wake), between batches. Replicas
+        move at their next pull; a batch submitted before wake() is refused. Returns the level."""
+        self.sleep.check_level(level)
+        if self.sleep.level == level:  # again: the replicas that failed to get there try once more
+            for rid in list(self.sleep.errors):
+                self.sleep.errors.pop(rid)
+                if rid in self.fleet.replicas:
+                    self._order_sleep(rid)
+            return level
+        if self.sleep.level:
+            raise RuntimeError(f"sleep: the engines are asleep at level {self.sleep.level} already; wake() first")
+        self._refuse_while_running("sleep", "engines sleep between batches")
+        self._refuse_while_loading("sleep")
+        self.sleep.set(level)
+        for rid in self.fleet.replicas:
+            self._order_sleep(rid)
+        return level
+
+    def wake_fleet(self) -> None:
+        """Wake every engine (a level-2 sleeper reloads the current weights first)."""
+        if self.sleep.level == 0 and not self.sleep.errors:
+            return
+        self.sleep.set(0)
+        for rid in self.fleet.replicas:
+            self._order_sleep(rid)
+
+    def weights_status(self) -> dict:
+        return self.weights.status(self.fleet.replicas)
+
+    def sleep_status(self) -> dict:
+        return self.sleep.status()
+
+    def set_fleet_target(self, replicas: int, now: float) -> None:
+        """A driver told Serve to run `replicas` (RolloutClient.scale): Fleet.set_target."""
+        self.fleet.set_target(replicas, now)
+
+    def usable(self, rep: ReplicaState) -> bool:
+        """It may get work: it holds the current weights, loads no others, and is awake."""
+        return self.weights.held_by(rep) and self.sleep.awake(rep.replica_id)
+
+    def _refuse_while_running(self, what: str, why: str) -> None:
+        if self.seqs:
+            batches = sorted({s.batch_id for s in self.seqs.values()})
+            raise RuntimeError(f"{what}: {len(self.seqs)} sequences of batch(es) {', '.join(batches)} are "
+                               f"unfinished; {why} (wait for them, or cancel)")
+
+    def _refuse_while_loading(self, what: str) -> None:
+        """Two loads at once on a replica: the second's could land while work runs."""
+        loading = self.weights.loading(self.fleet.replicas)
+        if loading:
+            raise RuntimeError(f"{what}: version {self.weights.version} ({self.weights.path!r}) is still loading on "
+                               f"{len(loading)} replica(s) ({', '.join(loading[:4])}); wait until "
+                               "status()['weights'] shows it held or failed everywhere")
+
+    def _order_weights(self, rep: ReplicaState) -> None:
+        order = self.weights.order_for(rep, awake=self.sleep.awake(rep.replica_id))
+        if order is not None:
+            self.outbox.to(rep.replica_id).control.append(order)
+
+    def _order_sleep(self, replica_id: str) -> None:
+        """Replace any sleep or wake order still waiting for the replica with the fleet's level."""
+        self.outbox.replace_control(replica_id, (Sleep, Wake), self.sleep.order(self.weights.path, self.weights.version))
+
+    def _fail_queued_if_no_replica_can_load(self, now: float) -> None:
+        if self.weights.none_can_load(self.fleet.replicas):
+            self._fail_queued(self.weights.failure(), now)
+
+    def _fail_queued(self, why: str, now: float) -> None:
+        """Queued work that no replica can run ends with an error (running work cannot exist)."""
+        for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED]:
+            self.queue.remove(seq)
+            seq.error = why
+            self._finish(seq, "error", now, None)
+
+    # ---- replica side ------------------------------------------------------------------------------
+    def on_report(self, report: Report, now: float, timer=None) -> Orders:
+        """A replica's pull: apply its report, then decide; returns its orders."""
+        applied = self.apply(report, now)
+        if applied.replica_id is None or applied.left:
+            return Orders()
+        orders = self.decide(applied.replica_id, now, timer)
+        if self.trace is not None:
+            self.trace.append((now, applied.replica_id, len(self.fleet.replicas[applied.replica_id].seqs)))
+        return orders
+
+    def apply(self, report: Report, now: float) -> Applied:
+        """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
+        if self.fleet.gone(report):
+            return Applied(None)
+        finished, requeues = self.finished_count, self.requeues
+        rep = self._register(report, now)
+        self._apply_engine_state(rep, report, now)
+        self._apply_progress(rep, report, now)
+        if report.leaving:
+            self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
+        elif report.listing is not None:
+            self._reconcile(rep, report.listing.held, report.listing.aborting, now)
+        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving)
+
+    def decide(self, replica_id: str, now: float, timer=None) -> Orders:
+        """The policy's decision at this replica's pull; returns the orders waiting for it."""
+        rep = self.fleet.replicas.get(replica_id)
+        if rep is None:
+            return Orders()
+        # A replica without the current weights gets no work (its load order is in its outbox), nor
+        # one that sleeps or is on its way to or from sleep.
+        if (len(self.queue) or self.seqs) and self.usable(rep):
+            t0 = timer() if timer else None
+            decision = self.policy.decide(self.view(now), replica_id)
+            if timer:
+                dt = timer() - t0
+                _append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
+                self.metrics.decision(dt)
+            self._apply_decision(decision, now)
+        orders = self.outbox.take(replica_id)
+        orders.work_waiting = len(self.queue) > 0
+        for work in orders.start:
+            seq = self.seqs.get(work.seq_id)
+            if seq is not None:
+                seq.delivered_pull = rep.pulls
+        for seq_id, _ in orders.give_up:
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.give_up_pull = rep.pulls
+        return orders
+
+    def view(self, now: float) -> ClusterView:
+        """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
+        replicas = self.fleet.replicas
+        if not all(self.usable(r) for r in replicas.values()):
+            replicas = {rid: r for rid, r in replicas.items() if self.usable(r)}
+        # Replicas that failed loading the weights never become usable: not expected (chunked's
+        # first round, static's shares).
+        failed = sum(rid in self.fleet.replicas for rid in self.weights.errors)
+        return ClusterView(now, self.queue, replicas, self.batches.groups, self.seqs,
+                           max(1, self.fleet.expected - failed), self.finished_lengths,
+                           self.counters.generated_tokens, self.counters.reprefill_tokens)
+
+    def expire(self, now: float) -> list:
+        """Declare replicas that stopped pulling dead (their work requeued); returns their ids."""
+        dead = self.fleet.silent(now)
+        for rid in dead:
+            self.remove_replica(rid, now)
+        if self.fleet.settle(now):
+            # The last replica holding the weights died and none came back in a replica timeout:
+            # if every one left failed loading them, nothing can run the queued work.
+            self._fail_queued_if_no_replica_can_load(now)
+        self.adoption.expire(now)
+        return dead
+
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False) -> None:
+        """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
+        it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a
+        graceful shutdown, or its engine died), and a late pull of it is not a new replica."""
+        rep = self.fleet.pop(replica_id)
+        if rep is None:
+            return
+        self.adoption.note_listing(rep, frozenset())  # what it ran of a predecessor's runs nowhere now
+        self.fleet.removed(rep, now, leaving, goodbye)
+        if leaving:
+            self.counters.replica_leaves += 1
+        else:
+            self.counters.replica_deaths += 1
+        self.outbox.drop(replica_id)
+        self.weights.forget(replica_id)
+        self.sleep.forget(replica_id)
+        for seq in list(rep.seqs.values()):
+            self.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
+            self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
+        self.queue.release_reserved(replica_id)
+        self.policy.on_replica_removed(replica_id)
+        if leaving:  # for good: if every replica left failed loading the weights, none can run its work
+            self._fail_queued_if_no_replica_can_load(now)
+
+    # ---- the steps of `apply` ---------------------------------------------------------------------
+    def _register(self, report: Report, now: float) -> ReplicaState:
+        if self.fleet.restarted(report):
+            self.remove_replica(report.replica_id, now)  # restarted: its old work is gone
+        rep = self.fleet.join(report, now)
+        if report.model is not None and self.model is None:
+            self.model = report.model
+        return rep
+
+    def _apply_engine_state(self, rep: ReplicaState, report: Report, now: float) -> None:
+        """Its sleep level and weights, unless a newer report's were applied already (a pull the
+        router processed late carries an older state). Sleep first: a load waits for an engine
+        that sleeps. Then the reported engine stats, sampled while tracing."""
+        if not report.number or report.number > rep.last_report_number:
+            rep.last_report_number = report.number
+            self._apply_sleep(rep, report)
+            self._apply_weights(rep, report, now)
+        st = report.stats
+        if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
+            _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
+                            STEP_SAMPLES_KEPT)
+
+    def _apply_sleep(self, rep: ReplicaState, report: Report) -> None:
+        pending = self.outbox.pending(rep.replica_id, (Sleep, Wake))
+        # With an order on its way, the report's error is the old try's: the order tries again.
+        s = report.sleep
+        self.sleep.record(rep.replica_id, s.level, s.goal, None if pending else s.error)
+        if self.sleep.needs_order(rep.replica_id) and not pending:
+            self._order_sleep(rep.replica_id)  # it joined, or the reply that carried the order was lost
+
+    def _apply_weights(self, rep: ReplicaState, report: Report, now: float) -> None:
+        if not self.seqs:
+            self.weights.learn(report.weights)
+        failed = self.weights.record(rep, report.weights, self.outbox.pending(rep.replica_id, (LoadWeights,)),
+                                     self.outbox.pending(rep.replica_id, (NoteWeights,)))
+        if failed:
+            self._fail_queued_if_no_replica_can_load(now)
+        self._order_weights(rep)
+
+    def _apply_progress(self, rep: ReplicaState, report: Report, now: float) -> None:
+        for p in report.progress:
+            self._apply(rep, p, now, report.leaving)
+
+    def _apply(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False) -> None:
+        seq = self.seqs.get(p.seq_id)
+        if seq is None and self.adoption.take_final(rep, p, now, leaving):
+            return
+        if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
+                or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
+            self.counters.stale_reports += 1
+            return
+        have = seq.generated - seq.segment_start
+        if 0 <= p.offset < have:  # sent again after a lost reply, or a final sent whole
+            if p.finish_reason is None or p.offset + p.num_tokens < have:
+                self.counters.duplicate_reports += 1
+                return
+            p = _without_first(p, have - p.offset)  # a whole final: the tokens it adds, and the end
+            self.counters.finals_whole_trimmed += 1
+        if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
+            context = seq.request.prompt_len + seq.segment_start
+            self.counters.reprefilled_tokens += max(0, context - p.cached_tokens)
+            self.counters.reprefill_segments_measured += 1
+        if p.num_tokens:
+            seq.generated += p.num_tokens
+            rep.seqs.progressed(seq)
+            self.counters.generated_tokens += p.num_tokens
+            if self.record_tokens:
+                seq.token_ids.extend(p.token_ids)
+                if p.logprobs is not None:
+                    if seq.logprobs is None:
+                        seq.logprobs = array("d")
+                    seq.logprobs.extend(p.logprobs)
+        reason = p.finish_reason
+        if reason is None:
+            return
+        del rep.seqs[seq.seq_id]
+        if reason == "error":
+            seq.error = p.error or "engine error"
+            self._finish(seq, "error", now, rep.replica_id)
+        elif reason == "abort" or self._segment_cut(seq, reason):
+            # An abort nobody ordered is a replica handing its work back before it stops.
+            self._requeue_after_segment(seq, rep.replica_id, now, "replica_left" if reason == "abort" else None)
+        else:
+            self._finish(seq, reason, now, rep.replica_id)
+
+    def _segment_cut(self, seq: SeqState, reason: str) -> bool:
+        """A policy's segment cap (not the sequence's own end) stopped this segment."""
+        if reason != "length" or seq.segment_cap is None:
+            return False
+        hidden = seq.request.hidden_length
+        return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
+                and (hidden is None or seq.generated < hidden))
+
+    def _reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float) -> None:
+        """Work sent in the reply to an earlier pull that the replica does not hold never arrived
+        (the reply was lost: the replica applies a reply's orders before it pulls again). It runs
+        again from its last reported tokens, like the work of a dead replica. A give-up sent in such
+        a reply is sent again: the replica holds the attempt and does not list it as aborting."""
+        have = {(sid, attempt) for sid, attempt in held}
+        lost = [s for s in rep.seqs.values()
+                if 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
+        for seq in lost:
+            del rep.seqs[seq.seq_id]
+            self.counters.lost_orders += 1
+            self.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
+            self._requeue_after_segment(seq, rep.replica_id, now)
+        aborting = {(sid, attempt) for sid, attempt in aborting}
+        # Attempts the replica runs that the router does not know: a restarted router's predecessor
+        # sent them (or this replica was declared dead and its work requeued). Their tokens would be
+        # ignored; give them up to free the slots. Only when two listings in a row show them: a
+        # final report can be drained while its attempt is still listed.
+        known = {(s.seq_id, s.attempt) for s in rep.seqs.values()}
+        self.adoption.note_listing(rep, frozenset(sid for sid, attempt in have if (sid, attempt) not in known))
+        unknown = frozenset(k for k in have if k not in known and k not in aborting)
+        orphans = sorted(unknown & rep.unknown_held)
+        rep.unknown_held = unknown.difference(orphans)
+        if orphans:
+            self.counters.orphans_given_up += len(orphans)
+            orders = self.outbox.to(rep.replica_id)
+            orders.give_up.extend(orphans)
+            orders.report_whole.extend(orphans)  # the driver may submit them again: continue them then
+        for seq in rep.seqs.values():
+            key = (seq.seq_id, seq.attempt)
+            if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
+                    and key in have and key not in aborting):
+                self.counters.lost_orders += 1
+                seq.give_up_pull = -1
+                self.outbox.to(rep.replica_id).give_up.append((seq.seq_id, seq.attempt))
+
+    # ---- a sequence's moves -----------------------------------------------------------------------
+    def _apply_decision(self, decision: Decision, now: float) -> None:
+        for a in decision.assign:
+            seq = a.seq
+            rep = self.fleet.replicas.get(a.replica_id)
+            if seq.status is not SeqStatus.QUEUED or rep is None or rep.weights_version != self.weights.version:
+                self.counters.policy_errors += 1
+                continue
+            self.queue.remove(seq)
+            self._dispatch(seq, a.replica_id, a.segment_cap)
+        for g in decision.give_up:
+            seq = g.seq
+            if seq.status is not SeqStatus.RUNNING or seq.replica not in self.fleet.replicas:
+                self.counters.policy_errors += 1
+                continue
+            self.give_up_t[seq.seq_id] = (now, g.destination)
+            self._order_give_up(seq)
+
+    def _dispatch(self, seq: SeqState, replica_id: str, segment_cap: Optional[int]) -> None:
+        req = seq.request
+        seq.attempt += 1
+        seq.status, seq.replica = SeqStatus.RUNNING, replica_id
+        seq.segment_cap, seq.segment_start = segment_cap, seq.generated
+        # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
+        # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
+        seq.give_up_pull = seq.delivered_pull = -1
+        if not seq.replicas or seq.replicas[-1] != replica_id:
+            seq.replicas.append(replica_id)
+        last = seq.migrations[-1] if seq.migrations else None
+        if last is not None and last.destination != replica_id and last.at_token == seq.generated:
+            # the continuation starts here, not where the move meant it to (gone, or never reached)
+            seq.migrations[-1] = replace(last, destination=replica_id)
+        stop_after = segment_cap
+        if req.hidden_length is not None:
+            left = max(1, req.hidden_length - seq.generated)
+            stop_after = left if stop_after is None else min(stop_after, left)
+        prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids.tolist()
+        # A continuation's earlier logprobs, for a take-over after a router restart; not for a
+        # chunked round's segment (every round of every sequence: their size grows as the square
+        # of the length), which a restarted router therefore generates again when logprobs are asked.
+        prior = (array("d", seq.logprobs) if seq.generated and seq.logprobs is not None and prompt is not None
+                 and segment_cap is None else None)
+        work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
+                    prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len,
+                    prior_logprobs=prior)
+        self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
+        self.outbox.to(replica_id).start.append(work)
+
+    def _order_give_up(self, seq: SeqState) -> None:
+        """Tell a running sequence's replica to give it up; its partials come back in a report."""
+        seq.status = SeqStatus.GIVING_UP
+        self.fleet.replicas[seq.replica].seqs.giving_up(seq)  # a RUNNING sequence's replica is live
+        self.outbox.to(seq.replica).give_up.append((seq.seq_id, seq.attempt))
+
+    def _requeue_after_segment(self, seq: SeqState, source: str, now: float, cause: Optional[str] = None) -> None:
+        """Queue the rest of `seq` after its segment on `source` ended short of the sequence's end:
+        a policy's give-up (a migration), a chunk cut, or `cause` (a replica leaving or lost)."""
+        if seq.cancelled:
+            self._finish(seq, "abort", now, source)
+            return
+        ordered = self.give_up_t.pop(seq.seq_id, None)
+        if seq.give_up_pull < 0:  # the order never reached the replica: it did not cause this end
+            ordered = None
+        destination = None
+        if ordered is None and cause is not None:
+            seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
+            if cause == "replica_left":
+                self.counters.handed_back += 1
+            else:
+                self.counters.recovered += 1
+            self.metrics.resumed(source, cause)
+        if ordered is not None:
+            t_ordered, destination = ordered
+            seq.moves += 1
+            seq.last_move_t = now
+            seq.migrations.append(Migration(source, destination, seq.generated, now - seq.submitted_t))
+            self.counters.migrations += 1
+            self.counters.reprefill_tokens += seq.context_tokens
+            self.metrics.migration(source, seq.context_tokens)
+            self.metrics.give_up_latency(now - t_ordered)
+        seq.status, seq.replica = SeqStatus.QUEUED, None
+        if destination is not None and destination not in self.fleet.replicas:
+            destination = None
+        self.queue.push(seq, reserved_for=destination)
+        self.requeues += 1
+
+    def _finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
+        seq.status = SeqStatus.DONE
+        seq.finish_reason = reason
+        seq.replica = None
+        self.give_up_t.pop(seq.seq_id, None)
+        batch = self.batches.get(seq.batch_id)
+        req = seq.request
+        wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
+        # (an invalid request may have no spec; one that asked but ended before its first token gets [])
+        logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
+        done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
+                          seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
+                          now - seq.submitted_t, batch.weights_version if batch else self.weights.version,
+                          seq.resumed)
+        self.seqs.pop(seq.seq_id, None)
+        if reason != "error":
+            _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
+        self.batches.group_finished(seq.group, seq.generated, counts_length=reason != "error")
+        self.metrics.finished(replica_id or "-", reason)
+        self.finished_count += 1
+        self.batches.record(seq.batch_id, seq.index, done)
+
+    # ---- what AdoptionHost asks of the router (adoption.py) --------------------------------------------
+    def seq(self, seq_id: str) -> Optional[SeqState]:
+        return self.seqs.get(seq_id)
+
+    def batch_version(self, batch_id: str) -> Optional[int]:
+        batch = self.batches.get(batch_id)
+        return None if batch is None else batch.weights_version
+
+    def requeue(self, seq: SeqState) -> None:
+        self.queue.push(seq)
+
+    def unqueue(self, seq: SeqState) -> None:
+        self.queue.remove(seq)
+
+    def finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
+        self._finish(seq, reason, now, replica_id)
