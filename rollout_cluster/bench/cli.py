@@ -30,7 +30,7 @@ def workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pull-interval", type=float, default=0.5, help="sim: seconds of virtual time between pulls")
     p.add_argument("--host-slowdown", type=float, default=0.0,
                    help="sim: replicas share one host; each runs (1 + this x share of the others busy) slower "
-                        "(0: separate GPUs; docs/benchmarks.md measures the 2-core CPU host)")
+                        "(0: separate GPUs; experiments/host-interference measured 0.17 on a 2-core CPU host)")
 
 
 def cmd_bench(a) -> int:
