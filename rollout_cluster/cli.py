@@ -103,7 +103,7 @@ def cmd_sleep(a) -> int:
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
-    run_demo(a.config, a.prompts, a.samples)
+    run_demo(a.config, a.prompts, a.samples, a.log_dir)
     return 0
 
 
@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/local-cpu.yaml")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--log-dir", default="logs", help="where the demo writes logs/demo-<time>.log (Ray, Serve, vLLM)")
     p.set_defaults(fn=cmd_demo)
 
     try:

@@ -3,7 +3,7 @@
 # (docs/benchmarks.md, "GPU"). Usage: [SEEDS=0] [POLICIES=static,pull,steal] [LIMIT_S=570] [TP=2] [SIZE=h,l,heads,vocab] \
 #   bash scripts/gpu_validate.sh policies|steal|overhead|calibrate|tp
 # Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log; `overhead`
-# also samples `top` every 5 s into $OUT/overhead/top.log and runs scripts/overhead_probe.py.
+# also samples `top` every 5 s into $OUT/overhead/top.log and runs experiments/router-overhead/run.py.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
 RC="python3 -m rollout_cluster.cli"
@@ -27,7 +27,7 @@ case "$step" in
     sampler=$!
     timeout 330 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
       --seeds $SEEDS --profile h200-1.5b --out "$OUT/overhead"
-    timeout 200 python3 scripts/overhead_probe.py --config configs/h200-1.5b.yaml $W --seed ${SEEDS%%,*} \
+    timeout 200 python3 experiments/router-overhead/run.py --config configs/h200-1.5b.yaml $W --seed ${SEEDS%%,*} \
       --out "$OUT/overhead"
     kill $sampler ;;
   steal)  # the steal policy alone, on the same cluster shape as `policies`
@@ -39,7 +39,7 @@ case "$step" in
     timeout 560 $RC calibrate --config configs/h200x2-7b.yaml --out "$OUT/calibrate/h200-7b-calibrated.yaml" \
       --batches 1,16,64,256 --contexts 512,2048 --decode-tokens 64 --name h200-7b-calibrated ;;
   tp)  # one replica whose engine spans both GPUs: a batch, a weights reload on every rank, the batch again
-    timeout $LIMIT_S python3 scripts/tp_check.py --tp ${TP:-2} --size ${SIZE:-256,2,4,2048} --out "$OUT/tp" ;;
+    timeout $LIMIT_S python3 experiments/gpu-weights-reload/run.py --tp ${TP:-2} --size ${SIZE:-256,2,4,2048} --out "$OUT/tp" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac 2>&1 | grep -v " INFO \|^INFO" | tail -c 60000 > "$OUT/$step.log"
 tail -c 6000 "$OUT/$step.log"

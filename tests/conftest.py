@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 
-def load_script(name: str):
-    """scripts/<name>.py as a module (scripts are not part of the package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+def load_experiment(folder: str, name: str):
+    """experiments/<folder>/run.py as the module `name` (experiments are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / folder / "run.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # a script's dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -19,29 +19,29 @@ def load_script(name: str):
 
 @pytest.fixture(scope="session")
 def headroom():
-    return load_script("isolation_headroom")
+    return load_experiment("isolation-headroom", "isolation_headroom")
 
 
 @pytest.fixture(scope="session")
 def balance_gap():
-    return load_script("balance_gap")
+    return load_experiment("balance-gap", "balance_gap")
 
 
 @pytest.fixture(scope="session")
 def length_hints():
-    return load_script("length_hints")
+    return load_experiment("length-hints", "length_hints")
 
 
 @pytest.fixture(scope="session")
 def fleet_scale_plot():
-    return load_script("fleet_scale_plot")
+    return load_experiment("fleet-scale", "fleet_scale_plot")
 
 
 @pytest.fixture(scope="session")
 def pull_budget():
-    return load_script("pull_budget")
+    return load_experiment("pull-budget", "pull_budget")
 
 
 @pytest.fixture(scope="session")
 def partial_rollouts_sim():
-    return load_script("partial_rollouts_sim")
+    return load_experiment("partial-rollouts", "partial_rollouts_sim")

@@ -1,4 +1,4 @@
-"""scripts/balance_gap.py: its step clock, its fluid milestones and its oracle steal."""
+"""experiments/balance-gap/run.py: its step clock, its fluid milestones and its oracle steal."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""scripts/fleet_scale_plot.py: one point per policy and seed, makespan over the balance bound,
+"""experiments/fleet-scale/run.py: one point per policy and seed, makespan over the balance bound,
 from single-seed and multi-seed bench.json files alike."""
 import json
 

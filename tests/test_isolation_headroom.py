@@ -1,4 +1,4 @@
-"""scripts/isolation_headroom.py: its bounds bracket correctly and its oracle placement completes."""
+"""experiments/isolation-headroom/run.py: its bounds bracket correctly and its oracle placement completes."""
 
 from rollout_cluster.bench.bounds import bounds
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail

@@ -1,7 +1,7 @@
 """The KubeRay manifests in k8s/ against KubeRay's own CRD schemas and against our config schema.
 
 Every document in k8s/*.yaml is validated against the OpenAPI v3 schema of its kind: ray.io/v1
-kinds from the CRDs in shared/k8s-crds/ (beside the repository, here and in CI), core kinds from
+kinds from the KubeRay CRDs in tests/data/k8s-crds/ (its README names their commit), core kinds from
 a small schema below. Unknown fields are refused, as `kubectl apply` (strict field validation)
 does. Then the contents are checked: serveConfigV2 loads with `load_config`, mirrors
 configs/a100x32.yaml and imports `rollout_cluster.serve.app.build`; the RayJob's entrypoint names
@@ -26,7 +26,7 @@ from rollout_cluster.config import ConfigError, load_config, to_dict
 
 ROOT = Path(__file__).absolute().parents[1]
 K8S = ROOT / "k8s"
-CRD_DIR = Path(__file__).absolute().parents[1].parent / "shared" / "k8s-crds"
+CRD_DIR = Path(__file__).absolute().parent / "data" / "k8s-crds"
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayCluster": "ray.io_rayclusters.yaml"}
 GPU = "nvidia.com/gpu"
@@ -210,8 +210,8 @@ def pinned_ray_version() -> str:
 # ---- tests: the schemas themselves ---------------------------------------------------------------
 def test_crds_are_present():
     missing = [f for f in CRD_FILES.values() if not (CRD_DIR / f).is_file()]
-    assert not missing, (f"KubeRay CRDs missing from {CRD_DIR}: {missing}. They are data in shared/k8s-crds; "
-                         "CI must place a copy of shared/ beside the clone.")
+    assert not missing, (f"KubeRay CRDs missing from {CRD_DIR}: {missing}. They are test data in the repository "
+                         "(tests/data/k8s-crds/README.md says where they come from).")
 
 
 def test_manifests_exist():

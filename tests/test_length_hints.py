@@ -1,4 +1,4 @@
-"""scripts/length_hints.py: its per-prompt hints, its hinted steal variants and the additive
+"""experiments/length-hints/run.py: its per-prompt hints, its hinted steal variants and the additive
 account of the balance bound."""
 import math
 
@@ -96,7 +96,7 @@ def test_greedy_placement_fills_within_capacity_and_is_priced_by_the_additive_mo
 
 def test_rl_longtail_draws_the_stream_every_recorded_result_came_from():
     """The lengths, prompts and ids of seed 0 as generated before the generator was shared with
-    prompt_difficulties: every number in docs/results depends on this stream."""
+    prompt_difficulties: every number in experiments/*/results depends on this stream."""
     spec = LongtailSpec(prompts=3, samples=4, seed=0)
     reqs = rl_longtail(spec, vocab_size=32000)
     assert [r.hidden_length for r in reqs] == [1096, 413, 960, 1397, 2432, 984, 5383, 3877, 8801, 6175, 5620, 1891]

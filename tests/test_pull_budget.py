@@ -1,4 +1,4 @@
-"""Paced reports in the simulator (sim/paced.py, scripts/pull_budget.py): with work queued, an
+"""Paced reports in the simulator (sim/paced.py, experiments/pull-budget/run.py): with work queued, an
 ended segment is reported early, but not before half the interval since the replica's last pull."""
 import collections
 

@@ -1,7 +1,7 @@
 """The Serve router names the report interval in every answer to a pull: router.report_interval_s,
 lengthened as the fleet grows past router.max_pulls_per_s, and holds an idle replica's pull by the
 same rule, so that the router's pull load stays bounded whatever the fleet size (each pull costs
-it milliseconds: docs/benchmarks.md, section 5). The router class runs here without Serve: its
+it milliseconds: experiments/router-cost). The router class runs here without Serve: its
 pull is a plain coroutine."""
 import asyncio
 import time

@@ -1,11 +1,11 @@
-"""scripts/target_consistency.py: what issue 4's 1.45x-over-static target asks against the balance bound."""
+"""experiments/target-consistency/run.py: what issue 4's 1.45x-over-static target asks against the balance bound."""
 import json
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import load_experiment
 
-tc = load_script("target_consistency")
+tc = load_experiment("target-consistency", "target_consistency")
 
 
 def _run(seed, static, balance, steal):

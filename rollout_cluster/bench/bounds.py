@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ..engines.cost_model import CostModel
 
 
-def _shape(requests) -> list:
+def request_shapes(requests) -> list:
     """(prompt tokens, true length) per sequence, in submission order."""
     return [(r.prompt_len, min(r.hidden_length or r.sampling.max_tokens, r.sampling.max_tokens)) for r in requests]
 
@@ -68,7 +68,7 @@ def work_s(cost: CostModel, prompt: int, length: int, cached: bool = False) -> f
 
 def lower_bound(requests, cost: CostModel, replicas: int) -> dict:
     """{longest_alone_s, work_s (total replica-seconds), lower_bound_s}."""
-    shape = _shape(requests)
+    shape = request_shapes(requests)
     longest = max((alone_s(cost, p, n) for p, n in shape), default=0.0)
     work = sum(work_s(cost, p, n, not first) for (p, n), first in zip(shape, first_of_group(requests)))
     return {"longest_alone_s": longest, "work_s": work, "lower_bound_s": max(longest, work / replicas)}
@@ -126,7 +126,7 @@ def fluid_schedule(requests, cost: CostModel, replicas: int):
     Yields a FluidInterval for each run of steps until the next sequence ends, in time order; the
     schedule's makespan is the last one's t + seconds (0 with no requests).
     """
-    shape = _shape(requests)
+    shape = request_shapes(requests)
     first = first_of_group(requests)
     r = float(replicas)
     slots = replicas * cost.max_num_seqs

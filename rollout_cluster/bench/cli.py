@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 
-def _workload_flags(p: argparse.ArgumentParser) -> None:
+def workload_flags(p: argparse.ArgumentParser) -> None:
     """The workload flags of BENCHMARK.md; unset ones take the engine's scale (sim: seed scale,
     vllm: CPU scale)."""
     g = p.add_argument_group("workload (defaults: seed scale for sim, CPU scale for vllm)")
@@ -30,7 +30,7 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pull-interval", type=float, default=0.5, help="sim: seconds of virtual time between pulls")
     p.add_argument("--host-slowdown", type=float, default=0.0,
                    help="sim: replicas share one host; each runs (1 + this x share of the others busy) slower "
-                        "(0: separate GPUs; docs/benchmarks.md measures the 2-core CPU host)")
+                        "(0: separate GPUs; experiments/host-interference measured 0.17 on a 2-core CPU host)")
 
 
 def cmd_bench(a) -> int:
@@ -67,12 +67,12 @@ def add_commands(sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="vllm: run each seed's batch N times per policy in rotated order; rows are the median run "
                         "and bench.json adds per-round paired differences")
-    _workload_flags(p)
+    workload_flags(p)
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("simulate", help="one policy in the simulator; bench.json's form on stdout")
     p.add_argument("--policy", default="steal")
-    _workload_flags(p)
+    workload_flags(p)
     p.set_defaults(fn=cmd_simulate)
 
     p = sub.add_parser("calibrate", help="measure one vLLM engine's step and prefill times; write a cost profile")

@@ -3,8 +3,8 @@
 The plain Simulation reports every ended segment at once, the ideal for the policies. A real
 replica reports one before its next periodic report only when it is urgent (work is queued for
 the freed slot, or the end is a give-up's abort), and not before `urgent_gap_frac` of the interval
-has passed since its last report (config.URGENT_REPORT_GAP_FRAC). scripts/pull_budget.py and
-scripts/sim_sensitivity.py measure what that costs the makespan and saves the router.
+has passed since its last report (config.URGENT_REPORT_GAP_FRAC). experiments/pull-budget/run.py and
+experiments/steal-sensitivity/run.py measure what that costs the makespan and saves the router.
 """
 from __future__ import annotations
 

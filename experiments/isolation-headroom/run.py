@@ -13,7 +13,7 @@ shipped policy does:
    truly longest sequences spread over T tail replicas that also take bulk work up to a batch of
    `cap`, the rest pulled by the other replicas. A crude oracle, but it shows what isolation buys.
 
-Usage: python scripts/isolation_headroom.py [--profile a100-80g-7b] [--seed 0] [--out DIR]
+Usage: python experiments/isolation-headroom/run.py [--profile a100-80g-7b] [--seed 0] [--out DIR]
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import json
 import time
 from pathlib import Path
 
-from rollout_cluster.bench.bounds import (_shape, bounds, decode_alone_s, first_of_group, fluid_schedule,
-                                          fluid_steps_s, work_s)
+from rollout_cluster.bench.bounds import (bounds, decode_alone_s, first_of_group, fluid_schedule,
+                                          fluid_steps_s, request_shapes, work_s)
 from rollout_cluster.bench.workloads import LongtailSpec, rl_longtail
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy.base import Assign, Decision, Policy
@@ -100,7 +100,7 @@ def informed_bound(requests: list, cost, replicas: int, marks: list) -> dict:
     """{g: fluid time until the longest sequence has g tokens + that sequence alone for the rest,
     and never less than the work bound}. g counts from the longest sequence's own start (it may be
     admitted late when the batch exceeds the fleet's slots)."""
-    shape, first = _shape(requests), first_of_group(requests)
+    shape, first = request_shapes(requests), first_of_group(requests)
     longest = max(range(len(shape)), key=lambda i: shape[i][1])
     prompt, length = shape[longest]
     reach, start = {}, None

@@ -4,7 +4,7 @@ a weights reload on every rank (update_weights) to a checkpoint made with anothe
 again, the first checkpoint back, and the batch a third time. Run on the lent H200 x2 by
 `bash scripts/gpu_validate.sh tp` (docs/benchmarks.md, section 4).
 
-    python scripts/tp_check.py --tp 2 --out OUT
+    python experiments/gpu-weights-reload/run.py --tp 2 --out OUT
 
 Writes OUT/tp_check.json: each GPU's memory before and after the engine started (every rank
 allocates its own KV cache, so every GPU must fill), the batches' lengths and timings, how long

@@ -1,8 +1,8 @@
 """Plot makespan over the balance bound against fleet size, from `rollout-cluster bench` outputs
 (docs/benchmarks.md, section 1, "Fleets past 32 replicas").
 
-    python scripts/fleet_scale_plot.py docs/results/sim-seed-a100-v2 docs/results/fleet-scale/r*-p0.5 \
-        --policies static,least-loaded,steal --out docs/results/fleet-scale/ratio.png
+    python experiments/fleet-scale/run.py experiments/seed-scale-simulator/results/sim-seed-a100-v2 experiments/fleet-scale/results/r*-p0.5 \
+        --policies static,least-loaded,steal --out experiments/fleet-scale/results/ratio.png
 
 Each directory holds one bench.json (one seed or several: the per-seed results are used).
 """

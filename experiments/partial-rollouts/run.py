@@ -9,7 +9,7 @@ does). Per step: its time, the samples completed, those of them that began in an
 Fraction 1.0 is the plain step that waits for its longest sample. Every step runs the same policy
 (default steal) on the same profile; the fleet starts each step empty.
 
-    python scripts/partial_rollouts_sim.py --fractions 1.0,0.95,0.9,0.8 --steps 6 --out docs/results/partial-rollouts
+    python experiments/partial-rollouts/run.py --fractions 1.0,0.95,0.9,0.8 --steps 6 --out experiments/partial-rollouts/results
 """
 from __future__ import annotations
 

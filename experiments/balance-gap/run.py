@@ -7,7 +7,7 @@ its 1000th and 4000th decode step against the fluid schedule of the balance boun
 schedule prefills every group's prompt once for the whole fleet; a replica prefills the prompt of
 every group it holds a sample of, which the early milestone shows.
 
-    python scripts/balance_gap.py --profile a100-80g-7b --seeds 0,1 --spread-chunk 1,2
+    python experiments/balance-gap/run.py --profile a100-80g-7b --seeds 0,1 --spread-chunk 1,2
 """
 from __future__ import annotations
 

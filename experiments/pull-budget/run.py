@@ -9,7 +9,7 @@ second in a large fleet. Each variant runs the same batch in the simulator:
 - `gap0`: urgent ends reported at once (the pacing before config.URGENT_REPORT_GAP_FRAC);
 - `paced`: urgent ends no sooner than URGENT_REPORT_GAP_FRAC of the interval after the last report.
 
-    python scripts/pull_budget.py --replicas 32,256 --max-num-seqs 128 --out docs/results/pull-budget
+    python experiments/pull-budget/run.py --replicas 32,256 --max-num-seqs 128 --out experiments/pull-budget/results
 
 Prints one JSON line per run: makespan, pulls a second (mean over the batch, and the busiest
 1-second window after the first interval), the router's budget (router.max_pulls_per_s) and

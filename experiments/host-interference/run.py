@@ -4,7 +4,7 @@ Runs one engine alone, then two at once (each pinned to its own core, as the ben
 replicas), and prints the decode step time at each batch size, and the CPU share of each engine
 process while it decodes. The ratio is the simulator's `--host-slowdown` for this host.
 
-    python scripts/host_interference.py --model models/cpu-bench --batches 1,32
+    python experiments/host-interference/run.py --model models/cpu-bench --batches 1,32
 """
 from __future__ import annotations
 

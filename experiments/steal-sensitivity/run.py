@@ -14,11 +14,11 @@
   re-prefill for it to move (steal.REPAY_FACTOR).
 - `--set KEY=V1,V2`: any other `policy.KEY` (repeatable), e.g. `--set max_moves_per_seq=3,5`.
 
-    python scripts/sim_sensitivity.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
-    python scripts/sim_sensitivity.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
-    python scripts/sim_sensitivity.py --profile a100-80g-7b --policies steal --spread-chunk 1,2,4 --seeds 0,1,2,3,4,5
-    python scripts/sim_sensitivity.py --policies steal --min-gain-frac 0.02,0.04,0.06,0.09,0.12 --seeds 0,1,2,3,4,5
-    python scripts/sim_sensitivity.py --policies steal --max-reprefill-frac 0.05,0.1,1.0 --repay-factor 5,20 --seeds 0,1,2,3,4,5
+    python experiments/steal-sensitivity/run.py --profile h200-1.5b --ends always,when-queued --pull-interval 0.5
+    python experiments/steal-sensitivity/run.py --profile a100-80g-7b --migration-overhead 0.1,0.5,1.0
+    python experiments/steal-sensitivity/run.py --profile a100-80g-7b --policies steal --spread-chunk 1,2,4 --seeds 0,1,2,3,4,5
+    python experiments/steal-sensitivity/run.py --policies steal --min-gain-frac 0.02,0.04,0.06,0.09,0.12 --seeds 0,1,2,3,4,5
+    python experiments/steal-sensitivity/run.py --policies steal --max-reprefill-frac 0.05,0.1,1.0 --repay-factor 5,20 --seeds 0,1,2,3,4,5
 
 Prints one JSON line per run: seed, profile, pull interval, ends, overhead, spread chunk, min gain
 fraction, re-prefill budget, repay factor, policy, makespan, its ratio to the balance bound,

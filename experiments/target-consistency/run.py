@@ -7,7 +7,7 @@ the few %). This reads a multi-seed bench.json (`rollout-cluster bench --engine 
 and prints, per seed, what 1.45x asks against the balance bound, and the most a policy at the
 balance bound (and at 3 % over it) could be faster than static.
 
-    python scripts/target_consistency.py docs/results/sim-seeds-a100-v3/bench.json
+    python experiments/target-consistency/run.py experiments/seed-scale-simulator/results/sim-seeds-a100-v3/bench.json
 """
 from __future__ import annotations
 

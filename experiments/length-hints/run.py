@@ -21,9 +21,9 @@ sequences at the longest length, every replica of the fluid schedule runs that m
 so the bound is close to a * L_max + (the batch's own decode costs) / R; and the makespan, in that
 model, of a greedy placement that knows every length (`greedy_placement`).
 
-    python scripts/length_hints.py --seeds 0,1,2,3,4,5 --variants steal,hint
-    python scripts/length_hints.py --seeds 0,1,2 --variants hint-two-class --tail-groups 8 --tail-replicas 6
-    python scripts/length_hints.py --seeds 0,1,2,3,4,5 --variants ""   # the per-seed lines only
+    python experiments/length-hints/run.py --seeds 0,1,2,3,4,5 --variants steal,hint
+    python experiments/length-hints/run.py --seeds 0,1,2 --variants hint-two-class --tail-groups 8 --tail-replicas 6
+    python experiments/length-hints/run.py --seeds 0,1,2,3,4,5 --variants ""   # the per-seed lines only
 """
 from __future__ import annotations
 
