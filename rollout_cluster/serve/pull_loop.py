@@ -75,9 +75,7 @@ class PullLoop:
             return True
         if not await self.apply(orders, report.progress):
             return False
-        urgent = (orders.work_waiting or bool(orders.give_up) or bool(orders.report_whole)
-                  or bool(self.engine.aborting()))
-        await self.pace(now, ended, urgent, orders.report_interval_s)
+        await self.pace(now, ended, self._urgent(orders), orders.report_interval_s)
         return True
 
     def build_report(self, now: float) -> Report:
@@ -163,6 +161,12 @@ class PullLoop:
                 if urgent and now >= urgent_from:
                     return
             await asyncio.sleep(PACE_TICK_S)
+
+    def _urgent(self, orders: Orders) -> bool:
+        """A segment that ends before the next report is worth reporting early: work waits for
+        its slot, or partials of a give-up (or whole finals) go back."""
+        return (orders.work_waiting or bool(orders.give_up) or bool(orders.report_whole)
+                or bool(self.engine.aborting()))
 
     # ---- leaving --------------------------------------------------------------------------------
     def goodbye(self, partials: list = (), engine_dead: bool = False) -> Report:
