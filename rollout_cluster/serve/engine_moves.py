@@ -56,10 +56,11 @@ class EngineMoves:
         return [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
 
     async def ready_for_work(self) -> bool:
-        """Wait for the moves under way: work never starts beside them. False when they left no
-        engine awake with its weights (a deep wake's reload failed, say). With none under way, True:
-        the router sends no work to an engine it knows asleep; but a wake that came while the engine
-        still went to sleep reports (0, 0), as an awake replica does, so work may meet a move."""
+        """Wait for the moves under way: work never starts beside them. (The router sends no work
+        while a move runs, as far as it knows; but a wake that came while the engine still went to
+        sleep reports (0, 0), as an awake replica does.) False when they left no engine awake with
+        its weights (a deep wake's reload failed, say): run nothing; the next listing lacks that
+        work, and the router sends it elsewhere. With no move under way, True."""
         moves = self.in_progress()
         if not moves:
             return True

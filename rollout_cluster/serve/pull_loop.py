@@ -115,8 +115,6 @@ class PullLoop:
                 self.moves.apply(order)
             start = orders.start
             if start and not await self.moves.ready_for_work():
-                # Run nothing on an engine the moves left unable: the next listing lacks this
-                # work, and the router sends it elsewhere.
                 start = []
             for work in start:
                 self.engine.submit(work)
