@@ -79,6 +79,8 @@ class PullLoop:
         return True
 
     def build_report(self, now: float) -> Report:
+        """Every undelivered delta (finals whole where another router may take them), the engine's
+        stats and moves, and every HELD_EVERY_S the listing of what it holds."""
         self.unsent = [self._as_sent(p) for p in self.unsent]
         held, aborting = None, []
         if now - self.held_t >= HELD_EVERY_S:  # drained and listed together: consistent
@@ -108,8 +110,9 @@ class PullLoop:
         return orders
 
     async def apply(self, orders: Orders, delivered: list) -> bool:
-        """Control orders, then (after the moves) new work, whole finals, give-ups. False: the
-        orders met a dead engine, which said goodbye. Any other failure ends the loop (check_health)."""
+        """Control orders, then (after the moves) new work, whole finals, give-ups; `delivered` is
+        the progress the answered report carried. False: the orders met a dead engine, which said
+        goodbye. Any other failure ends the loop (check_health)."""
         try:
             for order in orders.control:
                 self.moves.apply(order)
