@@ -134,6 +134,23 @@ class BareReplica(EngineReplica.func_or_class):
         pass
 
 
+def bare_replica(engine, core):
+    """An EngineReplica over `engine` and a router handle over `core`, without Serve."""
+    r = object.__new__(BareReplica)
+    r.cfg, r.engine, r.router = ClusterConfig(), engine, RouterHandle(core)
+    r.replica_id, r.incarnation, r.model = "a", "a-1", ModelInfo(100, 64)
+    return r
+
+
+def run_loop(r):
+    """Start the replica's pull loop and wait until it ends."""
+    async def go():
+        r._start_loop()
+        await asyncio.wait_for(r.task, 5)
+
+    asyncio.run(go())
+
+
 def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences_elsewhere():
     from rollout_cluster.protocol import SeqProgress
 
@@ -145,15 +162,8 @@ def test_the_replica_hands_back_and_stops_and_the_router_continues_its_sequences
                           stats=EngineStats(), model=None, capacity=8), 0.5)
     engine = DeadEngine()
     engine.pending = [SeqProgress(w.seq_id, w.attempt, [7], offset=2)]  # made before it died, not yet sent
-    r = object.__new__(BareReplica)
-    r.cfg, r.engine, r.router, r.stopping = ClusterConfig(), engine, RouterHandle(core), False
-    r.replica_id, r.incarnation, r.unsent, r.weights_version, r.loop_error = "a", "a-1", [], 0, None
-
-    async def go():
-        r.task = asyncio.get_running_loop().create_task(r._pull_loop())
-        await asyncio.wait_for(r.task, 5)
-
-    asyncio.run(go())
+    r = bare_replica(engine, core)
+    run_loop(r)
     (goodbye,) = r.router.reports
     assert goodbye.leaving and goodbye.engine_dead and [p.token_ids for p in goodbye.progress] == [[7]]
     # a death, not a scale-down: Serve replaces the replica, the fleet keeps its size
@@ -196,20 +206,6 @@ class IdleThenDead(DeadEngine):
         self.submitted.append(work)
 
 
-def bare_replica(engine, core):
-    r = object.__new__(BareReplica)
-    r.cfg, r.engine, r.router, r.stopping = ClusterConfig(), engine, RouterHandle(core), False
-    r.replica_id, r.incarnation, r.unsent, r.weights_version, r.loop_error = "a", "a-1", [], 0, None
-    r.model, r.weights_error, r.weights_error_version, r.loading, r.weights_path = ModelInfo(100, 64), None, 0, None, ""
-    return r
-
-
-def run_loop(r):
-    async def go():
-        r.task = asyncio.get_running_loop().create_task(r._pull_loop())
-        await asyncio.wait_for(r.task, 5)
-
-    asyncio.run(go())
 
 
 def test_an_engine_found_dead_at_a_drain_sends_no_ordinary_report_and_gets_no_work():
@@ -242,7 +238,7 @@ def test_orders_that_meet_a_dead_engine_end_in_a_goodbye_not_a_crash():
     r.router = Handle(None)
     run_loop(r)
     assert [rep.leaving for rep in r.router.reports] == [False, True] and r.router.reports[1].engine_dead
-    assert r.loop_error is not None and "died" in str(r.loop_error)
+    assert r.pull_loop.error is not None and "died" in str(r.pull_loop.error)
 
 
 class AbortOnDeadEngine(DyingAsyncLLM):

@@ -1,16 +1,16 @@
 """Chaos test of the router's pull protocol: RouterCore driven in virtual time over fake replicas.
 
-Each fake replica wraps a SimEngineCore and does what serve/replica.py's pull loop does: it
+Each fake replica wraps a SimEngineCore and does what serve/pull_loop.py's PullLoop does: it
 drains the engine, keeps every delta until a pull succeeds (and sends it again after a failed
 one), lists the attempts it holds (and those whose abort is on its way) every HELD_EVERY_S, paces
-its reports like `_pace`, starts and gives up what it is told, and on a graceful shutdown hands
-its work back in a last report marked `leaving`. It also obeys control orders as `_control` does,
-in virtual time: a load runs for a while after any load before it (reporting weights_loading),
-then holds the version or reports weights_error; a sleep or wake move runs after any move or
-load before it (reporting sleep_goal until sleep_level reaches it), a level-2 wake reloads the
-weights its order names, and a note of an update made while asleep is kept and reported until
-a load brings it; work ordered while a load runs waits for it. A seeded random.Random injects,
-per case:
+its reports like `PullLoop.pace`, starts and gives up what it is told, and on a graceful shutdown
+hands its work back in a last report marked `leaving`. It also obeys control orders as
+serve/engine_moves.py's `EngineMoves.apply` does, in virtual time: a load runs for a while after
+any load before it (reporting weights_loading), then holds the version or reports weights_error;
+a sleep or wake move runs after any move or load before it (reporting sleep_goal until
+sleep_level reaches it), a level-2 wake reloads the weights its order names, and a note of an
+update made while asleep is kept and reported until a load brings it; work ordered while a load
+runs waits for it. A seeded random.Random injects, per case:
 - a reply lost (the router applied the report and answered; the orders never arrive), control
   orders included;
 - a report lost before the router applies it (the replica keeps its deltas and sends them again);
@@ -33,7 +33,7 @@ per case:
   again what it had not received, naming each sequence's old id (as BatchAcrossRestarts does),
   so the new router takes over what the old one's segments made: their whole outputs, asked for
   when it gives them up (Orders.report_whole), or sent whole by replicas whose pull failed or
-  that another router answers (replica.py's _as_sent);
+  that another router answers (pull_loop.py's _as_sent);
 - (control cases) RL steps: each step's batches, then the driver's update_weights, sleep_fleet
   and wake_fleet in random orders, waiting for them to settle as RolloutClient does, but for an
   update one time in three not, and for a sleep or a wake one time in five (the next batch then
@@ -103,7 +103,7 @@ Under the steal, pull, static, least-loaded, chunked and scripted policies, it a
    (A leave that always lowers the count, or no settling rule, makes random cases fail.)
 The bugs it found are at the end as focused tests, all fixed (the last six: five found by random
 cases once their workarounds went, one by reading). The fake replica waits for a sleep
-move in progress before it starts a load or new work, as replica.py now does. The token check
+move in progress before it starts a load or new work, as engine_moves.py and pull_loop.py now do. The token check
 is shown to fail on corrupted runs (test_the_token_check_catches_...), the weights and sleep
 checks on a replica breaking them (test_the_weights_checks_...), the restart checks on a router
 that learned wrong or keeps orphans (test_the_restart_checks_...); test_the_faults_happen shows
@@ -146,8 +146,8 @@ COST = load_profile("h200-1.5b", max_num_seqs=CAPACITY)
 STEAL_COST = replace(COST, name="chaos-per-sequence", a=2e-3, c=0.0, e=4e-3, prefill_tokens_per_s=100_000)
 MODEL = ModelInfo(VOCAB, 4096, "sim:chaos")
 ROUTER = RouterConfig()
-HELD_EVERY_S = 2.0  # serve/replica.py's HELD_EVERY_S (not imported: that module imports ray)
-RETRY_S = 0.5  # serve/replica.py sleeps this long after a failed pull
+HELD_EVERY_S = 2.0  # serve/pull_loop.py's HELD_EVERY_S
+RETRY_S = 0.5  # serve/pull_loop.py's RETRY_S: the pause after a failed pull
 LATE_AFTER_S = 3.0  # a late report is applied before its resend, or up to this long after it
 REPLICA_TIMEOUT_S = 5.0
 EXPIRE_EVERY_S = 0.5  # the Serve router's housekeeping calls expire (and drop_abandoned) about this often
@@ -233,10 +233,10 @@ class WeightedEngine(SimEngineCore):
 
 
 class FakeReplica:
-    """serve/replica.py's pull loop around a SimEngineCore, in virtual time. The harness moves it
+    """serve/pull_loop.py's PullLoop around a SimEngineCore, in virtual time. The harness moves it
     from event to event; it never talks to the router itself.
 
-    Simplifications: one pull at a time and no transport delay; `_pace`'s 10 ms ticks are exact
+    Simplifications: one pull at a time and no transport delay; `PullLoop.pace`'s 10 ms ticks are exact
     (the engine runs to the moment a segment ends, and may end a step past a deadline); a leave
     or an engine death shows at the replica's next pull, not within a tick; the engine's own abort
     is immediate (SimEngine's is), and a "late" one, as vLLM's async abort, lands at the replica's
@@ -248,7 +248,7 @@ class FakeReplica:
         self.engine = WeightedEngine(cost, vocab_size=VOCAB)
         self.clock = t  # the engine's virtual time (it can run a step ahead of the harness)
         self.unsent: list = []  # deltas drained and not yet delivered: sent again after a failed pull
-        self.first = True  # replica.py sends its ModelInfo on the first pull after a failure
+        self.first = True  # pull_loop.py sends its ModelInfo on the first pull after a failure
         self.dispatched: dict = {}  # (seq_id, attempt) -> the router that started it
         self.router_id = ""  # the router that answered the last pull
         self.delivered: list = []  # the reports the last answer acknowledged
@@ -260,7 +260,7 @@ class FakeReplica:
         self.stalled_until = -math.inf  # its pulls fail until then (a partition, a long pause)
         self.reports = 0  # reports built so far (a late one is applied before the next or after)
         self.reported_to = None  # the RouterCore that last applied a report of it
-        # weights and sleep, as replica.py's _control keeps them
+        # weights and sleep, as engine_moves.py's EngineMoves keeps them
         self.weights = (0, "")  # (version, path) held: a new engine has the config's model
         self.weights_error = (None, 0)  # (why the last load failed, its version)
         self.loading: Optional[int] = None  # the version of the latest load ordered, until it ends
@@ -298,9 +298,9 @@ class FakeReplica:
         """The loop's top: drain, list what is held every HELD_EVERY_S. Returns (report, ended)."""
         if land_aborts:
             self.land_aborts()
-        ended = self.engine.ended  # before the drain, as replica.py reads it
+        ended = self.engine.ended  # before the drain, as pull_loop.py reads it
         self.unsent += self.engine.drain()
-        # replica.py's _as_sent: a final goes whole after a failed pull, or when another router started it
+        # pull_loop.py's _as_sent: a final goes whole after a failed pull, or when another router started it
         self.unsent = [self.engine.whole_final(p) if p.finish_reason and (
             self.first or self.dispatched.get((p.seq_id, p.attempt), self.router_id) != self.router_id) else p
             for p in self.unsent]
@@ -336,7 +336,7 @@ class FakeReplica:
         self.pending_aborts &= set(self.held())  # a give-up of what already ended is a no-op
 
     def pace(self, reported_t: float, ended: int, urgent: bool, interval: float) -> float:
-        """replica.py `_pace`: when the next pull goes out (the engine runs until then)."""
+        """pull_loop.py `PullLoop.pace`: when the next pull goes out (the engine runs until then)."""
         if self.stopping or self.engine_dead or not self.held():
             return self.clock  # an idle replica pulls again at once; a stopping one hands back now
         deadline, urgent_from = reported_t + interval, reported_t + URGENT_REPORT_GAP_FRAC * interval
@@ -358,7 +358,7 @@ class FakeReplica:
         return max(self.clock, deadline)
 
     def hand_back(self) -> Report:
-        """replica.py `_hand_back`: give up everything, drain the partials, say goodbye."""
+        """replica.py `EngineReplica._hand_back`: give up everything, drain the partials, say goodbye."""
         held = self.held()
         if held:
             self.engine.abort(held)
@@ -368,7 +368,7 @@ class FakeReplica:
                       capacity=CAPACITY, weights=WeightsState(version=self.weights[0]), leaving=True)
 
     def dead_engine_goodbye(self) -> Report:
-        """replica.py `_leave_dead_engine`: the tokens made since the last report, no finals."""
+        """pull_loop.py `PullLoop.leave_dead_engine`: the tokens made since the last report, no finals."""
         self.unsent += self.engine.drain()
         return Report(self.rid, self.incarnation, progress=list(self.unsent), stats=self.stats(), model=None,
                       capacity=CAPACITY, weights=WeightsState(version=self.weights[0]), leaving=True,
@@ -551,7 +551,7 @@ class Chaos:
         self.driven: dict = {}  # a RouterCore -> what the driver ordered it ("weights", "sleep"): learned no more
         self.driver_version = 0  # the weights version of the driver's last update_weights
         self.old_listed: dict = {}  # (restarted core, replica) -> (its ReplicaState, {old attempt: listings in a row})
-        # replica.py starts new work, and a load, only after any load or sleep move in progress
+        # the replica starts new work, and a load, only after any load or sleep move in progress
         # (test_replica_sleep.py); False emulates it as it was (test_a_replica_woken_while_...).
         self.waits_for_moves = True
         for i in range(replicas):
@@ -724,7 +724,7 @@ class Chaos:
             self.answer(rep, core.decide(rep.rid, t), core)
 
     def _pull_failed(self, t: float, rep: FakeReplica) -> None:
-        rep.first = True  # replica.py: keep the deltas, sleep, send the model again
+        rep.first = True  # pull_loop.py: keep the deltas, sleep, send the model again
         self.schedule(t + RETRY_S, self._pull, rep)
 
     def _reply(self, t: float, rep: FakeReplica, orders, reported_t: float, ended: int, core: RouterCore) -> None:
@@ -745,7 +745,7 @@ class Chaos:
         rep.advance_to(t)
         for order in orders.control:
             self._control(t, rep, order)
-        ready_t = rep.load_end_t if rep.loading is not None else t  # replica.py awaits a load before new work
+        ready_t = rep.load_end_t if rep.loading is not None else t  # pull_loop.py awaits a load before new work
         if self.waits_for_moves:
             ready_t = max(ready_t, rep.move_end_t)
         if orders.start and ready_t > t:
@@ -758,14 +758,14 @@ class Chaos:
             return
         rep.advance_to(t)
         if orders.start and self.waits_for_moves and (rep.sleep_level or rep.sleep_goal or rep.sleep_error):
-            # replica.py: the moves left no engine awake with its weights (a deep wake's reload
+            # pull_loop.py: the moves left no engine awake with its weights (a deep wake's reload
             # failed): it runs nothing, and its next listing lacks the work, which the router resends
             self.seen["work dropped: the moves left no awake engine"] += 1
             orders.start = []
         for w in orders.start:
             self._check_can_run(t, rep, w)
         rep.apply(orders, late_abort=self.chance(self.faults.late_abort))
-        rep.engine.forget_finals(rep.delivered)  # replica.py's _delivered
+        rep.engine.forget_finals(rep.delivered)  # pull_loop.py's _delivered
         for p in rep.delivered:
             if p.finish_reason:
                 rep.dispatched.pop((p.seq_id, p.attempt), None)
@@ -781,7 +781,7 @@ class Chaos:
         orders = self.core.on_report(report, t)
         assert not orders, f"a leaving replica was given orders: {orders}"
 
-    # -- control orders (replica.py _control, _load_weights, _move_sleep)
+    # -- control orders (engine_moves.py EngineMoves.apply, _load_weights, _move_sleep)
     def _control(self, t: float, rep: FakeReplica, order) -> None:
         if isinstance(order, LoadWeights):
             v = order.version
@@ -1030,7 +1030,7 @@ class Chaos:
         self.router_down_until = t + ROUTER_DOWN_S
         # Every pull fails while the router is down, or (every other restart) the pulls go through
         # to the new router: Serve's handle holds them until it is up. Then a replica learns that
-        # another router answers only from that answer (replica.py's _as_sent).
+        # another router answers only from that answer (pull_loop.py's _as_sent).
         through = (self.seed + self.routers) % 2 == 0
         self.pulls_fail_until = t if through else t + ROUTER_DOWN_S
         if through:
@@ -1872,16 +1872,16 @@ def test_a_replica_woken_while_it_still_goes_to_sleep_starts_its_work_after_the_
     """sleep_fleet, then wake_fleet before a replica's move to level 1 ended (a driver that did not
     wait for the sleep, or a replica that joined while the fleet slept: RolloutClient.wake then
     returns at once, since status counts it at level 0). The replica queues the wake after its
-    sleep task and reports (0, 0), as an awake one does, so it gets the next batch's work. replica.py
+    sleep task and reports (0, 0), as an awake one does, so it gets the next batch's work. pull_loop.py
     starts that work only once its moves are done (tests/test_replica_sleep.py: it used to start it
     while the engine went to sleep, and a load beside them too). Here the fake replica does the
     same, and nothing runs on an engine that is not awake."""
     monkeypatch.setattr(__import__(__name__), "MOVE_S", (2.0, 2.0))
     chaos = Chaos("pull", 0, Faults(), 1, [])
-    assert chaos.waits_for_moves  # as replica.py does
+    assert chaos.waits_for_moves  # as pull_loop.py does
     core, rep = chaos.core, chaos.fleet["r0"]
 
-    def pull(t: float):  # a report and its answer, applied as replica.py applies them
+    def pull(t: float):  # a report and its answer, applied as pull_loop.py applies them
         report, ended = rep.build_report(t, land_aborts=True)
         orders = core.on_report(report, t)
         rep.unsent = []
@@ -2054,9 +2054,9 @@ def test_work_sent_during_a_sleep_move_does_not_start_on_an_engine_that_failed_t
     """sleep_fleet(2), then wake_fleet before r0's move to level 2 ended: r0 queues the wake after
     the sleep and reports (0, 0), so it gets the next batch's work, which it starts once its moves
     are done (test_a_replica_woken_while_it_still_goes_to_sleep_...). But the wake's reload of the
-    weights fails: the engine stays at level 2 (replica.py: sleep_error, and `broken` until Serve
-    restarts it), and the work starts on it all the same: replica.py's pull loop awaits the moves
-    with return_exceptions and submits (vLLM would run it on the weights a level-2 sleep dropped).
+    weights fails: the engine stays at level 2 (engine_moves.py: sleep_error, and `broken` until
+    Serve restarts it), and the work started on it all the same: the replica's pull loop awaited the
+    moves with return_exceptions and submitted it (vLLM would run it on the weights a level-2 sleep dropped).
     The same when the moves ended before a held pull's answer came. (("chunked", 356, True),
     ("chunked", 96, False), ("chunked", 117, False) and ("least-loaded", 282, False).)"""
     monkeypatch.setattr(__import__(__name__), "MOVE_S", (4.0, 4.0))
@@ -2107,7 +2107,7 @@ def test_a_restarted_router_does_not_move_a_level_2_sleeper_to_level_1():
     """sleep(1), wake (a's wake order lost), sleep(2): b sleeps at level 2 while a, whose pull
     has not gone through yet, still sleeps at level 1. The router restarts and a reports first: the
     new router takes level 1 (FleetSleep.record keeps the first goal reported) and orders b to
-    level 1. vLLM ignores a sleep while asleep ("Executor is already sleeping"), replica.py then
+    level 1. vLLM ignores a sleep while asleep ("Executor is already sleeping"), engine_moves.py then
     reports level 1, and its wake reloads nothing (only a level-2 wake does): b runs on the weights
     its level-2 sleep dropped. (Found reading the new restart paths, not by a random case: none of
     600 restart cases had the fleet's goals differ at a restart. The fake replica does not model

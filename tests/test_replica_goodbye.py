@@ -7,6 +7,8 @@ import logging
 import pytest
 
 from rollout_cluster.config import ClusterConfig
+from rollout_cluster.serve.engine_moves import EngineMoves
+from rollout_cluster.serve.pull_loop import PullLoop
 from rollout_cluster.serve.replica import EngineReplica
 from rollout_cluster.protocol import EngineStats, SeqProgress
 
@@ -48,11 +50,13 @@ class BareReplica(EngineReplica.func_or_class):
 
 def shut_down(engine) -> None:
     r = object.__new__(BareReplica)
-    r.cfg, r.engine, r.router, r.stopping = ClusterConfig(), engine, GoneRouter(), False
-    r.replica_id, r.incarnation, r.unsent, r.weights_version = "r0", "i0", [], 0
+    r.cfg, r.engine, r.router, r.replica_id = ClusterConfig(), engine, GoneRouter(), "r0"
+    r.moves = EngineMoves(engine, r.cfg, "r0")
+    r.pull_loop = PullLoop(engine, r.moves, r.router.pull.remote, replica_id="r0", incarnation="i0", model=None,
+                           router_cfg=r.cfg.router)
 
     async def go():
-        r.task = asyncio.get_running_loop().create_task(asyncio.sleep(0))
+        r.task = asyncio.get_running_loop().create_task(asyncio.sleep(0))  # a pull loop that ended
         await r.task
         await EngineReplica.func_or_class.__del__(r)
 

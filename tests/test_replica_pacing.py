@@ -1,12 +1,12 @@
-"""EngineReplica's report pacing, without Ray: a replica that runs sequences reports every
-router.report_interval_s, and earlier only when an ended segment matters now (work is queued for
-its slot, or a give-up's partials go back; not before half the interval) or the replica has
-become idle. The real cluster's pull rates are checked in tests/e2e/test_cluster.py."""
+"""A replica's report pacing (serve/pull_loop.py), without Ray: a replica that runs sequences
+reports every router.report_interval_s, and earlier only when an ended segment matters now (work
+is queued for its slot, or a give-up's partials go back; not before half the interval) or the
+replica has become idle. The real cluster's pull rates are checked in tests/e2e/test_cluster.py."""
 import asyncio
 import time
 
-from rollout_cluster.config import URGENT_REPORT_GAP_FRAC, ClusterConfig, RouterConfig
-from rollout_cluster.serve.replica import EngineReplica
+from rollout_cluster.config import URGENT_REPORT_GAP_FRAC, RouterConfig
+from rollout_cluster.serve.pull_loop import PullLoop
 
 INTERVAL = 1.0
 
@@ -25,20 +25,13 @@ class FakeEngine:
         self.ended += 1
 
 
-class BareReplica(EngineReplica.func_or_class):
-    def __del__(self):  # nothing to hand back: no router, no engine process
-        pass
-
-
-def replica(engine: FakeEngine):
-    r = object.__new__(BareReplica)
-    r.cfg = ClusterConfig(router=RouterConfig(report_interval_s=INTERVAL))
-    r.engine, r.stopping = engine, False
-    return r
+def replica(engine: FakeEngine) -> PullLoop:
+    return PullLoop(engine, None, None, replica_id="a", incarnation="i1", model=None,
+                    router_cfg=RouterConfig(report_interval_s=INTERVAL))
 
 
 def paced(held: int, urgent: bool, end_after_s=None, interval_s: float = 0.0) -> float:
-    """Seconds _pace waited; `end_after_s`: a segment ends that long after the report;
+    """Seconds pace waited; `end_after_s`: a segment ends that long after the report;
     `interval_s`: the interval the router's orders named (0: the config's)."""
     engine = FakeEngine(held)
     r = replica(engine)
@@ -47,7 +40,7 @@ def paced(held: int, urgent: bool, end_after_s=None, interval_s: float = 0.0) ->
         t0 = time.monotonic()
         if end_after_s is not None:
             asyncio.get_running_loop().call_later(end_after_s, engine.end_one)
-        await r._pace(t0, engine.ended, urgent, interval_s)
+        await r.pace(t0, engine.ended, urgent, interval_s)
         return time.monotonic() - t0
 
     return asyncio.run(go())
@@ -94,7 +87,7 @@ def test_a_replica_whose_engine_died_stops_pacing_at_once():
         r = replica(FakeEngine(held=3))
         t0 = time.monotonic()
         asyncio.get_running_loop().call_later(0.1, lambda: setattr(r.engine, "dead", RuntimeError("gone")))
-        await r._pace(t0, r.engine.ended, urgent=False)
+        await r.pace(t0, r.engine.ended, urgent=False)
         return time.monotonic() - t0
 
     assert asyncio.run(go()) < INTERVAL * 0.5

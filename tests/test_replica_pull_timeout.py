@@ -1,10 +1,12 @@
 """A pull the router never answers (a call to a router killed under it can stay unanswered for
-good): EngineReplica's pull loop gives up on it after router.replica_timeout_s and pulls again,
-with the same deltas, instead of hanging and never reaching the router Serve starts next."""
+good): the replica's pull loop (serve/pull_loop.py) gives up on it after router.replica_timeout_s
+and pulls again, with the same deltas, instead of hanging and never reaching the router Serve
+starts next."""
 import asyncio
 
 from rollout_cluster.config import ClusterConfig, RouterConfig
-from rollout_cluster.serve.replica import EngineReplica
+from rollout_cluster.serve.engine_moves import EngineMoves
+from rollout_cluster.serve.pull_loop import PullLoop
 from rollout_cluster.protocol import EngineStats, Orders, SeqProgress
 
 TIMEOUT_S = 0.3
@@ -57,27 +59,22 @@ class RouterThatHangsOnce:
         async def answer():
             if first:
                 await asyncio.Event().wait()  # never answered
-            self.replica.stopping = True  # one answered pull is all this test needs
+            self.replica.stop()  # one answered pull is all this test needs
             return Orders()
         return Call(answer)
 
 
-class BareReplica(EngineReplica.func_or_class):
-    def __del__(self):
-        pass
-
-
 def test_an_unanswered_pull_is_abandoned_after_the_replica_timeout_and_sent_again():
-    r = object.__new__(BareReplica)
-    r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=TIMEOUT_S, idle_pull_wait_s=0.05,
-                                              report_interval_s=0.05))
-    r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = OneDeltaEngine(), False, [], "a", "i1", None
-    r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
-    r.router = router = RouterThatHangsOnce(r)
+    cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=TIMEOUT_S, idle_pull_wait_s=0.05,
+                                            report_interval_s=0.05))
+    engine = OneDeltaEngine()
+    r = PullLoop(engine, EngineMoves(engine, cfg, "a"), lambda report: router.pull.remote(report),
+                 replica_id="a", incarnation="i1", model=None, router_cfg=cfg.router)
+    router = RouterThatHangsOnce(r)
 
     async def run():
         t0 = asyncio.get_running_loop().time()
-        await asyncio.wait_for(r._pull_loop(), 5 * TIMEOUT_S)
+        await asyncio.wait_for(r.run(), 5 * TIMEOUT_S)
         return asyncio.get_running_loop().time() - t0
 
     took = asyncio.run(run())

@@ -1,12 +1,13 @@
-"""EngineReplica's side of sleep mode, without Ray: an order starts a move in the background, a
-resent order is ignored, the engine's own word decides the level reported, level 2 needs a
-checkpoint to reload and reloads the one the wake order names. The real cluster:
-tests/e2e/test_sleep_mode.py."""
+"""A replica's side of sleep mode (serve/engine_moves.py, serve/pull_loop.py), without Ray: an
+order starts a move in the background, a resent order is ignored, the engine's own word decides
+the level reported, level 2 needs a checkpoint to reload and reloads the one the wake order names.
+The real cluster: tests/e2e/test_sleep_mode.py."""
 import asyncio
 
 from rollout_cluster.config import ClusterConfig, EngineConfig
 from rollout_cluster.protocol import LoadWeights, NoteWeights, Sleep, Wake
-from rollout_cluster.serve.replica import EngineReplica
+from rollout_cluster.serve.engine_moves import EngineMoves
+from rollout_cluster.serve.pull_loop import PullLoop
 
 
 class FakeEngine:
@@ -29,24 +30,16 @@ class FakeEngine:
         self.calls.append(("load", path))
 
 
-class BareReplica(EngineReplica.func_or_class):
-    def __del__(self):
-        pass
-
-
-def replica(engine, model="models/none", load_format="auto", weights_path=""):
-    r = object.__new__(BareReplica)
-    r.cfg = ClusterConfig(engine=EngineConfig(model=model, load_format=load_format))
-    r.engine, r.replica_id, r.loading, r.broken = engine, "a", None, None
-    r.weights_version, r.weights_path, r.weights_error, r.weights_error_version = 0, weights_path, None, 0
-    r.sleep_level, r.sleep_goal, r.sleep_error, r.sleep_task = 0, 0, None, None
+def replica(engine, model="models/none", load_format="auto", weights_path="") -> EngineMoves:
+    r = EngineMoves(engine, ClusterConfig(engine=EngineConfig(model=model, load_format=load_format)), "a")
+    r.weights_path = weights_path
     return r
 
 
 def run(r, *orders):
     async def go():
         for order in orders:
-            await r._control(order)
+            r.apply(order)
             assert r.sleep_goal == (order.level if isinstance(order, Sleep) else 0)  # set before the next pull
         await r.sleep_task
 
@@ -142,7 +135,7 @@ def test_a_deep_wake_whose_checkpoint_is_gone_has_no_weights_and_asks_for_a_rest
     ckpt.rmdir()  # the trainer rotated it away while the engine slept
     run(r, Wake(str(ckpt), 3))
     assert "no such checkpoint" in r.sleep_error and "no weights after a level-2 sleep" in str(r.broken)
-    assert replica(FakeEngine(), weights_path=str(ckpt))._reload_source() is None  # refused at sleep
+    assert replica(FakeEngine(), weights_path=str(ckpt)).reload_source() is None  # refused at sleep
 
 
 def test_a_note_of_an_update_made_while_asleep_is_held_until_a_load_brings_it(tmp_path):
@@ -151,8 +144,8 @@ def test_a_note_of_an_update_made_while_asleep_is_held_until_a_load_brings_it(tm
     run(r, Sleep(2))
 
     async def notes():
-        await r._control(NoteWeights("/ckpt/step2", 2))
-        await r._control(NoteWeights("/ckpt/step1", 1))  # older: kept out
+        r.apply(NoteWeights("/ckpt/step2", 2))
+        r.apply(NoteWeights("/ckpt/step1", 1))  # older: kept out
 
     asyncio.run(notes())
     assert r.noted == (2, "/ckpt/step2") and eng.calls == [("sleep", 2)]  # a note loads nothing
@@ -196,12 +189,11 @@ class SlowSleepEngine(FakeEngine):
 def test_a_load_ordered_while_the_engine_still_goes_to_sleep_waits_for_the_moves():
     eng = SlowSleepEngine()
     r = replica(eng)
-    r.noted = (0, "")
 
     async def go():
-        await r._control(Sleep(1))
-        await r._control(Wake(None, 0))  # before the sleep ended
-        await r._control(LoadWeights("/ckpt/2", 2))
+        r.apply(Sleep(1))
+        r.apply(Wake(None, 0))  # before the sleep ended
+        r.apply(LoadWeights("/ckpt/2", 2))
         await asyncio.gather(r.sleep_task, r.loading[1])
 
     asyncio.run(go())
@@ -209,25 +201,20 @@ def test_a_load_ordered_while_the_engine_still_goes_to_sleep_waits_for_the_moves
     assert (r.sleep_level, r.weights_version) == (0, 2)
 
 
-def run_pull_loop(r, answers: list) -> None:
-    """Run the replica's pull loop against a router that answers each pull with the next of
+def run_pull_loop(moves, answers: list) -> None:
+    """Run a pull loop over `moves` against a router that answers each pull with the next of
     `answers`, then stops it."""
     from rollout_cluster.protocol import Orders
 
-    class Router:
-        def __init__(self):
-            self.pull = self
+    async def pull(report):
+        if not answers:
+            loop.stop()
+            return Orders()
+        return answers.pop(0)
 
-        def remote(self, report):
-            async def answer():
-                if not answers:
-                    r.stopping = True
-                    return Orders()
-                return answers.pop(0)
-            return answer()
-
-    r.router = Router()
-    asyncio.run(asyncio.wait_for(r._pull_loop(), 5))
+    loop = PullLoop(moves.engine, moves, pull, replica_id="a", incarnation="i1", model=None,
+                    router_cfg=moves.cfg.router)
+    asyncio.run(asyncio.wait_for(loop.run(), 5))
 
 
 def sleep_wake_then_work(eng) -> tuple:
@@ -235,7 +222,6 @@ def sleep_wake_then_work(eng) -> tuple:
     from rollout_cluster.protocol import Orders, SamplingSpec, Work
 
     r = replica(eng)
-    r.noted, r.unsent, r.stopping, r.incarnation, r.model = (0, ""), [], False, "i1", None
     work = Work("s", 1, [1, 2], SamplingSpec())
     run_pull_loop(r, [Orders(control=[Sleep(1), Wake(None, 0)]), Orders(start=[work])])
     return r, work

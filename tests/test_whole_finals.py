@@ -13,7 +13,8 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.vllm_engine import VllmEngine
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
-from rollout_cluster.serve.replica import EngineReplica
+from rollout_cluster.serve.engine_moves import EngineMoves
+from rollout_cluster.serve.pull_loop import PullLoop
 from rollout_cluster.protocol import (EngineStats, Listing, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
                                       SequenceRequest, Work)
 from test_router_adoption import Out
@@ -139,25 +140,23 @@ class RouterFailingSecond:
             if n == 2:
                 raise RuntimeError("router died")
             if n == 3:
-                self.replica.stopping = True
+                self.replica.stop()
             return Orders()
         return answer()
 
 
-class BareReplica(EngineReplica.func_or_class):
-    def __del__(self):
-        pass
+def pull_loop(engine, pull=None) -> PullLoop:
+    cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05, report_interval_s=0.01))
+    return PullLoop(engine, EngineMoves(engine, cfg, "a"), pull, replica_id="a", incarnation="i1", model=None,
+                    router_cfg=cfg.router)
 
 
 def run_replica(engine, make_router):
-    """EngineReplica's pull loop over `engine` and the fake router `make_router(replica)`, until
-    that router stops it. Returns (replica, router)."""
-    r = object.__new__(BareReplica)
-    r.cfg = ClusterConfig(router=RouterConfig(replica_timeout_s=1.0, idle_pull_wait_s=0.05, report_interval_s=0.01))
-    r.engine, r.stopping, r.unsent, r.replica_id, r.incarnation, r.model = engine, False, [], "a", "i1", None
-    r.weights_version, r.weights_error, r.weights_error_version, r.weights_path, r.loading = 0, None, 0, "", None
-    r.router = router = make_router(r)
-    asyncio.run(asyncio.wait_for(r._pull_loop(), 5.0))
+    """A replica's pull loop over `engine` and the fake router `make_router(loop)`, until that
+    router stops it. Returns (loop, router)."""
+    r = pull_loop(engine, lambda report: router.pull.remote(report))
+    router = make_router(r)
+    asyncio.run(asyncio.wait_for(r.run(), 5.0))
     return r, router
 
 
@@ -259,11 +258,10 @@ def test_the_vllm_adapter_sends_an_ended_final_again_whole_when_asked():
 def test_a_goodbye_sends_the_finals_whole_where_another_router_may_take_them():
     cases = {("A", "A", False): "delta", ("A", "B", False): "whole", ("A", "A", True): "whole"}
     for (started_by, answering, failed), want in cases.items():
-        r = object.__new__(BareReplica)
-        r.engine, r.replica_id, r.incarnation, r.weights_version = EndingEngine(), "a", "i1", 0
+        r = pull_loop(EndingEngine())
         r.dispatched, r.router_id, r.pull_failed = {("s", 1): started_by}, answering, failed
         r.unsent = [SeqProgress("s", 1, [6], None, "stop", offset=2)]
-        (p,) = r._goodbye().progress
+        (p,) = r.goodbye().progress
         assert (p.offset, p.token_ids) == ((0, [4, 5, 6]) if want == "whole" else (2, [6])), (started_by, answering)
 
 
@@ -299,7 +297,7 @@ class RouterRestartingBetweenPulls:
             if n == 1:
                 return Orders(start=[Work("s", 1, [1, 2], SamplingSpec(max_tokens=3))], router_id="A")
             if n >= 3 and report.progress:
-                self.replica.stopping = True
+                self.replica.stop()
             return Orders(router_id=self.later)
         return answer()
 

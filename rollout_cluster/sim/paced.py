@@ -1,4 +1,4 @@
-"""The simulator with replicas that pace their reports as EngineReplica._pace does.
+"""The simulator with replicas that pace their reports as PullLoop.pace does (serve/pull_loop.py).
 
 The plain Simulation reports every ended segment at once, the ideal for the policies. A real
 replica reports one before its next periodic report only when it is urgent (work is queued for

@@ -1,0 +1,182 @@
+"""EngineMoves: what a replica's engine is told to be beside its work, the weights it holds and
+whether it sleeps (vLLM sleep mode), moved by the router's control orders.
+
+Invariants:
+- A move runs in the background: the replica keeps pulling (and reporting `loading`, or the sleep
+  `goal` it has not reached), so a move longer than router.replica_timeout_s does not look like a
+  dead replica.
+- Moves run one after another, never beside each other: each waits for those ordered before it.
+- A resent order of what is done or under way starts nothing; a failed sleep move is tried again.
+- `broken` is set when a failure left the engine's weights or memory unknown: the replica's health
+  check then has Serve restart it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Optional
+
+from ..config import ClusterConfig
+from ..engines.base import SleepRefused, WeightsLoadBroken
+from ..protocol import ControlOrder, LoadWeights, NoteWeights, Sleep, SleepState, Wake, WeightsState
+
+log = logging.getLogger("ray.serve")
+
+
+class EngineMoves:
+    def __init__(self, engine, cfg: ClusterConfig, replica_id: str):
+        self.engine, self.cfg, self.replica_id = engine, cfg, replica_id
+        # the weights the engine holds (0, "": the config's model), and why the last load failed
+        self.weights_version, self.weights_path = 0, ""
+        self.weights_error: Optional[str] = None
+        self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
+        self.loading = None  # (version, asyncio.Task) of a load in progress
+        self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
+        # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
+        # it failed, and the move under way (it runs after any load or move before it)
+        self.sleep_level, self.sleep_goal = 0, 0
+        self.sleep_error: Optional[str] = None
+        self.sleep_task: Optional[asyncio.Task] = None
+        self.broken: Optional[Exception] = None
+        self._handlers = {LoadWeights: self._load, NoteWeights: self._note,
+                          Sleep: lambda order: self._move(order.level, None), Wake: lambda order: self._move(0, order)}
+
+    # ---- the replica's view ---------------------------------------------------------------------
+    def apply(self, order: ControlOrder) -> None:
+        """Start the move `order` asks for (in the background, on the running event loop)."""
+        handler = self._handlers.get(type(order))
+        if handler is None:
+            log.warning("replica %s: ignored an unknown control order %r", self.replica_id, order)
+            return
+        handler(order)
+
+    def in_progress(self) -> list:
+        """The weights load and the sleep move still running (each waits for those before it)."""
+        return [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
+
+    async def ready_for_work(self) -> bool:
+        """Wait for the moves under way: work never starts beside them. (The router sends no work
+        while a move runs, as far as it knows; but a wake that came while the engine still went to
+        sleep reports (0, 0), as an awake replica does.) False when they left no engine awake with
+        its weights (a deep wake's reload failed, say): run nothing; the next listing lacks that
+        work, and the router sends it elsewhere. With no move under way, True."""
+        moves = self.in_progress()
+        if not moves:
+            return True
+        await asyncio.gather(*moves, return_exceptions=True)
+        return not (self.sleep_level or self.sleep_error or self.broken or self.sleep_goal)
+
+    def states(self) -> tuple[WeightsState, SleepState]:
+        """The report's WeightsState and SleepState."""
+        weights = WeightsState(version=self.weights_version, error=self.weights_error,
+                               error_version=self.weights_error_version,
+                               loading=self.loading[0] if self.loading else 0, path=self.weights_path,
+                               noted=self.noted[0], noted_path=self.noted[1])
+        return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
+
+    def reload_source(self) -> Optional[str]:
+        """Where a level-2 sleeper reloads its weights from at wake: the latest checkpoint, else the
+        config's model if it is a local checkpoint (None: nowhere; "" for a simulated engine)."""
+        eng = self.cfg.engine
+        if eng.kind == "sim":
+            return ""
+        if self.weights_path:
+            return self.weights_path if os.path.isdir(self.weights_path) else None
+        model = self.cfg.model_path()
+        return model if os.path.isdir(model) and eng.load_format != "dummy" else None
+
+    # ---- the orders -----------------------------------------------------------------------------
+    def _load(self, order: LoadWeights) -> None:
+        if order.version in (self.weights_version, self.loading and self.loading[0]):
+            return  # a resent order of what is done or under way
+        before = self.in_progress()
+        task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before))
+        self.loading = (order.version, task)
+
+    def _note(self, order: NoteWeights) -> None:
+        """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
+        if order.version > max(self.weights_version, self.noted[0]):
+            self.noted = (order.version, order.path)
+
+    def _move(self, goal: int, reload: Optional[Wake]) -> None:
+        failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
+        if goal == self.sleep_goal and not failed:
+            return  # a resent order of what is done or under way (a failed move is tried again)
+        self.sleep_goal, self.sleep_error = goal, None
+        before = [t for t in (self.sleep_task, self.loading and self.loading[1]) if t]
+        self.sleep_task = asyncio.get_running_loop().create_task(self._move_sleep(goal, reload, before))
+
+    # ---- the moves ------------------------------------------------------------------------------
+    async def _move_sleep(self, goal: int, reload: Optional[Wake], before: list) -> None:
+        """Sleep at `goal`, or wake (goal 0) and, from level 2, reload the weights the wake order
+        names (the router's current version) before reporting awake. `sleep_level` changes only
+        when the engine itself says it reached `goal`."""
+        if before:
+            await asyncio.gather(*before, return_exceptions=True)
+        try:
+            if goal:
+                await self._sleep(goal)
+            else:
+                await self._wake(reload)
+            if await self.engine.sleeping() != bool(goal):  # the engine's own word, not ours
+                raise RuntimeError(f"the engine says it is {'awake' if goal else 'still asleep'}")
+            self.sleep_level = goal
+        except Exception as e:
+            what = f"sleep(level={goal})" if goal else "wake"
+            log.exception("replica %s: %s failed", self.replica_id, what)
+            self.sleep_error = f"replica {self.replica_id}: {what}: {type(e).__name__}: {e}"
+
+    async def _sleep(self, level: int) -> None:
+        if level == 2 and self.reload_source() is None:
+            source = self.weights_path or f"engine.model={self.cfg.engine.model!r}"
+            raise SleepRefused(f"level 2 drops the weights, and {source} (load_format "
+                               f"{self.cfg.engine.load_format!r}) is no local checkpoint to reload them "
+                               "from at wake: use level 1, or update_weights first")
+        try:
+            await self.engine.sleep(level)
+        except SleepRefused:
+            raise
+        except Exception as e:  # vLLM may have freed part of its memory: nothing it holds is trusted
+            self.broken = RuntimeError(f"vLLM failed going to sleep at level {level}: {e}")
+            raise
+
+    async def _wake(self, reload: Optional[Wake]) -> None:
+        was = self.sleep_level
+        await self.engine.wake()
+        if was == 2:
+            try:
+                await self._reload_after_deep_sleep(reload or Wake(None, self.weights_version))
+            except Exception as e:  # level 2 dropped the weights: without a reload there are none
+                self.broken = RuntimeError(f"no weights after a level-2 sleep: {e}")
+                raise
+
+    async def _reload_after_deep_sleep(self, order: Wake) -> None:
+        version = order.version
+        path = order.path or self.reload_source()
+        if version == 0 and not order.path:  # the config's model: no checkpoint version to report
+            if path:
+                await self.engine.load_weights(path)
+            return
+        await self._load_weights(path, version)
+        if self.weights_error and self.weights_error_version == version:
+            raise RuntimeError(self.weights_error)
+
+    async def _load_weights(self, path: str, version: int, before=()) -> None:
+        try:
+            if before:
+                await asyncio.gather(*before, return_exceptions=True)
+            await self.engine.load_weights(path)
+        except Exception as e:
+            log.exception("replica %s: load_weights %r failed", self.replica_id, path)
+            self.weights_error = f"replica {self.replica_id}: load_weights({path!r}): {e}"
+            self.weights_error_version = version
+            if isinstance(e, WeightsLoadBroken):
+                self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
+        else:
+            self.weights_version, self.weights_path, self.weights_error = version, path, None
+            if self.noted[0] <= version:
+                self.noted = (0, "")
+        finally:
+            if self.loading and self.loading[0] == version:  # not a later load's flag
+                self.loading = None
