@@ -11,7 +11,8 @@ silent replicas dead and drops abandoned batches. Migration semantics: docs/sema
 The state a sequence moves through is here (submit, dispatch, apply progress, give up, requeue,
 finish); the parts with state of their own are components it holds and calls: `batches`
 (batches.py), `fleet` (fleet.py), `weights` (weights.py), `sleep` (sleep.py), `adoption`
-(adoption.py), `outbox` (outbox.py); a request's rules are in validation.py.
+(adoption.py), `outbox` (outbox.py), and `control` (control.py), which orders weights and sleep;
+a request's rules are in validation.py.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..policy.base import Decision, Policy
-from ..protocol import (Completion, InputError, LoadWeights, Migration, ModelInfo, NoteWeights, Orders, Report,
-                        SamplingSpec, SeqProgress, SequenceRequest, Sleep, Wake, Work)
+from ..protocol import (Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
+                        SequenceRequest, Work)
 from ..validation import check_request
 from .adoption import OrphanAdoption
 from .batches import Batches
+from .control import FleetControl
 from .counters import RouterCounters, RouterMetrics
 from .fleet import Fleet
 from .outbox import Outbox
@@ -82,6 +84,7 @@ class RouterCore:
         self.outbox = Outbox()
         self.weights = FleetWeights()
         self.sleep = FleetSleep()
+        self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
         self.adoption = OrphanAdoption(self, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
                                        id_prefix)
         self.finished_lengths: list[int] = []  # recent finished sequences' lengths (the policy's evidence)
@@ -131,21 +134,10 @@ class RouterCore:
 
     def _refuse_batch(self, weights_version: Optional[int]) -> None:
         """Raise if no batch can run now: no replica, other weights, asleep, weights in doubt."""
-        replicas = self.fleet.replicas
-        if not replicas:
+        if not self.fleet.replicas:
             raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
-        self.weights.check_batch(weights_version, len(replicas))
-        asleep = self.sleep.refusal(replicas)
-        if asleep:
-            raise RuntimeError(asleep)
-        if self.weights.learning:  # a router restarted during update_weights: a batch now would run
-            loading = sorted(rid for rid, r in replicas.items() if r.weights_loading)  # on a version about to go
-            if loading:
-                v = max(replicas[rid].weights_loading for rid in loading)
-                raise RuntimeError(f"replica(s) {', '.join(loading[:4])} still load weights version {v}, ordered by "
-                                   "a router before this one restarted: wait until status()['weights'] shows them "
-                                   "held, or call update_weights again")
-        if self.weights.none_can_load(replicas):
+        self.control.refuse_batch(weights_version)
+        if self.weights.none_can_load(self.fleet.replicas):
             raise NoLiveReplicaError(self.weights.failure())
 
     def _validate(self, req: SequenceRequest) -> Optional[str]:
@@ -191,45 +183,18 @@ class RouterCore:
         """The driver fetched the whole batch: forget it."""
         self.batches.release(batch_id)
 
-    # ---- the fleet's weights and sleep (between batches) --------------------------------------------
+    # ---- the fleet's weights and sleep (control.py), between batches ---------------------------------
     def update_weights(self, path: str, version: Optional[int] = None) -> int:
-        """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
-        nodes) as `version` (default: the current one + 1). Replicas load at their next pull."""
-        version = self.weights.checked(path, version)
-        self._refuse_while_running("update_weights", "weights change between batches")
-        self._refuse_while_loading("update_weights")
-        self.weights.update(path, version)
-        for rep in self.fleet.replicas.values():
-            self._order_weights(rep)
-        return version
+        """Point every replica at the checkpoint in `path` as `version` (default: current + 1)."""
+        return self.control.update_weights(path, version)
 
     def sleep_fleet(self, level: int = 1) -> int:
-        """Put every engine to sleep at vLLM's `level` (1: weights to host memory, KV cache dropped;
-        2: both dropped, reloaded from the latest checkpoint at wake), between batches. Replicas
-        move at their next pull; a batch submitted before wake() is refused. Returns the level."""
-        self.sleep.check_level(level)
-        if self.sleep.level == level:  # again: the replicas that failed to get there try once more
-            for rid in list(self.sleep.errors):
-                self.sleep.errors.pop(rid)
-                if rid in self.fleet.replicas:
-                    self._order_sleep(rid)
-            return level
-        if self.sleep.level:
-            raise RuntimeError(f"sleep: the engines are asleep at level {self.sleep.level} already; wake() first")
-        self._refuse_while_running("sleep", "engines sleep between batches")
-        self._refuse_while_loading("sleep")
-        self.sleep.set(level)
-        for rid in self.fleet.replicas:
-            self._order_sleep(rid)
-        return level
+        """Put every engine to sleep at vLLM's `level`; a batch submitted before wake() is refused."""
+        return self.control.sleep_fleet(level)
 
     def wake_fleet(self) -> None:
         """Wake every engine (a level-2 sleeper reloads the current weights first)."""
-        if self.sleep.level == 0 and not self.sleep.errors:
-            return
-        self.sleep.set(0)
-        for rid in self.fleet.replicas:
-            self._order_sleep(rid)
+        self.control.wake_fleet()
 
     def weights_status(self) -> dict:
         return self.weights.status(self.fleet.replicas)
@@ -243,30 +208,7 @@ class RouterCore:
 
     def usable(self, rep: ReplicaState) -> bool:
         """It may get work: it holds the current weights, loads no others, and is awake."""
-        return self.weights.held_by(rep) and self.sleep.awake(rep.replica_id)
-
-    def _refuse_while_running(self, what: str, why: str) -> None:
-        if self.seqs:
-            batches = sorted({s.batch_id for s in self.seqs.values()})
-            raise RuntimeError(f"{what}: {len(self.seqs)} sequences of batch(es) {', '.join(batches)} are "
-                               f"unfinished; {why} (wait for them, or cancel)")
-
-    def _refuse_while_loading(self, what: str) -> None:
-        """Two loads at once on a replica: the second's could land while work runs."""
-        loading = self.weights.loading(self.fleet.replicas)
-        if loading:
-            raise RuntimeError(f"{what}: version {self.weights.version} ({self.weights.path!r}) is still loading on "
-                               f"{len(loading)} replica(s) ({', '.join(loading[:4])}); wait until "
-                               "status()['weights'] shows it held or failed everywhere")
-
-    def _order_weights(self, rep: ReplicaState) -> None:
-        order = self.weights.order_for(rep, awake=self.sleep.awake(rep.replica_id))
-        if order is not None:
-            self.outbox.to(rep.replica_id).control.append(order)
-
-    def _order_sleep(self, replica_id: str) -> None:
-        """Replace any sleep or wake order still waiting for the replica with the fleet's level."""
-        self.outbox.replace_control(replica_id, (Sleep, Wake), self.sleep.order(self.weights.path, self.weights.version))
+        return self.control.usable(rep)
 
     def _fail_queued_if_no_replica_can_load(self, now: float) -> None:
         if self.weights.none_can_load(self.fleet.replicas):
@@ -394,29 +336,13 @@ class RouterCore:
         that sleeps. Then the reported engine stats, sampled while tracing."""
         if not report.number or report.number > rep.last_report_number:
             rep.last_report_number = report.number
-            self._apply_sleep(rep, report)
-            self._apply_weights(rep, report, now)
+            self.control.apply_sleep(rep, report.sleep)
+            if self.control.apply_weights(rep, report.weights, learn=not self.seqs):
+                self._fail_queued_if_no_replica_can_load(now)
         st = report.stats
         if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
             _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
                             STEP_SAMPLES_KEPT)
-
-    def _apply_sleep(self, rep: ReplicaState, report: Report) -> None:
-        pending = self.outbox.pending(rep.replica_id, (Sleep, Wake))
-        # With an order on its way, the report's error is the old try's: the order tries again.
-        s = report.sleep
-        self.sleep.record(rep.replica_id, s.level, s.goal, None if pending else s.error)
-        if self.sleep.needs_order(rep.replica_id) and not pending:
-            self._order_sleep(rep.replica_id)  # it joined, or the reply that carried the order was lost
-
-    def _apply_weights(self, rep: ReplicaState, report: Report, now: float) -> None:
-        if not self.seqs:
-            self.weights.learn(report.weights)
-        failed = self.weights.record(rep, report.weights, self.outbox.pending(rep.replica_id, (LoadWeights,)),
-                                     self.outbox.pending(rep.replica_id, (NoteWeights,)))
-        if failed:
-            self._fail_queued_if_no_replica_can_load(now)
-        self._order_weights(rep)
 
     def _apply_progress(self, rep: ReplicaState, report: Report, now: float) -> None:
         for p in report.progress:

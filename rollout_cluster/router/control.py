@@ -1,0 +1,130 @@
+"""What the router tells engines to be, beside the work it hands out: which weights they hold
+(update_weights) and whether they sleep (vLLM sleep mode).
+
+Both follow one rule: the router keeps the fleet's target (FleetWeights, FleetSleep), a replica
+reports where its engine is, an order goes out once per replica (again only when a lost reply
+took it), and a replica that is not at the target gets no work. Both change between batches
+only, so that a batch never mixes weights and never waits on a sleeping engine.
+
+No clock and no I/O: orders go into the outbox, and RouterCore fails the queued work when no
+replica can load the weights (apply_weights says when).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..protocol import LoadWeights, NoteWeights, SleepState, Sleep, Wake, WeightsState
+from .fleet import Fleet
+from .outbox import Outbox
+from .sleep import FleetSleep
+from .state import ReplicaState, SeqState
+from .weights import FleetWeights
+
+
+class FleetControl:
+    def __init__(self, weights: FleetWeights, sleep: FleetSleep, fleet: Fleet, outbox: Outbox,
+                 unfinished: dict[str, SeqState]):
+        self.weights, self.sleep, self.fleet, self.outbox = weights, sleep, fleet, outbox
+        self.unfinished = unfinished  # the router's live sequences (read only): no change while they run
+
+    # ---- a driver's orders ---------------------------------------------------------------------
+    def update_weights(self, path: str, version: Optional[int]) -> int:
+        """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
+        nodes) as `version` (default: the current one + 1). Between batches only, so that a batch
+        never mixes versions. Replicas load at their next pull; returns the version."""
+        version = self.weights.checked(path, version)
+        self._refuse_while_running("update_weights", "weights change between batches")
+        self._refuse_while_loading("update_weights")
+        self.weights.update(path, version)
+        for rep in self.fleet.replicas.values():
+            self.order_weights(rep)
+        return version
+
+    def sleep_fleet(self, level: int) -> int:
+        """Put every engine to sleep at vLLM's `level` (1: weights to host memory, KV cache dropped;
+        2: both dropped, reloaded from the latest checkpoint at wake), between batches. Replicas
+        move at their next pull; a batch submitted before wake() is refused. Returns the level."""
+        self.sleep.check_level(level)
+        if self.sleep.level == level:  # again: the replicas that failed to get there try once more
+            for rid in list(self.sleep.errors):
+                self.sleep.errors.pop(rid)
+                if rid in self.fleet.replicas:
+                    self.order_sleep(rid)
+            return level
+        if self.sleep.level:
+            raise RuntimeError(f"sleep: the engines are asleep at level {self.sleep.level} already; wake() first")
+        self._refuse_while_running("sleep", "engines sleep between batches")
+        self._refuse_while_loading("sleep")
+        self.sleep.set(level)
+        for rid in self.fleet.replicas:
+            self.order_sleep(rid)
+        return level
+
+    def wake_fleet(self) -> None:
+        """Wake every engine (a level-2 sleeper reloads the current weights first)."""
+        if self.sleep.level == 0 and not self.sleep.errors:
+            return
+        self.sleep.set(0)
+        for rid in self.fleet.replicas:
+            self.order_sleep(rid)
+
+    def refuse_batch(self, weights_version: Optional[int]) -> None:
+        """Raise if a batch cannot run on the fleet's weights and sleep state now."""
+        replicas = self.fleet.replicas
+        self.weights.check_batch(weights_version, len(replicas))
+        asleep = self.sleep.refusal(replicas)
+        if asleep:
+            raise RuntimeError(asleep)
+        if self.weights.learning:  # a router restarted during update_weights: a batch now would run
+            loading = sorted(rid for rid, r in replicas.items() if r.weights_loading)  # on a version about to go
+            if loading:
+                v = max(replicas[rid].weights_loading for rid in loading)
+                raise RuntimeError(f"replica(s) {', '.join(loading[:4])} still load weights version {v}, ordered by "
+                                   "a router before this one restarted: wait until status()['weights'] shows them "
+                                   "held, or call update_weights again")
+
+    def _refuse_while_running(self, what: str, why: str) -> None:
+        if self.unfinished:
+            batches = sorted({s.batch_id for s in self.unfinished.values()})
+            raise RuntimeError(f"{what}: {len(self.unfinished)} sequences of batch(es) {', '.join(batches)} are "
+                               f"unfinished; {why} (wait for them, or cancel)")
+
+    def _refuse_while_loading(self, what: str) -> None:
+        """Two loads at once on a replica: the second's could land while work runs."""
+        loading = self.weights.loading(self.fleet.replicas)
+        if loading:
+            raise RuntimeError(f"{what}: version {self.weights.version} ({self.weights.path!r}) is still loading on "
+                               f"{len(loading)} replica(s) ({', '.join(loading[:4])}); wait until "
+                               "status()['weights'] shows it held or failed everywhere")
+
+    # ---- a replica's report --------------------------------------------------------------------
+    def apply_sleep(self, rep: ReplicaState, state: SleepState) -> None:
+        pending = self.outbox.pending(rep.replica_id, (Sleep, Wake))
+        # With an order on its way, the report's error is the old try's: the order tries again.
+        self.sleep.record(rep.replica_id, state.level, state.goal, None if pending else state.error)
+        if self.sleep.needs_order(rep.replica_id) and not pending:
+            self.order_sleep(rep.replica_id)  # it joined, or the reply that carried the order was lost
+
+    def apply_weights(self, rep: ReplicaState, state: WeightsState, learn: bool) -> bool:
+        """Take in what the replica holds (`learn`: no batch runs, a fresh router may learn the
+        version) and send it what it lacks. Returns whether its load of the current version failed."""
+        if learn:
+            self.weights.learn(state)
+        failed = self.weights.record(rep, state, self.outbox.pending(rep.replica_id, (LoadWeights,)),
+                                     self.outbox.pending(rep.replica_id, (NoteWeights,)))
+        self.order_weights(rep)
+        return failed
+
+    def usable(self, rep: ReplicaState) -> bool:
+        """It may get work: it holds the current weights, loads no others, and is awake."""
+        return self.weights.held_by(rep) and self.sleep.awake(rep.replica_id)
+
+    # ---- orders --------------------------------------------------------------------------------
+    def order_weights(self, rep: ReplicaState) -> None:
+        order = self.weights.order_for(rep, awake=self.sleep.awake(rep.replica_id))
+        if order is not None:
+            self.outbox.to(rep.replica_id).control.append(order)
+
+    def order_sleep(self, replica_id: str) -> None:
+        """Replace any sleep or wake order still waiting for the replica with the fleet's level."""
+        self.outbox.replace_control(replica_id, (Sleep, Wake), self.sleep.order(self.weights.path, self.weights.version))
