@@ -7,10 +7,6 @@ its methods are no-ops here, so the simulator and the tests run without one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .core import RouterCore
 
 
 @dataclass
@@ -60,8 +56,8 @@ class RouterMetrics:
     def resumed(self, source: str, reason: str) -> None:
         """A sequence continues from output made elsewhere: replica_left, replica_lost, router_restart, partial."""
 
-    def gauges(self, core: "RouterCore") -> None:
-        """A periodic look at the router's state (queue, fleet, weights, sleep)."""
+    def gauges(self, core) -> None:
+        """A periodic look at the router's state (a RouterCore: queue, fleet, weights, sleep)."""
 
     def batches_abandoned(self, n: int) -> None:
         """`n` batches were dropped because no driver fetched from them."""
