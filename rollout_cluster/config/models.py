@@ -64,7 +64,7 @@ class EngineConfig(Section):
     cpu_kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)")
     cpu_bind_cores: bool = Field(True, description="pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)")
     sim_profile: str = Field("a100-80g-7b", description="kind=sim: built-in profile name or YAML file", **_also(
-        "a built-in profile or an existing file (make one with `rollout-cluster calibrate`)"))
+        "a built-in profile or an existing file (rollout-cluster calibrate makes one)"))
     sim_vocab_size: int = Field(32000, description="kind=sim: token ids are drawn below this")
     sim_time_scale: float = Field(1.0, gt=0, description=(
         "kind=sim: wall seconds per modelled second (>1: slower than modelled, less host CPU a second)"))
@@ -168,7 +168,8 @@ class ClusterConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     router: RouterConfig = Field(default_factory=RouterConfig)
-    policy: PolicyUnion = Field(default_factory=REGISTRY[DEFAULT_POLICY].settings)
+    policy: PolicyUnion = Field(default_factory=REGISTRY[DEFAULT_POLICY].settings, description=(
+        "which policy schedules; the other keys under `policy:` are its settings"))
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     base_dir: str = Field("", description="where relative model paths resolve; set by load_config")
