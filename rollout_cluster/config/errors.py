@@ -9,7 +9,7 @@ import typing
 from typing import Literal
 
 import annotated_types as at
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Discriminator, ValidationError
 
 from ..policy.base import PolicySettings
 from ..policy.registry import POLICY_NAMES, REGISTRY, owners_of
@@ -63,10 +63,14 @@ def _submodel(info):
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
+def _is_policy_union(info) -> bool:
+    return info is not None and any(isinstance(m, Discriminator) for m in info.metadata)
+
+
 def locate(root: type, loc: tuple) -> tuple:
     """(key path, the model holding its last key, that key's FieldInfo) of an error's loc below
-    `root`. The policy union puts the policy's name in the loc: that is no key, but says which
-    settings model holds the rest."""
+    `root`. The policy union puts the policy's name in the loc after `policy`: that is no key,
+    but names the settings model that holds the rest."""
     path, owner, info, model, tagged = "", None, None, root, False
     for part in loc:
         if tagged:
@@ -77,8 +81,7 @@ def locate(root: type, loc: tuple) -> tuple:
             continue
         path = f"{path}.{part}" if path else str(part)
         owner, info = model, (model.model_fields.get(part) if model is not None else None)
-        model = _submodel(info)
-        tagged = part == "policy" and owner is not None and not issubclass(owner, PolicySettings) and model is None
+        model, tagged = _submodel(info), _is_policy_union(info)
     return path, owner, info
 
 
