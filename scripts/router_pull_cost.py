@@ -11,7 +11,6 @@ local Ray cluster of its own (ray.init()), so stop any other first.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import time
@@ -50,7 +49,7 @@ def main() -> None:
                                        [float(x) for x in a.max_pulls_per_s.split(",")]):
         router = RouterConfig(pull_wait_s=a.pull_wait_s, replica_timeout_s=60, max_pulls_per_s=budget)
         if a.idle_pull_wait_s is not None:
-            router = dataclasses.replace(router, idle_pull_wait_s=a.idle_pull_wait_s)
+            router = router.model_copy(update={"idle_pull_wait_s": a.idle_pull_wait_s})
         cfg = ClusterConfig(app_name=f"pullcost{n}-{budget:g}", replicas=n,
                             engine=EngineConfig(kind="sim", model="sim", max_model_len=20480, max_num_seqs=256,
                                                 sim_profile="h200-1.5b"),

@@ -242,7 +242,7 @@ def test_calibration_fit_drops_points_spoiled_by_interference():
 
 def test_simulate_takes_replicas_and_policy_tunables_from_a_config(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("replicas: 5\nengine:\n  kind: sim\n  max_num_seqs: 4\npolicy:\n  chunk_tokens: 64\n")
+    cfg.write_text("replicas: 5\nengine:\n  kind: sim\n  max_num_seqs: 4\npolicy:\n  name: chunked\n  chunk_tokens: 64\n")
     main(["simulate", "--policy", "chunked", "--config", str(cfg), "--prompts", "5", "--samples", "4",
           "--median", "200", "--max-tokens", "512"])
     data = json.loads(capsys.readouterr().out)

@@ -2,7 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_cluster.config import ConfigError, RouterConfig, load_config
+from rollout_cluster.config import ClusterConfig, ConfigError, PolicyConfig, RouterConfig, load_config, to_dict
+from rollout_cluster.policy import make_policy
+from rollout_cluster.policy.registry import BENCH_POLICIES, POLICY_NAMES, REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +49,20 @@ def test_paths_in_a_nested_configs_folder_resolve_against_the_project(tmp_path):
     ({"router": {"max_ongoing_requests": 5}, "replicas": 2}, "router.max_ongoing_requests=5"),
     ({"engine": {"enable_prefix_caching": "yes"}}, "engine.enable_prefix_caching='yes'"),
     ({"engine": 3}, "engine=3: must be a mapping"),
+    ({"engine": {"max_num_seqs": True}}, "engine.max_num_seqs=True: must be of type int"),
+    ({"router": {"pull_wait_s": "0.1"}}, "router.pull_wait_s='0.1': must be of type float"),
+    ({"router": {"pull_wait_s": 0}}, "router.pull_wait_s=0.0: must be in (0, 5]"),
+    ({"router": {"replica_timeout_s": 8, "idle_pull_wait_s": 4}},
+     "router.idle_pull_wait_s=4.0: must be <= min(5, router.replica_timeout_s / 4) = 2"),
+    ({"router": {"abandoned_batch_s": 5}}, "router.abandoned_batch_s=5.0: must be 0 (never) or >= 10"),
+    ({"engine": {"niceness": 20}}, "engine.niceness=20: must be null or in [-20, 19]"),
+    ({"sampling": {"max_tokens": 4096}}, "sampling.max_tokens=4096: must be < engine.max_model_len = 4096"),
+    ({"engine": {"sim_profile": "no-such-profile"}}, "engine.sim_profile='no-such-profile': must be a built-in"),
+    ({"policy": {"name": "pull", "chunk_tokens": 5}}, "policy.chunk_tokens: a setting of policy 'chunked', not of 'pull'"),
+    ({"policy": {"min_gain_s": 1, "chunk_tokens": 5}}, "policy.chunk_tokens: a setting of policy 'chunked', not of 'steal'"),
+    ({"policy": {"name": "chunked", "chunk_size": 5}}, "policy.chunk_size: unknown key (known: chunk_tokens, name)"),
+    ({"policy": {"name": "scripted", "scripted_at_tokens": [10, "x"]}}, "policy.scripted_at_tokens[1]='x': must be of type int"),
+    ({"policy": "steal"}, "policy='steal': must be a mapping"),
 ])
 def test_bad_config_names_key_and_value(data, fragment):
     with pytest.raises(ConfigError) as e:
@@ -82,3 +98,52 @@ def test_report_interval_stays_under_a_quarter_of_the_replica_timeout():
 @pytest.mark.parametrize("replicas, expected", [(2, 1.0), (160, 1.0), (320, 2.0), (10_000, 5.0)])
 def test_idle_pulls_are_held_longer_past_the_pull_budget(replicas, expected):
     assert RouterConfig(idle_pull_wait_s=1.0, max_pulls_per_s=160).idle_pull_wait_for(replicas) == pytest.approx(expected)
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ConfigError) as e:
+        load_config({"policy": {"name": "random"}})
+    assert all(repr(name) in str(e.value) for name in POLICY_NAMES)
+
+
+def test_every_broken_rule_is_reported():
+    with pytest.raises(ConfigError) as e:
+        load_config({"replicas": 0, "metrics": {"port": -1}})
+    assert "replicas=0" in str(e.value) and "metrics.port=-1" in str(e.value)
+
+
+def test_policy_is_the_named_policys_settings():
+    cfg = load_config({"policy": {"name": "chunked", "chunk_tokens": 64}})
+    assert (type(cfg.policy).__name__, cfg.policy.chunk_tokens) == ("ChunkedConfig", 64)
+    assert load_config({"policy": {"min_gain_s": 1}}).policy.name == "steal"  # no name: the default policy
+    assert PolicyConfig(name="scripted", scripted_at_tokens=[3]).scripted_at_tokens == [3]
+    with pytest.raises(ConfigError, match="policy.spread_chunk: a setting of policy 'steal', not of 'pull'"):
+        PolicyConfig(name="pull", spread_chunk=2)
+
+
+CLUSTER_CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if p.parent.name != "profiles")
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_round_trips_through_a_plain_dict(path):
+    cfg = load_config(path)
+    assert load_config(to_dict(cfg)) == cfg  # what Serve deployments receive and load again
+
+
+def test_code_that_changes_a_config_is_checked_again():
+    cfg = load_config({"replicas": 2})
+    cfg.router.max_ongoing_requests = 4
+    with pytest.raises(ConfigError, match="router.max_ongoing_requests=4"):
+        cfg.validate()
+    fixed = cfg.model_copy(update={"replicas": 1, "router": RouterConfig(max_ongoing_requests=9)})
+    assert isinstance(load_config(fixed), ClusterConfig)
+
+
+def test_registry_feeds_the_bench_and_builds_every_policy():
+    assert BENCH_POLICIES == ("static", "chunked", "least-loaded", "pull", "steal")  # the bench's columns, in order
+    from rollout_cluster.bench.run import POLICIES
+
+    assert POLICIES == BENCH_POLICIES
+    for name, entry in REGISTRY.items():
+        policy = make_policy(entry.settings())
+        assert policy.name == name == entry.settings().name

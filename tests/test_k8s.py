@@ -11,7 +11,6 @@ The CRDs missing is a failure, never a skip.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 import importlib.util
 import re
@@ -275,7 +274,7 @@ def test_scaling_past_the_gpus_fails():
     doc = _service()
     app = serve_apps(doc)[0]
     app["deployments"] = [{"name": "EngineReplica", "num_replicas": 40}]
-    cfg = dataclasses.replace(load_config(app["args"]), replicas=engine_replicas(app))
+    cfg = load_config(app["args"]).model_copy(update={"replicas": engine_replicas(app)})
     assert any("hold 32 GPUs; the config needs 40" in e for e in cluster_errors(cluster_spec(doc), cfg))
 
 
@@ -292,8 +291,8 @@ def test_tensor_parallel_replicas_must_fit_in_one_pod(tp, replicas, enough):
     """4 pods x 8 GPUs: tp 2 fits 16 replicas; tp 3 only 2 a pod (8 of them; 8 GPUs stranded);
     tp 16 none, as a replica's GPUs belong to one actor on one node."""
     doc = _service()
-    cfg = dataclasses.replace(load_config(serve_apps(doc)[0]["args"]), replicas=replicas)
-    cfg.engine = dataclasses.replace(cfg.engine, tensor_parallel_size=tp)
+    cfg = load_config(serve_apps(doc)[0]["args"]).model_copy(update={"replicas": replicas})
+    cfg.engine = cfg.engine.model_copy(update={"tensor_parallel_size": tp})
     short = [e for e in cluster_errors(cluster_spec(doc), cfg) if "the config needs" in e]
     assert (short == []) == enough, short
 
@@ -350,7 +349,7 @@ def test_import_path_resolves_to_build():
 def test_rayservice_cluster_fits_its_config():
     for doc in by_kind("RayService"):
         for app in serve_apps(doc):
-            cfg = dataclasses.replace(load_config(app["args"]), replicas=engine_replicas(app))
+            cfg = load_config(app["args"]).model_copy(update={"replicas": engine_replicas(app)})
             assert cluster_errors(cluster_spec(doc), cfg) == []
 
 

@@ -135,9 +135,9 @@ def test_engines_stay_equivalent_with_own_context_hits_evictions_and_preemptions
     cost = dataclasses.replace(COST, kv_tokens=8000, max_num_seqs=32)
     reqs = rl_longtail(LongtailSpec(prompts=16, samples=6, median=400, max_tokens=4096))
     out = []
+    pc = {"chunked": {"chunk_tokens": 256}, "scripted": {"scripted_at_tokens": [100, 300]}}.get(policy, {})
     for engine in ENGINES:
-        sim = Simulation(make_policy(PolicyConfig(name=policy, chunk_tokens=256, scripted_at_tokens=[100, 300]),
-                                     cost), cost, 4, engine=engine, record_tokens=True)
+        sim = Simulation(make_policy(PolicyConfig(name=policy, **pc), cost), cost, 4, engine=engine, record_tokens=True)
         res = sim.run(reqs)
         out.append((res, [(p.hits, p.hit_tokens, p.seq_hits, p.seq_hit_tokens, p.evictions, list(p.free.items()))
                           for p in (e.prefix_cache for e in sim.engines.values())]))

@@ -26,7 +26,7 @@ def simulate(policy, requests, replicas=4, **pc):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_sequence_returns_once_in_order_with_exact_length(policy):
     reqs = longtail_requests(prompts=12, samples=4, with_ids=True)
-    sim, res = simulate(policy, reqs, chunk_tokens=64)
+    sim, res = simulate(policy, reqs, **({"chunk_tokens": 64} if policy == "chunked" else {}))
     batch = sim.core.batches["sim"]
     assert sorted(batch.order) == list(range(len(reqs)))  # each index finished exactly once
     for i, (req, c) in enumerate(zip(reqs, res.completions)):

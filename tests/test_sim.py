@@ -82,8 +82,9 @@ def test_kv_overflow_preempts_and_still_completes_exactly():
 def test_fast_engine_equals_reference_engine(policy, kv_tokens):
     cost = COST if kv_tokens is None else dataclasses.replace(COST, kv_tokens=kv_tokens, max_num_seqs=32)
     reqs = rl_longtail(LongtailSpec(prompts=16, samples=6, median=400, max_tokens=4096))
-    ref = run(policy, reqs, 4, cost, SimEngineCore, record_tokens=True, chunk_tokens=256)
-    fast = run(policy, reqs, 4, cost, FastEngineCore, record_tokens=True, chunk_tokens=256)
+    pc = {"chunk_tokens": 256} if policy == "chunked" else {}
+    ref = run(policy, reqs, 4, cost, SimEngineCore, record_tokens=True, **pc)
+    fast = run(policy, reqs, 4, cost, FastEngineCore, record_tokens=True, **pc)
     assert fast.makespan_s == ref.makespan_s
     assert fast.finish_times == ref.finish_times
     assert fast.counters == ref.counters and fast.preemptions == ref.preemptions
@@ -300,9 +301,9 @@ def test_fast_engine_equals_reference_engine_with_prefix_cache_evictions(policy)
     cost = dataclasses.replace(COST, kv_tokens=8000, max_num_seqs=32)
     reqs = rl_longtail(LongtailSpec(prompts=16, samples=6, median=400, max_tokens=4096))
     results, caches = [], []
+    pc = {"chunked": {"chunk_tokens": 256}, "scripted": {"scripted_at_tokens": [100, 300]}}.get(policy, {})
     for engine in ENGINES:
-        sim = Simulation(make_policy(PolicyConfig(name=policy, chunk_tokens=256, scripted_at_tokens=[100, 300]),
-                                     cost), cost, 4, engine=engine, record_tokens=True)
+        sim = Simulation(make_policy(PolicyConfig(name=policy, **pc), cost), cost, 4, engine=engine, record_tokens=True)
         results.append(sim.run(reqs))
         caches.append([(p.hits, p.hit_tokens, p.evictions, list(p.free), dict(p.held))
                        for p in (e.prefix_cache for e in sim.engines.values())])

@@ -339,7 +339,8 @@ def test_chunked_rounds_carry_no_prior_logprobs_and_other_continuations_do():
     """A continuation's Work carries its earlier logprobs, but not a chunked round's (every round
     of every sequence: their size would grow as the square of the length)."""
     for policy, end, want in (("chunked", "length", None), ("pull", "abort", [-1.0] * 4)):
-        core = RouterCore(make_policy(PolicyConfig(name=policy, chunk_tokens=4), COST), id_prefix="r1-")
+        pc = PolicyConfig(name=policy, **({"chunk_tokens": 4} if policy == "chunked" else {}))
+        core = RouterCore(make_policy(pc, COST), id_prefix="r1-")
         core.on_report(report(), 0.0)
         core.submit([request(max_tokens=10)], 0.0)
         (w,) = core.decide("a", 0.1).start

@@ -27,7 +27,6 @@ migrations, re-prefilled % of generated tokens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -49,21 +48,21 @@ def main() -> None:
     ap.add_argument("--ends", default="always", help="always,when-queued,paced")
     ap.add_argument("--migration-overhead", default=str(steal.MIGRATION_OVERHEAD_S))
     ap.add_argument("--policies", default="least-loaded,steal")
-    ap.add_argument("--spread-chunk", default=str(PolicyConfig.spread_chunk))
-    ap.add_argument("--min-gain-frac", default=str(PolicyConfig.min_gain_frac))
-    ap.add_argument("--max-reprefill-frac", default=str(PolicyConfig.max_reprefill_frac))
+    ap.add_argument("--spread-chunk", default=str(steal.StealConfig().spread_chunk))
+    ap.add_argument("--min-gain-frac", default=str(steal.StealConfig().min_gain_frac))
+    ap.add_argument("--max-reprefill-frac", default=str(steal.StealConfig().max_reprefill_frac))
     ap.add_argument("--repay-factor", default=str(steal.REPAY_FACTOR))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
-                    help="sweep another policy.KEY over these values (repeatable)")
+                    help="sweep another steal setting KEY over these values (repeatable)")
     ap.add_argument("--seeds", default="0")
     a = ap.parse_args()
-    fields = {f.name: f for f in dataclasses.fields(PolicyConfig)}
+    fields = steal.StealConfig.model_fields
     extra = []  # [(key, [values])]
     for item in a.set:
         key, _, values = item.partition("=")
         if key not in fields or not values:
             raise SystemExit(f"--set {item!r}: expected KEY=V1,V2 with KEY one of {sorted(fields)}")
-        kind = type(getattr(PolicyConfig(), key))
+        kind = type(getattr(steal.StealConfig(), key))
         parse = (lambda v: v.lower() in ("1", "true", "yes")) if kind is bool else kind
         extra.append((key, [parse(v) for v in values.split(",")]))
     cost = load_profile(a.profile, 256)
@@ -87,7 +86,8 @@ def main() -> None:
             batch = {seed: (reqs, balance_bound(reqs, cost, 32))}
         reqs, balance = batch[seed]
         steal.MIGRATION_OVERHEAD_S, steal.REPAY_FACTOR = overhead, repay
-        pc = PolicyConfig(name=policy, spread_chunk=chunk, min_gain_frac=gain, max_reprefill_frac=budget, **more)
+        tuned = dict(spread_chunk=chunk, min_gain_frac=gain, max_reprefill_frac=budget, **more)
+        pc = PolicyConfig(name=policy, **(tuned if policy == "steal" else {}))  # the sweep tunes steal
         res = sims[ends](make_policy(pc, cost), cost, 32, pull_interval_s=a.pull_interval, trace=False).run(reqs)
         print(json.dumps({"seed": seed, "profile": a.profile, "pull_interval_s": a.pull_interval,
                           "ends": ends, "migration_overhead_s": overhead, "spread_chunk": chunk,

@@ -57,7 +57,7 @@ def cmd_calibrate(a) -> int:
 def add_commands(sub) -> None:
     p = sub.add_parser("bench", help="every policy on one workload, side by side; writes DIR/bench.{json,md,png}")
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
-    p.add_argument("--policies", default="static,chunked,least-loaded,pull,steal")
+    p.add_argument("--policies", default=None, help="comma-separated (default: the registry's benchable policies)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds: per-seed results plus their mean")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--bare-engine", action="store_true",

@@ -6,7 +6,6 @@ bench/vllm_run.py and is imported only when asked for, so `--engine sim` never l
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,10 +13,12 @@ from typing import Optional
 
 from ..config import PolicyConfig, load_config
 from ..engines.cost_model import CostModel, load_profile
+from ..policy.base import PolicySettings
+from ..policy.registry import BENCH_POLICIES
 from .bounds import bounds
 from .workloads import LongtailSpec, load_trace, rl_longtail, summary
 
-POLICIES = ("static", "chunked", "least-loaded", "pull", "steal")
+POLICIES = BENCH_POLICIES  # static, chunked, least-loaded, pull, steal
 METRICS = ("makespan_s", "ratio_to_lower_bound", "tokens_per_s", "tail_s", "utilization", "migrations",
            "reprefill_pct", "decision_ms_mean", "decision_ms_p99")
 # Re-prefill tokens actually prefilled (cache hits subtracted), % of generated: the simulator's
@@ -55,9 +56,9 @@ def workload(args, seed: int, vocab_size: Optional[int] = None, ids_salt: str = 
     return reqs, {**spec.describe(), **summary(reqs)}
 
 
-def policy_config(base: Optional[PolicyConfig], name: str) -> PolicyConfig:
-    """The config's policy tunables (if a config is given) under another policy's name."""
-    return dataclasses.replace(base or PolicyConfig(), name=name)
+def policy_config(base: Optional[PolicySettings], name: str) -> PolicySettings:
+    """The config's policy settings when the config names this policy, else its defaults."""
+    return base if base is not None and base.name == name else PolicyConfig(name=name)
 
 
 def cluster_config(args):
@@ -66,7 +67,7 @@ def cluster_config(args):
         return None
     cfg = load_config(args.config)
     if args.replicas:
-        cfg = dataclasses.replace(cfg, replicas=args.replicas)
+        cfg = cfg.model_copy(update={"replicas": args.replicas})
         cfg.router.max_ongoing_requests = max(cfg.router.max_ongoing_requests, cfg.replicas + 8)
     return cfg.validate()
 
@@ -124,7 +125,7 @@ def decision_stats_ms(times_s: list) -> tuple:
 
 # ---- the simulator engine -------------------------------------------------------------------
 def simulate_policy(name: str, requests: list, cost: CostModel, replicas: int, lower: float,
-                    base: Optional[PolicyConfig] = None, pull_interval_s: float = 0.5,
+                    base: Optional[PolicySettings] = None, pull_interval_s: float = 0.5,
                     host_slowdown: float = 0.0) -> tuple:
     """(metrics row, trace {replica: [(t, active)]}) of one policy on the simulator."""
     from ..policy import make_policy
@@ -244,7 +245,9 @@ def simulate(args) -> dict:
     return run
 
 
-def parse_policies(text: str) -> list:
+def parse_policies(text: Optional[str]) -> list:
+    if text is None:
+        return list(POLICIES)
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:

@@ -14,7 +14,6 @@ with the config's scheduler limits, and reports router_overhead_pct against the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -24,7 +23,8 @@ from pathlib import Path
 from ..protocol import SamplingSpec, SequenceRequest, Work
 from .bounds import bounds
 from .report import trace_by_replica
-from .run import PREFILLED, cluster_config, cost_model, header, percentile, policy_metrics, tail_s, workload
+from .run import (PREFILLED, cluster_config, cost_model, header, percentile, policy_config, policy_metrics, tail_s,
+                  workload)
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 WARMUP_TOKENS = 16
@@ -70,8 +70,8 @@ def chunk_reprefill(requests: list, lengths: list, chunk: int) -> int:
 def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: float) -> tuple:
     """(metrics row, trace {replica: [(t, held)]}, step samples [(running, context, s per token)])
     of one policy's batch on the live cluster."""
-    params = {k: v for k, v in dataclasses.asdict(cfg.policy).items() if k != "name"}
-    client.set_policy(name, **params)
+    settings = policy_config(cfg.policy, name)
+    client.set_policy(name, **settings.model_dump(exclude={"name"}))
     client.set_trace(True)
     before = client.status()
     t0 = time.monotonic()
@@ -87,7 +87,7 @@ def run_policy(client, name: str, requests: list, cfg, lower: float, timeout_s: 
     generated = sum(len(c.token_ids) for c in completions)
     reprefill = counters["reprefill_tokens"]
     if name == "chunked":
-        reprefill += chunk_reprefill(requests, [len(c.token_ids) for c in completions], cfg.policy.chunk_tokens)
+        reprefill += chunk_reprefill(requests, [len(c.token_ids) for c in completions], settings.chunk_tokens)
     row = policy_metrics(makespan, [c.finish_time_s for c in completions], generated,
                          utilization(trace, makespan, cfg.replicas),
                          sum(m.reason == "policy" for c in completions for m in c.migrations), reprefill,

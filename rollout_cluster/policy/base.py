@@ -9,12 +9,17 @@ replica's report. The policy returns what to do; the router does it:
 A policy may keep its own bookkeeping but must not mutate the view. Time is `view.now`.
 Failure modes: naming a sequence that is not queued (assign) or not running (give_up) is a
 bug in the policy; the router drops such entries and counts them.
+
+Each policy's settings are a `PolicySettings` model in its own module, named by `name` (the
+config's `policy:` mapping); policy/registry.py ties the name to the model and the policy.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
 
 from ..state import ClusterView, SeqState
 
@@ -36,6 +41,14 @@ class GiveUp:
 class Decision:
     assign: list = field(default_factory=list)
     give_up: list = field(default_factory=list)
+
+
+class PolicySettings(BaseModel):
+    """A policy's settings: the keys under `policy:` when `policy.name` names it. Strict like
+    the rest of the config (an int field refuses a bool or a string); unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
 
 
 class Policy(ABC):

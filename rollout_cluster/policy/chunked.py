@@ -4,9 +4,18 @@ contiguously across the live replicas. An unfinished sequence continues next rou
 prompt + partial as its prompt, exactly like a migration (and paying the same re-prefill)."""
 from __future__ import annotations
 
-from .base import Assign, Decision, Policy
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Assign, Decision, Policy, PolicySettings
 from .static import split_contiguous
 from ..state import ClusterView
+
+
+class ChunkedConfig(PolicySettings):
+    name: Literal["chunked"] = "chunked"
+    chunk_tokens: int = Field(1024, ge=1, description="tokens per round")
 
 
 class ChunkedPolicy(Policy):

@@ -1,29 +1,15 @@
-"""Policies by name, as the config's `policy.name` selects them."""
+"""Policies by name, as the config's `policy.name` selects them (policy/registry.py)."""
 from __future__ import annotations
 
-from ..config import PolicyConfig
-from ..engines.cost_model import CostModel, load_profile
-from .base import Policy
-from .chunked import ChunkedPolicy
-from .least_loaded import LeastLoadedPolicy
-from .pull import PullPolicy
-from .scripted import ScriptedPolicy
-from .static import StaticPolicy
-from .steal import StealPolicy
+from ..engines.cost_model import CostModel
+from .base import Policy, PolicySettings
+from .registry import REGISTRY
 
 
-def make_policy(cfg: PolicyConfig, cost: CostModel | None = None) -> Policy:
-    name = cfg.name
-    if name == "steal":
-        return StealPolicy(cfg, cost or load_profile("a100-80g-7b"))
-    if name == "pull":
-        return PullPolicy()
-    if name == "static":
-        return StaticPolicy()
-    if name == "least-loaded":
-        return LeastLoadedPolicy()
-    if name == "chunked":
-        return ChunkedPolicy(cfg.chunk_tokens)
-    if name == "scripted":
-        return ScriptedPolicy(cfg.scripted_at_tokens)
-    raise ValueError(f"policy.name={name!r}: unknown policy")
+def make_policy(cfg: PolicySettings, cost: CostModel | None = None) -> Policy:
+    """A fresh policy from its settings (`cfg.policy`); `cost` is the cost model steal predicts with."""
+    entry = REGISTRY.get(cfg.name)
+    if entry is None or not isinstance(cfg, entry.settings):
+        raise ValueError(f"policy.name={cfg.name!r}: unknown policy, or settings of another type "
+                         f"(known: {', '.join(REGISTRY)})")
+    return entry.build(cfg, cost)

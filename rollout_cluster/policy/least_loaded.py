@@ -4,9 +4,14 @@ load balancer does), with no cap and no migration. Ties go round-robin, so a gro
 from __future__ import annotations
 
 import heapq
+from typing import Literal
 
-from .base import Assign, Decision, Policy
+from .base import Assign, Decision, Policy, PolicySettings
 from ..state import ClusterView
+
+
+class LeastLoadedConfig(PolicySettings):
+    name: Literal["least-loaded"] = "least-loaded"  # no settings
 
 
 class LeastLoadedPolicy(Policy):

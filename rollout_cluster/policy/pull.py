@@ -8,8 +8,9 @@ queue head. The queue is in group order, so a contiguous take keeps groups toget
 from __future__ import annotations
 
 from itertools import islice
+from typing import Literal
 
-from .base import Assign, Decision, Policy
+from .base import Assign, Decision, Policy, PolicySettings
 from ..state import ClusterView
 
 
@@ -80,6 +81,10 @@ def fair_take(view: ClusterView, replica_id: str) -> int:
     total = queued + view.running
     share = -(-total // max(1, len(view.replicas)))
     return max(0, min(rep.free_slots, share - rep.load))
+
+
+class PullConfig(PolicySettings):
+    name: Literal["pull"] = "pull"  # no settings
 
 
 class PullPolicy(Policy):

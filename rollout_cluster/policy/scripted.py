@@ -3,9 +3,18 @@ generated tokens reach the next threshold of `at_tokens`. It exists to prove exa
 (a migrated sequence equals an unmigrated one) and to exercise the give-up path on demand."""
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from ..state import ClusterView, SeqStatus
-from .base import Decision, GiveUp
+from .base import Decision, GiveUp, PolicySettings
 from .pull import PullPolicy
+
+
+class ScriptedConfig(PolicySettings):
+    name: Literal["scripted"] = "scripted"
+    scripted_at_tokens: list[int] = Field(default_factory=list, description="migrate at these token counts")
 
 
 class ScriptedPolicy(PullPolicy):

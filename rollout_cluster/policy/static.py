@@ -6,7 +6,9 @@ or after ORPHAN_SHARE_S to a replica that finished its own. The number of shares
 expected fleet size, which follows replicas joining and leaving."""
 from __future__ import annotations
 
-from .base import Assign, Decision, Policy
+from typing import Literal
+
+from .base import Assign, Decision, Policy, PolicySettings
 from .pull import take_for
 from ..state import ClusterView
 
@@ -19,6 +21,10 @@ def split_contiguous(seqs: list, parts: int) -> list:
 
 
 ORPHAN_SHARE_S = 30.0  # a share no live replica holds, queued this long, goes to one that finished its own
+
+
+class StaticConfig(PolicySettings):
+    name: Literal["static"] = "static"  # no settings
 
 
 class StaticPolicy(Policy):

@@ -15,12 +15,14 @@ Algorithm, at a pull by replica R with free slots and nothing queued (rate-limit
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Literal
 
-from ..config import PolicyConfig
+import numpy as np
+from pydantic import Field
+
 from ..engines.cost_model import CostModel
 from ..state import ClusterView, ReplicaState
-from .base import Assign, Decision, GiveUp, Policy
+from .base import Assign, Decision, GiveUp, Policy, PolicySettings
 from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array, own_costs
 from .pull import fair_take, take_for, take_spread
 
@@ -28,6 +30,24 @@ MIGRATION_OVERHEAD_S = 0.1  # abort + report + dispatch: about two pull interval
 STEAL_INTERVAL_S = 0.5  # per-replica rate limit on estimates and steal attempts: bounds router CPU
 FULL_REFRESH_S = 2.0  # the same for a replica with no free slot (it can only be a victim)
 REPAY_FACTOR = 20.0  # a move needs expected decode time left >= this x its re-prefill time
+
+
+class StealConfig(PolicySettings):
+    name: Literal["steal"] = "steal"
+    min_move_interval_s: float = Field(2.0, ge=0, description="no sequence moves twice within this")
+    max_moves_per_seq: int = Field(3, ge=0, description="cap on moves of one sequence (0: steal behaves like pull)")
+    min_gain_s: float = Field(0.5, ge=0, description="a move must shorten the victim's predicted finish by this...")
+    min_gain_frac: float = Field(0.06, ge=0, lt=1, description=(
+        "...and by this fraction of it (scale-free: CPU seconds, GPU minutes)"))
+    max_moves_per_decision: int = Field(32, ge=1, description="cap on sequences moved by one decision")
+    max_reprefill_frac: float = Field(0.10, ge=0, le=1, description=(
+        "re-prefilled tokens stay below this fraction of generated tokens"))
+    spread_groups: bool = Field(True, description=(
+        "place a group's samples on different replicas (their lengths correlate)"))
+    spread_chunk: int = Field(2, ge=1, description=(
+        "spreading: a group's samples go to a replica this many at a time (fewer prompt prefills)"))
+    tail_isolation: bool = Field(False, description=(
+        "estimate remaining work from group siblings (measured: docs/benchmarks.md)"))
 
 
 class Load:
@@ -51,7 +71,7 @@ class Load:
 class StealPolicy(Policy):
     name = "steal"
 
-    def __init__(self, cfg: PolicyConfig, cost: CostModel):
+    def __init__(self, cfg: StealConfig, cost: CostModel):
         self.cfg = cfg
         self.cost = cost
         # replica_id -> when its latest estimate expects it to finish (absolute time: the

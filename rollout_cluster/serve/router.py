@@ -241,11 +241,11 @@ class Router:
 
     async def set_policy(self, policy: dict) -> str:
         """Swap the policy between batches (benchmarks run every policy on one cluster)."""
-        from ..config import PolicyConfig, from_dict
+        from ..config import PolicyConfig
 
         if self.core.seqs:
             raise RuntimeError("set_policy: a batch is running; switch policies between batches")
-        pc = from_dict(PolicyConfig, policy, "policy.")
+        pc = PolicyConfig(**policy)
         self.cfg.policy = pc
         self.cfg.validate()
         self.core.policy = make_policy(pc, load_profile(self.cfg.profile_path(), self.cfg.engine.max_num_seqs))

@@ -1,5 +1,4 @@
 """One real cluster for every e2e test: `ray start --head` with token auth on, the Serve app of configs/local-cpu.yaml with 2 vLLM-CPU replicas, and a RolloutClient."""
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -42,16 +41,16 @@ def ray_head():
 
 @pytest.fixture(scope="session")
 def cluster_config():
-    from rollout_cluster.config import load_config
+    from rollout_cluster.config import PolicyConfig, load_config
     from rollout_cluster.model_maker import make_model
 
     cfg = load_config(ROOT / "configs" / "local-cpu.yaml")
     if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
         make_model(str(ROOT / "models" / "tiny-llama"))
-    cfg.router = dataclasses.replace(cfg.router, replica_timeout_s=8.0, niceness=0)
-    cfg.metrics = dataclasses.replace(cfg.metrics, port=METRICS_PORT)
-    cfg.policy = dataclasses.replace(cfg.policy, name="pull")
-    cfg.sampling = dataclasses.replace(cfg.sampling, max_tokens=DEFAULT_MAX_TOKENS)  # what lines leave out
+    cfg.router = cfg.router.model_copy(update={"replica_timeout_s": 8.0, "niceness": 0})
+    cfg.metrics = cfg.metrics.model_copy(update={"port": METRICS_PORT})
+    cfg.policy = PolicyConfig(name="pull")
+    cfg.sampling = cfg.sampling.model_copy(update={"max_tokens": DEFAULT_MAX_TOKENS})  # what lines leave out
     return cfg.validate()
 
 

@@ -161,16 +161,15 @@ def test_the_job_api_refuses_a_request_without_the_token(ray_head):
 
 def test_an_app_no_node_can_host_fails_within_the_wait_and_is_removed(client, cluster_config):
     """A replica asking for a GPU on this CPU-only cluster: serve.run would wait forever."""
-    import dataclasses
     import time
 
     from ray import serve
 
     from rollout_cluster.driver import RolloutClient
 
-    cfg = dataclasses.replace(cluster_config, app_name="unplaceable", replicas=1,
-                              resources=dataclasses.replace(cluster_config.resources, num_gpus=1),
-                              metrics=dataclasses.replace(cluster_config.metrics, port=0))
+    cfg = cluster_config.model_copy(update=dict(
+        app_name="unplaceable", replicas=1, resources=cluster_config.resources.model_copy(update={"num_gpus": 1}),
+        metrics=cluster_config.metrics.model_copy(update={"port": 0})))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"'unplaceable' was not running after 15 s .* num_gpus=1 "):
         RolloutClient.start(cfg, address="auto", wait_ready_s=15)
@@ -180,8 +179,6 @@ def test_an_app_no_node_can_host_fails_within_the_wait_and_is_removed(client, cl
 
 
 def test_an_app_whose_engine_cannot_start_fails_with_the_cause_and_is_removed(client, cluster_config, tmp_path):
-    import dataclasses
-
     from ray import serve
 
     from rollout_cluster.driver import RolloutClient
@@ -190,9 +187,9 @@ def test_an_app_whose_engine_cannot_start_fails_with_the_cause_and_is_removed(cl
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                                  "hidden_size": "oops"}))
-    cfg = dataclasses.replace(cluster_config, app_name="broken", replicas=1,
-                              engine=dataclasses.replace(cluster_config.engine, model=str(bad)),
-                              metrics=dataclasses.replace(cluster_config.metrics, port=0))
+    cfg = cluster_config.model_copy(update=dict(
+        app_name="broken", replicas=1, engine=cluster_config.engine.model_copy(update={"model": str(bad)}),
+        metrics=cluster_config.metrics.model_copy(update={"port": 0})))
     with pytest.raises(RuntimeError, match=r"(?s)'broken' failed to deploy.*DEPLOY_FAILED.*oops"):
         RolloutClient.start(cfg, address="auto", wait_ready_s=600)
     assert "broken" not in serve.status().applications

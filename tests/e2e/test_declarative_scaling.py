@@ -3,7 +3,6 @@ REST API (`serve deploy`, which is what a RayService's serveConfigV2 becomes). C
 `num_replicas` under `deployments:` is an in-place update: the router keeps running, with every
 live batch, while replicas join or leave. (Changing the app's `args` would change its code version,
 and Serve would restart every deployment: see k8s/README.md.)"""
-import dataclasses
 import json
 import subprocess
 import time
@@ -22,8 +21,8 @@ APP = "scaling"
 
 
 def serve_config(cluster_config, engine_replicas: int, external_scaler: bool = True) -> dict:
-    cfg = dataclasses.replace(cluster_config, app_name=APP, replicas=1,
-                              metrics=dataclasses.replace(cluster_config.metrics, port=0))
+    cfg = cluster_config.model_copy(update=dict(app_name=APP, replicas=1,
+                                                metrics=cluster_config.metrics.model_copy(update={"port": 0})))
     args = to_dict(cfg)
     args["engine"]["model"] = str(ROOT / "models" / "tiny-llama")
     return {"applications": [{

@@ -1,0 +1,121 @@
+"""ConfigError, and pydantic's ValidationError reworded as `<key path>=<value>: <rule>`.
+
+The rule of a field comes from its own constraints (`rule_of`, which the docs use too), or for a
+rule between fields from the `also` text its model validator raises (FieldRuleError).
+"""
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+import annotated_types as at
+from pydantic import BaseModel, Discriminator, ValidationError
+
+from ..policy.base import PolicySettings
+from ..policy.registry import POLICY_NAMES, REGISTRY, owners_of
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class FieldRuleError(ValueError):
+    """A rule between fields failed: `key` (a path below the model that raised) holds `value`."""
+
+    def __init__(self, key: str, value, rule: str):
+        super().__init__(f"{key}={value!r}: must be {rule}")
+        self.key, self.value, self.rule = key, value, rule
+
+
+_TYPES = {"int_type": "must be of type int", "float_type": "must be of type float", "bool_type": "must be of type bool",
+          "string_type": "must be of type str", "list_type": "must be a list", "model_type": "must be a mapping",
+          "dict_type": "must be a mapping", "model_attributes_type": "must be a mapping"}
+_BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error")
+
+
+def rule_of(info) -> str:
+    """A field's own rule as errors and docs state it: '>= 1', 'in (0, 5]', "one of ['sim', 'vllm']",
+    'null or in [-20, 19]'; '' when it has none beyond its type."""
+    tp = info.annotation
+    if typing.get_origin(tp) is Literal:
+        return f"one of {sorted(typing.get_args(tp))}"
+    lo = hi = None
+    for m in info.metadata:
+        if isinstance(m, at.Gt):
+            lo = ("(", ">", m.gt)
+        elif isinstance(m, at.Ge):
+            lo = ("[", ">=", m.ge)
+        elif isinstance(m, at.Lt):
+            hi = (")", "<", m.lt)
+        elif isinstance(m, at.Le):
+            hi = ("]", "<=", m.le)
+    if lo and hi:
+        text = f"in {lo[0]}{lo[2]:g}, {hi[2]:g}{hi[0]}"
+    elif lo or hi:
+        text = f"{(lo or hi)[1]} {(lo or hi)[2]:g}"
+    else:
+        return ""
+    return f"null or {text}" if type(None) in typing.get_args(tp) else text
+
+
+def _submodel(info):
+    tp = info.annotation if info is not None else None
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _is_policy_union(info) -> bool:
+    return info is not None and any(isinstance(m, Discriminator) for m in info.metadata)
+
+
+def locate(root: type, loc: tuple) -> tuple:
+    """(key path, the model holding its last key, that key's FieldInfo) of an error's loc below
+    `root`. The policy union puts the policy's name in the loc after `policy`: that is no key,
+    but names the settings model that holds the rest."""
+    path, owner, info, model, tagged = "", None, None, root, False
+    for part in loc:
+        if tagged:
+            model, tagged = (REGISTRY[part].settings if part in REGISTRY else None), False
+            continue
+        if isinstance(part, int):
+            path, owner, info, model = f"{path}[{part}]", None, None, None
+            continue
+        path = f"{path}.{part}" if path else str(part)
+        owner, info = model, (model.model_fields.get(part) if model is not None else None)
+        model, tagged = _submodel(info), _is_policy_union(info)
+    return path, owner, info
+
+
+def _unknown_key(path: str, owner) -> str:
+    key = path.rsplit(".", 1)[-1]
+    if owner is not None and issubclass(owner, PolicySettings):
+        mine, others = owner.model_fields["name"].default, owners_of(key)
+        if others:
+            return f"{path}: a setting of policy {' or '.join(map(repr, others))}, not of {mine!r}"
+    known = ", ".join(sorted(owner.model_fields)) if owner is not None else "?"
+    return f"{path}: unknown key (known: {known})"
+
+
+def _message(err: dict, root: type, prefix: tuple) -> str:
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    path, owner, info = locate(root, prefix + tuple(err["loc"]))
+    if kind == "extra_forbidden":
+        return _unknown_key(path, owner)
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        if not isinstance(value, dict):
+            return f"{path}={value!r}: must be a mapping"
+        return f"{path}.name={value.get('name')!r}: must be one of {sorted(POLICY_NAMES)}"
+    if kind == "value_error" and isinstance(ctx.get("error"), FieldRuleError):
+        e = ctx["error"]
+        return f"{path + '.' if path else ''}{e.key}={e.value!r}: must be {e.rule}"
+    if info is not None and info.annotation is float and type(value) is int:
+        value = float(value)  # as the field would hold it
+    if kind in _BOUNDS and info is not None and rule_of(info):
+        why = f"must be {rule_of(info)}"
+    else:
+        why = _TYPES.get(kind, err["msg"])
+    return f"{path}={value!r}: {why}" if path else why
+
+
+def config_error(e: ValidationError, root: type, prefix: tuple = ()) -> ConfigError:
+    """`e`, raised validating `root` (at `prefix` below ClusterConfig), as one ConfigError."""
+    return ConfigError("; ".join(_message(err, root, prefix) for err in e.errors()))

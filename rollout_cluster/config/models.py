@@ -1,0 +1,215 @@
+"""The config's sections as pydantic models: the one place where defaults live.
+
+Each field's `description` is its documentation (docs/configuration.md is generated from them),
+its constraints are its rule, and a rule between fields is a model validator that names its
+field's `also` text. Models are strict: an int field refuses a bool and a string, a float field
+takes an int, a bool field takes only a bool; unknown keys are refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+
+from ..policy.registry import DEFAULT_POLICY, REGISTRY
+from .errors import FieldRuleError, config_error
+
+
+def _also(rule: str) -> dict:
+    """A rule between fields, as its model validator words it after 'must be'."""
+    return {"json_schema_extra": {"also": rule}}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def _require(self, key: str, ok: bool, note: str = "") -> None:
+        """Refuse `key` (a path below this model) unless `ok`, with its field's `also` rule."""
+        if ok:
+            return
+        owner, name = self, key
+        while "." in name:
+            head, name = name.split(".", 1)
+            owner = getattr(owner, head)
+        raise FieldRuleError(key, getattr(owner, name), type(owner).model_fields[name].json_schema_extra["also"] + note)
+
+
+class EngineConfig(Section):
+    kind: Literal["vllm", "sim"] = Field("vllm", description="vllm | sim")
+    model: str = Field("models/tiny-llama", description="local path or HF id")
+    load_format: str = Field("auto", description="auto | dummy | safetensors | ...")
+    dtype: str = Field("auto", description="vLLM dtype (auto, bfloat16, float16, float32)")
+    max_model_len: int = Field(4096, ge=2, description="context limit per sequence (prompt + output)")
+    max_num_seqs: int = Field(256, ge=1, description="set always: AsyncLLM's defaults are smaller than LLM's")
+    max_num_batched_tokens: int = Field(8192, ge=1, description=(
+        "vLLM scheduler: tokens per step; set always (AsyncLLM defaults to 2048)"))
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "GPUs per replica's engine; > 1: one worker process per rank, on the replica's GPUs (one node)"))
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+        "fraction of GPU memory vLLM may take (weights + KV cache)"))
+    enable_prefix_caching: bool = Field(True, description=(
+        "vLLM prefix caching; makes a migrated sequence's re-prefill cheaper for its siblings"))
+    enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")
+    # The CPU build has no CuMem allocator: there sleep() only pauses the engine.
+    enable_sleep_mode: bool = Field(False, description=(
+        "GPU: vLLM sleep mode, so RolloutClient.sleep frees the GPUs' memory for a trainer beside the engines"))
+    seed: int = Field(0, description="engine seed (per-request seeds come with the SamplingSpec)")
+    stream_interval: int = Field(8, ge=1, description=(
+        "tokens between progress deltas: per-token streaming of hundreds of requests costs the engine's process"))
+    # Ray starts workers at nice 15 (RAY_worker_niceness) so that raylet and GCS stay responsive;
+    # an engine inheriting that loses its core to any nice-0 process.
+    niceness: Optional[int] = Field(0, ge=-20, le=19, description=(
+        "the replica's engine thread and processes run at this niceness (null: keep Ray's 15)"))
+    cpu_kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)")
+    cpu_bind_cores: bool = Field(True, description="pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)")
+    sim_profile: str = Field("a100-80g-7b", description="kind=sim: built-in profile name or YAML file", **_also(
+        "a built-in profile or an existing file (rollout-cluster calibrate makes one)"))
+    sim_vocab_size: int = Field(32000, description="kind=sim: token ids are drawn below this")
+    sim_time_scale: float = Field(1.0, gt=0, description=(
+        "kind=sim: wall seconds per modelled second (>1: slower than modelled, less host CPU a second)"))
+
+
+class ReplicaResources(Section):
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per replica")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica (0 on the CPU build)")
+
+
+# A replica reports an urgent segment end (work queued for the slot, a give-up's partials) no
+# sooner than this fraction of the report interval after its last report: it pulls at most twice
+# an interval, and a fleet past router.max_pulls_per_s stays within twice that while work is queued.
+URGENT_REPORT_GAP_FRAC = 0.5
+
+_WITHIN_TIMEOUT = "<= min(5, router.replica_timeout_s / 4)"  # a slower report would look like a dead replica
+
+
+class RouterConfig(Section):
+    pull_wait_s: float = Field(0.05, gt=0, le=5, description=(
+        "long-poll of a replica that runs sequences: orders at once, else after this"))
+    idle_pull_wait_s: float = Field(1.0, gt=0, description=(
+        "long-poll of a replica that holds nothing: new work wakes it at once"), **_also(_WITHIN_TIMEOUT))
+    report_interval_s: float = Field(0.2, gt=0, description=(
+        "a replica that runs sequences reports this often, and at once when one ends"), **_also(_WITHIN_TIMEOUT))
+    max_pulls_per_s: float = Field(160.0, gt=0, description=(
+        "periodic reports and idle long-polls stay near this many a second: their interval grows with the fleet"))
+    replica_timeout_s: float = Field(60.0, gt=0, description=(
+        "no pull for this long: the replica is dead, requeue its work"))
+    max_ongoing_requests: int = Field(4096, description=">> replicas + drivers: pulls must never queue", **_also(
+        ">= replicas + 8, above replicas + drivers, or pulls queue behind each other"))
+    submit_wait_for_replica_s: float = Field(600.0, ge=0, description="a submit with no live replica fails after this")
+    # 0 makes decisions prompt where engines keep every core busy, at the price of engine time
+    # (2-core CPU cluster, docs/benchmarks.md: steal's decision p99 43 -> 2.2 ms, no makespan gain).
+    niceness: Optional[int] = Field(None, ge=-20, le=19, description=(
+        "the router's threads run at this niceness (null: keep Ray's 15)"))
+    call_timeout_s: float = Field(120.0, gt=0, description="bound on every driver -> router call")
+    abandoned_batch_s: float = Field(900.0, description=(
+        "a batch no driver fetched from for this long (its driver died) is cancelled and dropped; 0: never"),
+        **_also("0 (never) or >= 10: drivers fetch about once a second"))
+
+    @model_validator(mode="after")
+    def _rules(self) -> "RouterConfig":
+        ceiling = min(5.0, self.replica_timeout_s / 4)
+        self._require("idle_pull_wait_s", self.idle_pull_wait_s <= ceiling, f" = {ceiling:g}")
+        self._require("report_interval_s", self.report_interval_s <= ceiling, f" = {ceiling:g}")
+        self._require("abandoned_batch_s", self.abandoned_batch_s == 0 or self.abandoned_batch_s >= 10)
+        return self
+
+    def report_interval_for(self, replicas: int) -> float:
+        """The report interval a fleet of `replicas` live replicas is told to use: report_interval_s,
+        or replicas / max_pulls_per_s when that is longer, at most min(5, replica_timeout_s / 4)
+        (a slower report would look like a dead replica)."""
+        return self._per_fleet(self.report_interval_s, replicas)
+
+    def idle_pull_wait_for(self, replicas: int) -> float:
+        """How long the router holds an idle replica's pull in a fleet of `replicas`: the same rule
+        from idle_pull_wait_s. Holding longer costs no latency (new work wakes a held pull), and
+        a fleet idle between RL steps then pulls max_pulls_per_s times a second, not once a
+        second per replica."""
+        return self._per_fleet(self.idle_pull_wait_s, replicas)
+
+    def _per_fleet(self, base_s: float, replicas: int) -> float:
+        ceiling = max(base_s, min(5.0, self.replica_timeout_s / 4))
+        return min(ceiling, max(base_s, replicas / self.max_pulls_per_s))
+
+
+def _policy_name(value) -> Optional[str]:
+    """The name the policy union dispatches on: a mapping without one is the default policy's."""
+    return value.get("name", DEFAULT_POLICY) if isinstance(value, dict) else getattr(value, "name", None)
+
+
+# `policy:` is the settings model of the policy it names (policy/registry.py).
+PolicyUnion = Annotated[Union[tuple(Annotated[e.settings, Tag(name)] for name, e in REGISTRY.items())],
+                        Discriminator(_policy_name)]
+
+
+class SamplingDefaults(Section):
+    """Defaults for what a request leaves out: a JSONL line's missing fields (`rollout-cluster
+    generate`, the Ray job, POST /<app>/generate), and `RolloutClient.generate` / `stream` called
+    without `sampling`. A field the line or the SamplingSpec sets wins."""
+
+    max_tokens: int = Field(256, ge=1, description="output cap per sequence; must stay below engine.max_model_len",
+                            **_also("< engine.max_model_len"))
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold")
+
+    def spec_fields(self) -> dict:
+        """The SamplingSpec fields these set."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p}
+
+
+class MetricsConfig(Section):
+    port: int = Field(0, ge=0, le=65535, description="0: no HTTP endpoint")
+
+
+class ClusterConfig(Section):
+    app_name: str = Field("rollout", description=(
+        "Serve application name; drivers connect with `RolloutClient.connect(app_name=...)`"))
+    replicas: int = Field(2, ge=1, description="number of EngineReplica deployments, one vLLM engine each")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    policy: PolicyUnion = Field(default_factory=REGISTRY[DEFAULT_POLICY].settings, description=(
+        "which policy schedules; the other keys under `policy:` are its settings"))
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    base_dir: str = Field("", description="where relative model paths resolve; set by load_config")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ClusterConfig":
+        from ..engines.cost_model import PROFILES
+
+        self._require("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8)
+        self._require("sampling.max_tokens", self.sampling.max_tokens < self.engine.max_model_len,
+                      f" = {self.engine.max_model_len}")
+        self._require("engine.sim_profile", self.engine.sim_profile in PROFILES or Path(self.profile_path()).exists(),
+                      f" (built-in: {', '.join(PROFILES)})")
+        return self
+
+    def validate(self) -> "ClusterConfig":
+        """This config checked again after code changed it (assignment is not checked): a
+        validated copy, or ConfigError."""
+        return from_mapping(self.model_dump())
+
+    def profile_path(self) -> str:
+        """engine.sim_profile as load_profile should see it: a built-in name, or a file that
+        resolves against base_dir like the model path."""
+        name = self.engine.sim_profile
+        p = Path(self.base_dir or ".") / name
+        if not Path(name).is_absolute() and p.exists():
+            return str(p.resolve())
+        return name
+
+    def model_path(self) -> str:
+        """The model as vLLM should see it: a relative local path resolves against base_dir."""
+        m = self.engine.model
+        p = Path(self.base_dir or ".") / m
+        if not Path(m).is_absolute() and p.exists():
+            return str(p.resolve())
+        return m
+
+
+def from_mapping(data: dict) -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        raise config_error(e, ClusterConfig) from None
