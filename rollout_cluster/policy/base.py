@@ -21,7 +21,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from ..state import ClusterView, SeqState
+from ..router.state import ClusterView, SeqState
 
 
 @dataclass

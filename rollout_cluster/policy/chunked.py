@@ -10,7 +10,7 @@ from pydantic import Field
 
 from .base import Assign, Decision, Policy, PolicySettings
 from .static import split_contiguous
-from ..state import ClusterView
+from ..router.state import ClusterView
 
 
 class ChunkedConfig(PolicySettings):

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..engines.cost_model import CostModel
-from ..state import GroupState, SeqState
+from ..router.state import GroupState, SeqState
 
 TYPICAL_LENGTH_FLOOR = 64
 GROUP_SIGMA = 0.5  # spread of log-length within a prompt's group (prior; no oracle)

@@ -7,7 +7,7 @@ import heapq
 from typing import Literal
 
 from .base import Assign, Decision, Policy, PolicySettings
-from ..state import ClusterView
+from ..router.state import ClusterView
 
 
 class LeastLoadedConfig(PolicySettings):

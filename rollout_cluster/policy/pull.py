@@ -11,7 +11,7 @@ from itertools import islice
 from typing import Literal
 
 from .base import Assign, Decision, Policy, PolicySettings
-from ..state import ClusterView
+from ..router.state import ClusterView
 
 
 def take_for(view: ClusterView, replica_id: str, limit: int) -> list:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..state import ClusterView, SeqStatus
+from ..router.state import ClusterView, SeqStatus
 from .base import Decision, GiveUp, PolicySettings
 from .pull import PullPolicy
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from .base import Assign, Decision, Policy, PolicySettings
 from .pull import take_for
-from ..state import ClusterView
+from ..router.state import ClusterView
 
 
 def split_contiguous(seqs: list, parts: int) -> list:

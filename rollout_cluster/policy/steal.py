@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import Field
 
 from ..engines.cost_model import CostModel
-from ..state import ClusterView, ReplicaState
+from ..router.state import ClusterView, ReplicaState
 from .base import Assign, Decision, GiveUp, Policy, PolicySettings
 from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array, own_costs
 from .pull import fair_take, take_for, take_spread
