@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, Optional
 from ..config import URGENT_REPORT_GAP_FRAC, RouterConfig
 from ..protocol import Listing, ModelInfo, Orders, Report, SeqProgress, WeightsState
 from .engine_moves import EngineMoves
+from .timeline import Timeline
 
 log = logging.getLogger("ray.serve")
 HELD_EVERY_S = 2.0  # how often a report lists every attempt the engine holds (lost-reply recovery)
@@ -34,10 +35,11 @@ RETRY_S = 0.5  # the pause after a failed pull
 class PullLoop:
     def __init__(self, engine, moves: EngineMoves, pull: Callable[[Report], Awaitable[Orders]], *,
                  replica_id: str, incarnation: str, model: Optional[ModelInfo], router_cfg: RouterConfig,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, timeline: Optional[Timeline] = None):
         self.engine, self.moves, self._pull = engine, moves, pull
         self.replica_id, self.incarnation, self.model = replica_id, incarnation, model
         self.router_cfg, self.clock = router_cfg, clock
+        self.timeline = timeline  # where each step's times go (timeline.py), when recording
         self.unsent: list[SeqProgress] = []  # drained and not yet delivered: sent again after a failed pull
         self.dispatched: dict = {}  # (seq_id, attempt) -> the router that started it (Orders.router_id)
         self.report_number = 0  # counts the reports built (Report.number)
@@ -62,6 +64,7 @@ class PullLoop:
 
     async def step(self) -> bool:
         """One pull: report, pull, apply the orders, pace. False: the engine died, the loop is over."""
+        marks = [time.perf_counter()] if self.timeline is not None else None
         ended = self.engine.ended  # before the drain: a segment ending after it shows as a change
         self.unsent += self.engine.drain()
         if self.engine.dead is not None:  # (an engine that died idle shows in the drain)
@@ -69,14 +72,26 @@ class PullLoop:
             return False
         now = self.clock()
         report = self.build_report(now)
+        marks and marks.append(time.perf_counter())
         orders = await self.pull(report)
         if orders is None:
             await asyncio.sleep(RETRY_S)
             return True
+        marks and marks.append(time.perf_counter())
         if not await self.apply(orders, report.progress):
             return False
+        marks and marks.append(time.perf_counter())
         await self.pace(now, ended, self._urgent(orders), orders.report_interval_s)
+        if marks:
+            self._record(report, orders, marks + [time.perf_counter()])
         return True
+
+    def _record(self, report: Report, orders: Orders, marks: list) -> None:
+        """One line of the timeline (timeline.py): what the pull carried and where its time went."""
+        ms = [round(1e3 * (b - a), 3) for a, b in zip(marks, marks[1:])]
+        self.timeline.record("pull", held=len(self.engine.held()), progress=len(report.progress),
+                             tokens=sum(p.num_tokens for p in report.progress), start=len(orders.start),
+                             report_ms=ms[0], pull_ms=ms[1], apply_ms=ms[2], pace_ms=ms[3])
 
     def build_report(self, now: float) -> Report:
         """Every undelivered delta (finals whole where another router may take them), the engine's

@@ -17,6 +17,7 @@ from ..config import load_config
 from ..engines.factory import make_engine
 from .engine_moves import EngineMoves
 from .pull_loop import HAND_BACK_S, PullLoop
+from .timeline import Timeline
 
 log = logging.getLogger("ray.serve")
 
@@ -41,9 +42,12 @@ class EngineReplica:
     def _start_loop(self) -> None:
         """The engine's moves and the pull loop over them, run on this (the engine's) event loop."""
         self.moves = EngineMoves(self.engine, self.cfg, self.replica_id)
+        self.timeline = Timeline.from_env(f"replica-{self.replica_id}")
+        if self.timeline is not None:
+            self.timeline.start_probe()
         self.pull_loop = PullLoop(self.engine, self.moves, lambda report: self.router.pull.remote(report),
                                   replica_id=self.replica_id, incarnation=self.incarnation, model=self.model,
-                                  router_cfg=self.cfg.router)
+                                  router_cfg=self.cfg.router, timeline=self.timeline)
         self.task = asyncio.get_running_loop().create_task(self.pull_loop.run())
 
     async def info(self) -> dict:
@@ -64,6 +68,8 @@ class EngineReplica:
                 await asyncio.wait_for(self._hand_back(), HAND_BACK_S)
             except Exception as e:  # the router requeues it after router.replica_timeout_s instead
                 log.warning("replica %s could not hand its work back (%r)", self.replica_id, e)
+        if getattr(self, "timeline", None) is not None:
+            self.timeline.close()
         await self.engine.shutdown()
 
     async def _hand_back(self) -> None:
