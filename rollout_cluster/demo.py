@@ -38,7 +38,7 @@ def partial_rollout_steps(client, ids: list, specs: list, fraction: float) -> di
 
 
 def run_demo(config_path: str, prompts: int = 16, samples: int = 4) -> dict:
-    from .driver import RolloutClient
+    from .client.client import RolloutClient
     from .model_maker import make_model
 
     cfg = load_config(config_path)

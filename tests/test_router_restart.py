@@ -9,9 +9,10 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from rollout_cluster.batch_follow import BatchAcrossRestarts
 from rollout_cluster.config import PolicyConfig
-from rollout_cluster.driver import RolloutClient, follow_batch
+from rollout_cluster.client.client import RolloutClient
+from rollout_cluster.client.follower import BatchFollower
+from rollout_cluster.client.loops import follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router_core import RouterCore
@@ -186,12 +187,13 @@ def test_stream_yields_each_sequence_once_across_a_restart():
 
 def test_the_follower_places_completions_and_refuses_one_twice():
     reqs = requests(5)
-    follow = BatchAcrossRestarts(reqs)
+    follow = BatchFollower(reqs)
     follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
     follow.take([Completion(0, 0, [1], None, "length", index=0, finish_time_s=1.0)], 1)
-    again = follow.resubmission(BatchLostError("gone"))
+    follow.fetch_failed(BatchLostError("gone"), now=5.0)
+    again = follow.next(5.0).requests
     assert again == reqs[1:] and follow.positions == [1, 2, 3, 4]
-    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, offset_s=10.0)
+    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, now=10.0)
     (c,) = follow.take([Completion(3, 0, [1], None, "length", index=2, finish_time_s=2.0)], 1)
     assert (c.index, c.finish_time_s) == (3, 12.0)  # its place, and seconds since the first submission
     with pytest.raises(RuntimeError, match="sequence 3 returned twice"):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from rollout_cluster.driver import expand
+from rollout_cluster.client.expand import expand
 from rollout_cluster.demo import demo_batch
 from rollout_cluster.protocol import SamplingSpec
 
@@ -166,7 +166,7 @@ def test_an_app_no_node_can_host_fails_within_the_wait_and_is_removed(client, cl
 
     from ray import serve
 
-    from rollout_cluster.driver import RolloutClient
+    from rollout_cluster.client.client import RolloutClient
 
     cfg = dataclasses.replace(cluster_config, app_name="unplaceable", replicas=1,
                               resources=dataclasses.replace(cluster_config.resources, num_gpus=1),
@@ -184,7 +184,7 @@ def test_an_app_whose_engine_cannot_start_fails_with_the_cause_and_is_removed(cl
 
     from ray import serve
 
-    from rollout_cluster.driver import RolloutClient
+    from rollout_cluster.client.client import RolloutClient
 
     bad = tmp_path / "bad-model"
     bad.mkdir()
