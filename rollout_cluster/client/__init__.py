@@ -3,5 +3,6 @@ with a sync and an async driver (loops.py), request expansion (expand.py), fleet
 (fleet_ops.py) and the JSONL formats (jsonl.py).
 
 Nothing is imported here: the HTTP Gateway (serve/gateway.py) imports the follower and the
-async loop without RolloutClient, so serve/ and client/ import each other in one direction only.
+async loop without RolloutClient (which imports serve/ to deploy), so no import circle runs
+through this package.
 `from rollout_cluster import RolloutClient` is the public name."""
