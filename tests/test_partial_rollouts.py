@@ -337,3 +337,22 @@ def test_the_http_route_cuts_at_finish_fraction_and_refuses_bad_values_naming_th
                         ("finish_fraction=0.5&finish_by=prompt", "finish_by='prompt': must be one of sample, group")]:
         answer = _post(gateway, query, body)
         assert answer.status_code == 400 and said in json.loads(answer.body)["error"], query
+
+
+def test_the_http_routes_answer_bad_queries_and_methods_naming_them_and_serve_their_openapi_page():
+    """The Gateway is FastAPI's: typed query parameters, yet the 400 and 405 texts of before."""
+    from starlette.testclient import TestClient
+
+    from rollout_cluster.serve.gateway import gateway_app
+
+    gateway = TestClient(gateway_app(CuttingRouter(per_fetch=3), {}, 5.0))
+    body = json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 8}).encode()
+    for query, said in [("timeout_s=soon", "timeout_s='soon': not a number"),
+                        ("weights_version=v1", "weights_version='v1': must be an integer >= 0"),
+                        ("weights_version=-1", "weights_version='-1': must be an integer >= 0")]:
+        answer = _post(gateway, query, body)
+        assert answer.status_code == 400 and json.loads(answer.body)["error"] == said, query
+    answer = gateway.get("/generate")
+    assert answer.status_code == 405 and "GET /generate: use GET / for status" in answer.json()["error"]
+    assert {"/", "/generate"} <= set(gateway.get("/openapi.json").json()["paths"])
+    assert gateway.get("/docs").status_code == 200

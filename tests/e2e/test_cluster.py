@@ -114,6 +114,10 @@ def test_http_generate_takes_and_returns_the_jsonl_format(client, tmp_path):
     _check_jsonl_output(tmp_path / "out.jsonl")
     with urllib.request.urlopen(base, timeout=60) as r:  # GET: the router's status
         assert "replicas" in json.loads(r.read())
+    with urllib.request.urlopen(f"{base}/openapi.json", timeout=60) as r:  # FastAPI's, under the prefix
+        assert {"/", "/generate"} <= set(json.loads(r.read())["paths"])
+    with urllib.request.urlopen(f"{base}/docs", timeout=60) as r:
+        assert r.status == 200 and b"openapi.json" in r.read()
     version = client.status()["weights"]["version"]
     for req, code, said in [(urllib.request.Request(f"{base}/generate?timeout_s=soon", data=body, method="POST"),
                              400, "timeout_s='soon'"),
