@@ -6,7 +6,7 @@ from .protocol import BatchLostError, Completion, InputError, Partial, SamplingS
 
 def __getattr__(name):  # RolloutClient imports ray: only on use
     if name == "RolloutClient":
-        from .driver import RolloutClient
+        from .client.client import RolloutClient
 
         return RolloutClient
     raise AttributeError(name)

@@ -20,7 +20,7 @@ def cmd_make_model(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from .driver import RolloutClient
+    from .client.client import RolloutClient
 
     client = RolloutClient.start(a.config, address=a.address)
     print(json.dumps(client.status(), indent=1, default=str))
@@ -34,8 +34,8 @@ def cmd_serve(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from .driver import RolloutClient
-    from .jsonl_io import run_jsonl
+    from .client.client import RolloutClient
+    from .client.jsonl import run_jsonl
 
     if a.app_name:
         client = RolloutClient.connect(a.app_name, address=a.address or "auto")
@@ -57,7 +57,7 @@ def _attach(a):
     attached commands print one JSON line)."""
     import ray
 
-    from .driver import RolloutClient
+    from .client.client import RolloutClient
 
     ray.init(address=a.address, log_to_driver=False)
     return RolloutClient.connect(a.app_name, address=a.address)
@@ -74,7 +74,7 @@ def cmd_update_weights(a) -> int:
 
 def cmd_scale(a) -> int:
     """scale N: the engine fleet of a running app, in place (live batches continue)."""
-    from .driver import check_replicas
+    from .client.fleet_ops import check_replicas
     from .protocol import InputError
 
     try:

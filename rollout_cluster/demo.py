@@ -104,7 +104,7 @@ def append_ray_logs(session_dir: str, log_path: Path) -> None:
 
 
 def run_demo(config_path: str, prompts: int = 16, samples: int = 4, log_dir: str = "logs") -> dict:
-    from .driver import RolloutClient
+    from .client.client import RolloutClient
     from .model_maker import make_model
 
     cfg = load_config(config_path)

@@ -16,7 +16,8 @@ import json
 import time
 
 from rollout_cluster.config import ClusterConfig, EngineConfig, MetricsConfig, PolicyConfig, ReplicaResources, RouterConfig
-from rollout_cluster.driver import RolloutClient, expand
+from rollout_cluster.client.client import RolloutClient
+from rollout_cluster.client.expand import expand
 from rollout_cluster.protocol import SamplingSpec
 
 

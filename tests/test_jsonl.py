@@ -1,6 +1,6 @@
 import json
 
-from rollout_cluster.jsonl_io import merge_results, read_requests
+from rollout_cluster.client.jsonl import merge_results, read_requests
 from rollout_cluster.protocol import Completion
 
 

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from rollout_cluster.batch_follow import BatchAcrossRestarts
 from rollout_cluster.bench.workloads import LongtailSpec
+from rollout_cluster.client.expand import expand
+from rollout_cluster.client.follower import BatchFollower
+from rollout_cluster.client.jsonl import merge_results, read_requests
+from rollout_cluster.client.loops import follow_batch
 from rollout_cluster.config import PolicyConfig
-from rollout_cluster.driver import expand, follow_batch
 from rollout_cluster.engines.cost_model import load_profile
-from rollout_cluster.jsonl_io import merge_results, read_requests
 from rollout_cluster.serve.metrics import PrometheusRouterMetrics
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
@@ -171,7 +172,7 @@ def _done(index: int):
 
 
 def test_a_cut_batch_resubmitted_after_a_router_restart_is_cut_again():
-    follow = BatchAcrossRestarts(expand(PROMPTS, LONG), finish_fraction=0.5)
+    follow = BatchFollower(expand(PROMPTS, LONG), finish_fraction=0.5)
     follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
     follow.take([_done(i) for i in range(4)], 4)
     assert not follow.should_cut()
@@ -179,7 +180,7 @@ def test_a_cut_batch_resubmitted_after_a_router_restart_is_cut_again():
     assert follow.should_cut()
     follow.cut = True
     assert not follow.should_cut()
-    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, offset_s=3.0)
+    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, now=3.0)
     assert follow.should_cut()
 
 
@@ -286,7 +287,7 @@ def test_resumed_samples_are_counted_in_prometheus():
 
 def test_finish_by_group_cuts_once_that_share_of_prompts_came_back_whole():
     reqs = expand([[5, 6], [5, 7], [5, 8], [5, 9]], SamplingSpec(n=3))  # 4 groups of 3
-    follow = BatchAcrossRestarts(reqs, finish_fraction=0.5, finish_by="group")
+    follow = BatchFollower(reqs, finish_fraction=0.5, finish_by="group")
     follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
     # one sample of every group, then two more of group 0: 6 samples, 1 group whole
     follow.take([_done(i) for i in (0, 3, 6, 9, 1, 2)], 6)
@@ -314,23 +315,18 @@ def test_finish_by_must_be_sample_or_group(by):
 
 
 def _post(gateway, query: str, body: bytes):
-    from starlette.requests import Request
+    from types import SimpleNamespace
 
-    sent = []
-
-    async def receive():
-        sent.append(1)
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/rollout/generate", "query_string": query.encode(),
-             "headers": [], "root_path": ""}
-    return asyncio.run(gateway._generate(Request(scope, receive)))
+    answer = gateway.post(f"/generate?{query}", content=body)
+    return SimpleNamespace(status_code=answer.status_code, body=answer.content)
 
 
 def test_the_http_route_cuts_at_finish_fraction_and_refuses_bad_values_naming_them():
-    from rollout_cluster.serve.app import Gateway
+    from starlette.testclient import TestClient
 
-    gateway = Gateway.func_or_class(CuttingRouter(per_fetch=3), None, {}, 5.0)
+    from rollout_cluster.serve.gateway import gateway_app
+
+    gateway = TestClient(gateway_app(CuttingRouter(per_fetch=3), {}, 5.0))
     body = "".join(json.dumps({"prompt_token_ids": p, "max_tokens": 8, "logprobs": 0}) + "\n" for p in PROMPTS).encode()
     answer = _post(gateway, "finish_fraction=0.5", body)
     lines = [json.loads(x) for x in answer.body.decode().splitlines()]
@@ -341,3 +337,22 @@ def test_the_http_route_cuts_at_finish_fraction_and_refuses_bad_values_naming_th
                         ("finish_fraction=0.5&finish_by=prompt", "finish_by='prompt': must be one of sample, group")]:
         answer = _post(gateway, query, body)
         assert answer.status_code == 400 and said in json.loads(answer.body)["error"], query
+
+
+def test_the_http_routes_answer_bad_queries_and_methods_naming_them_and_serve_their_openapi_page():
+    """The Gateway is FastAPI's: typed query parameters, yet the 400 and 405 texts of before."""
+    from starlette.testclient import TestClient
+
+    from rollout_cluster.serve.gateway import gateway_app
+
+    gateway = TestClient(gateway_app(CuttingRouter(per_fetch=3), {}, 5.0))
+    body = json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 8}).encode()
+    for query, said in [("timeout_s=soon", "timeout_s='soon': not a number"),
+                        ("weights_version=v1", "weights_version='v1': must be an integer >= 0"),
+                        ("weights_version=-1", "weights_version='-1': must be an integer >= 0")]:
+        answer = _post(gateway, query, body)
+        assert answer.status_code == 400 and json.loads(answer.body)["error"] == said, query
+    answer = gateway.get("/generate")
+    assert answer.status_code == 405 and "GET /generate: use GET / for status" in answer.json()["error"]
+    assert {"/", "/generate"} <= set(gateway.get("/openapi.json").json()["paths"])
+    assert gateway.get("/docs").status_code == 200

@@ -9,9 +9,10 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from rollout_cluster.batch_follow import BatchAcrossRestarts
 from rollout_cluster.config import PolicyConfig
-from rollout_cluster.driver import RolloutClient, follow_batch
+from rollout_cluster.client.client import RolloutClient
+from rollout_cluster.client.follower import BatchFollower, Cancel, Fail, Fetch, Pause, Submit
+from rollout_cluster.client.loops import follow_batch
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
@@ -186,12 +187,13 @@ def test_stream_yields_each_sequence_once_across_a_restart():
 
 def test_the_follower_places_completions_and_refuses_one_twice():
     reqs = requests(5)
-    follow = BatchAcrossRestarts(reqs)
+    follow = BatchFollower(reqs)
     follow.submitted({"batch_id": "r1-b0", "weights_version": 0})
     follow.take([Completion(0, 0, [1], None, "length", index=0, finish_time_s=1.0)], 1)
-    again = follow.resubmission(BatchLostError("gone"))
+    follow.fetch_failed(BatchLostError("gone"), now=5.0)
+    again = follow.next(5.0).requests
     assert again == reqs[1:] and follow.positions == [1, 2, 3, 4]
-    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, offset_s=10.0)
+    follow.submitted({"batch_id": "r2-b0", "weights_version": 0}, now=10.0)
     (c,) = follow.take([Completion(3, 0, [1], None, "length", index=2, finish_time_s=2.0)], 1)
     assert (c.index, c.finish_time_s) == (3, 12.0)  # its place, and seconds since the first submission
     with pytest.raises(RuntimeError, match="sequence 3 returned twice"):
@@ -281,3 +283,30 @@ def test_a_resubmission_names_each_sequences_id_under_the_lost_router():
     # r2's batch held places 3-9 at its indices 0-6, and 3 more came back from it: 3 + 3 received
     assert third == [f"r2-b0:{i}" for i in range(3, 7)]
     assert [c.batch_id for c in results] == ["r1-b0"] * 3 + ["r2-b0"] * 3 + ["r3-b0"] * 4
+
+
+def test_the_follower_says_what_to_do_next_and_does_none_of_it():
+    """The sans-I/O follower alone: events in (answers, errors, the time), actions out."""
+    reqs = requests(4)
+    follow = BatchFollower(reqs, timeout_s=10.0, call_timeout_s=2.0, finish_fraction=0.5)
+    first = follow.next(100.0)
+    assert isinstance(first, Submit) and first.requests == reqs and first.previous_ids is None and not first.restart
+    follow.submitted({"batch_id": "r1-b0", "weights_version": 3}, 100.1)
+    assert follow.next(100.2) == Fetch("r1-b0", 0)
+    follow.take([Completion(i, 0, [1], None, "length", index=i) for i in (0, 1)], 2)
+    assert follow.next(100.3) == Cancel("r1-b0", "cut")  # half of the samples came back
+    follow.cancelled(True)
+    assert follow.next(100.4) == Fetch("r1-b0", 2)
+    follow.fetch_failed(ActorDiedError(), 100.5, router_gone=True)
+    assert follow.next(100.5) == Pause(0.5)  # Serve starts a new router meanwhile
+    follow.fetch_failed(BatchLostError("gone"), 101.0)
+    again = follow.next(101.0)
+    assert again.restart and again.requests == reqs[2:] and again.weights_version == 3
+    assert again.previous_ids == ["r1-b0:2", "r1-b0:3"]
+    follow.submitted({"batch_id": "r2-b0", "weights_version": 3}, 101.1)
+    assert follow.next(109.5) == Fetch("r2-b0", 0)
+    assert follow.next(110.6) == Cancel("r2-b0", "timeout")  # 10 s after the first submission
+    follow.cancelled(False)  # the batch fails whether the cancel worked or not
+    failed = follow.next(110.7)
+    assert isinstance(failed, Fail) and isinstance(failed.error, TimeoutError)
+    assert str(failed.error) == "batch r2-b0: 2 of 4 sequences done after 10 s (timeout_s); the batch was cancelled"

@@ -3,7 +3,7 @@ naming the value (the e2e test tests/e2e/test_declarative_scaling.py scales a re
 import pytest
 
 from rollout_cluster.cli import main
-from rollout_cluster.driver import RolloutClient
+from rollout_cluster.client.client import RolloutClient
 from rollout_cluster.protocol import InputError
 
 

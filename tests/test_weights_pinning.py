@@ -144,7 +144,7 @@ def test_update_weights_waits_for_a_load_in_progress_before_it_orders_another():
     """A replacement replica that joined loads the current weights; the router would refuse a
     second load beside it, so the driver waits for it (found in CI: an update right after a
     replica was replaced failed)."""
-    from rollout_cluster.driver import RolloutClient
+    from rollout_cluster.client.client import RolloutClient
 
     calls = []
 

@@ -34,7 +34,7 @@ def workload_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a) -> int:
-    from .run import bench
+    from .main import bench
 
     bench(a)
     return 0

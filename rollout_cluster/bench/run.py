@@ -2,13 +2,13 @@
 
 One run = one workload (per seed), the bounds of that workload in a cost model, and for each
 policy the metrics of BENCHMARK.md. The simulator engine runs here; the vLLM engine lives in
-bench/vllm_run.py and is imported only when asked for, so `--engine sim` never loads ray or vllm.
+bench/vllm_run.py, which imports this module; bench/main.py picks one of the two, and imports the
+vLLM one only when asked for, so `--engine sim` never loads ray or vllm.
 """
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Optional
 
 from ..config import PolicyConfig, load_config
@@ -198,40 +198,6 @@ def combine(runs: list, seeds: list) -> dict:
 
         out["repeats"] = across_seeds([r["repeats"] for r in runs])
     return out
-
-
-def bench(args) -> dict:
-    """Run every policy on every seed, write DIR/bench.{json,md,png}, print the table."""
-    from tqdm import tqdm
-
-    from .report import write_reports
-
-    fill_defaults(args)
-    policies = parse_policies(args.policies)
-    seeds = [int(s) for s in str(args.seeds).split(",")] if args.seeds is not None else [args.seed]
-    repeats = getattr(args, "repeats", 1)
-    if repeats < 1 or (repeats > 1 and args.engine != "vllm"):
-        raise ValueError(f"--repeats={repeats}: must be >= 1, and above 1 only with --engine vllm "
-                         "(the simulator is deterministic)")
-    if args.engine == "vllm":
-        from .vllm_run import bench_vllm
-
-        result, traces = bench_vllm(args, policies, seeds)
-    else:
-        cfg, cost = sim_setup(args)
-        runs, traces = [], None
-        with tqdm(total=len(seeds) * len(policies), desc="bench", unit="run") as bar:
-            for seed in seeds:
-                run, tr = run_seed_sim(args, seed, cost, cfg, policies, bar)
-                runs.append(run)
-                traces = traces or tr  # the plot shows the first seed
-        result = combine(runs, seeds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = write_reports(result, traces, out)
-    print(table)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
-    return result
 
 
 def simulate(args) -> dict:

@@ -121,7 +121,7 @@ def bound_note(args, cfg, cost) -> str:
 
 def bench_vllm(args, policies: list, seeds: list) -> tuple:
     """(bench dict, traces of the first seed). Starts and stops one cluster."""
-    from ..driver import RolloutClient
+    from ..client.client import RolloutClient
     from .run import combine
 
     args.config = args.config or DEFAULT_CONFIG

@@ -32,9 +32,10 @@ def main(argv=None) -> int:
     from ray import serve
 
     from ..config import load_config
-    from ..driver import RolloutClient, deploy
-    from ..jsonl_io import run_jsonl
+    from ..client.client import RolloutClient
+    from ..client.jsonl import run_jsonl
     from ..serve.app import build_app
+    from ..serve.deploy import deploy
 
     cfg = load_config(a.config)
     ray.init(address="auto")

@@ -56,7 +56,7 @@ def cluster_config():
 
 @pytest.fixture(scope="session")
 def client(ray_head, cluster_config):
-    from rollout_cluster.driver import RolloutClient
+    from rollout_cluster.client.client import RolloutClient
 
     c = RolloutClient.start(cluster_config, address=ray_head, wait_ready_s=900)
     yield c

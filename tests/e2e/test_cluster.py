@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from rollout_cluster.driver import expand
+from rollout_cluster.client.expand import expand
 from rollout_cluster.demo import demo_batch
 from rollout_cluster.protocol import SamplingSpec
 
@@ -114,6 +114,10 @@ def test_http_generate_takes_and_returns_the_jsonl_format(client, tmp_path):
     _check_jsonl_output(tmp_path / "out.jsonl")
     with urllib.request.urlopen(base, timeout=60) as r:  # GET: the router's status
         assert "replicas" in json.loads(r.read())
+    with urllib.request.urlopen(f"{base}/openapi.json", timeout=60) as r:  # FastAPI's, under the prefix
+        assert {"/", "/generate"} <= set(json.loads(r.read())["paths"])
+    with urllib.request.urlopen(f"{base}/docs", timeout=60) as r:
+        assert r.status == 200 and b"openapi.json" in r.read()
     version = client.status()["weights"]["version"]
     for req, code, said in [(urllib.request.Request(f"{base}/generate?timeout_s=soon", data=body, method="POST"),
                              400, "timeout_s='soon'"),
@@ -165,7 +169,7 @@ def test_an_app_no_node_can_host_fails_within_the_wait_and_is_removed(client, cl
 
     from ray import serve
 
-    from rollout_cluster.driver import RolloutClient
+    from rollout_cluster.client.client import RolloutClient
 
     cfg = cluster_config.model_copy(update=dict(
         app_name="unplaceable", replicas=1, resources=cluster_config.resources.model_copy(update={"num_gpus": 1}),
@@ -181,7 +185,7 @@ def test_an_app_no_node_can_host_fails_within_the_wait_and_is_removed(client, cl
 def test_an_app_whose_engine_cannot_start_fails_with_the_cause_and_is_removed(client, cluster_config, tmp_path):
     from ray import serve
 
-    from rollout_cluster.driver import RolloutClient
+    from rollout_cluster.client.client import RolloutClient
 
     bad = tmp_path / "bad-model"
     bad.mkdir()

@@ -12,7 +12,8 @@ import yaml
 
 from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, collect, ray_env
 from rollout_cluster.config import to_dict
-from rollout_cluster.driver import RolloutClient, expand
+from rollout_cluster.client.client import RolloutClient
+from rollout_cluster.client.expand import expand
 from rollout_cluster.protocol import InputError, SamplingSpec
 
 pytestmark = pytest.mark.e2e

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rollout_cluster.jsonl_io import run_jsonl
+from rollout_cluster.client.jsonl import run_jsonl
 from rollout_cluster.protocol import SamplingSpec, partials
 
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from e2e_support import collect
-from rollout_cluster.driver import expand
+from rollout_cluster.client.expand import expand
 from rollout_cluster.protocol import SamplingSpec
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from e2e_support import ROOT
-from rollout_cluster.driver import expand
+from rollout_cluster.client.expand import expand
 from rollout_cluster.model_maker import make_model
 from rollout_cluster.protocol import SamplingSpec
 from test_sleep_mode import wake_on_the_update_then_restore

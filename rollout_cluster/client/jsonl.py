@@ -17,7 +17,8 @@ import json
 from dataclasses import fields
 from typing import Optional
 
-from .protocol import Completion, InputError, SamplingSpec, SequenceRequest
+from ..protocol import Completion, InputError, SamplingSpec, SequenceRequest
+from ..validation import check_prompt, check_request
 
 SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
 RESUME_FIELDS = ("output_token_ids", "output_logprobs")
@@ -27,7 +28,7 @@ LINE_FIELDS = {"prompt_token_ids"} | SPEC_FIELDS | set(RESUME_FIELDS)
 def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     """(prompt_token_ids, SamplingSpec, {output_token_ids, output_logprobs}); raises InputError naming
     the field. `defaults`: SamplingSpec fields for what the line leaves out (the config's `sampling`
-    section). The router checks a resumed output (resume.check_output)."""
+    section). The rules are validation.py's; the router checks again with the engine's limits."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -40,11 +41,9 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     if "prompt_token_ids" not in obj:
         raise InputError("prompt_token_ids", None, "is required")
     ids = obj["prompt_token_ids"]
-    if not isinstance(ids, list) or not ids:
+    if ids is None:  # None is a simulated prompt to check_prompt; a line must give its tokens
         raise InputError("prompt_token_ids", ids, "must be a non-empty list of token ids")
-    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
-    if bad is not None:
-        raise InputError("prompt_token_ids", bad, "every token id must be an integer")
+    check_prompt(ids)
     kw = dict(defaults or {})
     kw.update((k, v) for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed"))
     for k in ("prompt_token_ids",) + RESUME_FIELDS:
@@ -58,6 +57,7 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     resumed = {k: obj.get(k) for k in RESUME_FIELDS}
     if resumed["output_token_ids"] is not None and spec.n != 1:
         raise InputError("n", spec.n, "must be 1 on a line that resumes output_token_ids: it is one sample")
+    check_request(SequenceRequest(ids, spec, index, 0, **resumed))  # the resumed output, before the router
     return ids, spec, resumed
 
 

@@ -1,0 +1,253 @@
+"""RolloutClient: the driver API. Submit a batch, get every completion back.
+
+    client = RolloutClient.start("configs/local-cpu.yaml")   # local Ray + the Serve app
+    client = RolloutClient.connect(app_name="rollout")          # an app that already runs
+    results = client.generate(prompts, SamplingSpec(n=4, max_tokens=256))
+    async for c in client.stream(prompts, sampling): ...
+
+Every call is bounded: a router that does not answer within `timeout_s` raises TimeoutError.
+A batch is followed by the sans-I/O BatchFollower (follower.py) through loops.py's drivers; the
+fleet operations wait in fleet_ops.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import AsyncIterator, Optional, Sequence, Union
+
+from ..config import ClusterConfig, load_config
+from ..protocol import Completion, SamplingSpec
+from . import fleet_ops
+from .expand import expand
+from .follower import DEFAULT_TIMEOUT_S, BatchFollower
+from .loops import follow_batch, run_sync
+
+
+class RolloutClient:
+    def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 config: Optional[ClusterConfig] = None, owns_cluster: bool = False,
+                 max_router_restarts: int = 3):
+        from ray import serve
+
+        self.app_name = app_name
+        self.timeout_s = timeout_s
+        # A router that restarts loses its batches: generate/stream submit what they have not
+        # received again, this many times a batch at most (follower.py).
+        self.max_router_restarts = max_router_restarts
+        self.router_restarts = 0  # batches this client submitted again after a router restart
+        self.config = config
+        self.owns_cluster = owns_cluster
+        self.router = serve.get_deployment_handle("Router", app_name)
+        self.call_timeout_s = config.router.call_timeout_s if config else 120.0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str] = None,
+              wait_ready_s: float = 600.0, **ray_init) -> "RolloutClient":
+        """Start (or join) Ray, deploy the application, and wait until every replica is up."""
+        import ray
+        from ray import serve
+
+        from ..serve.app import build_app
+        from ..serve.deploy import deploy
+
+        cfg = load_config(config)
+        if not ray.is_initialized():
+            env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
+            ray.init(address=address, runtime_env=env, **ray_init)
+        serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
+        t0 = time.monotonic()
+        deploy(build_app(cfg), cfg, wait_ready_s)
+        client = cls(cfg.app_name, config=cfg, owns_cluster=address is None)
+        client.wait_ready(cfg.replicas, max(1.0, wait_ready_s - (time.monotonic() - t0)))
+        return client
+
+    @classmethod
+    def connect(cls, app_name: str = "rollout", address: str = "auto", wait_s: float = 0.0,
+                **kw) -> "RolloutClient":
+        """Join an app that runs (or, within `wait_s`, appears: `serve deploy` and a RayService
+        build the app after they return)."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address)
+        from ray.serve.exceptions import RayServeException
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return cls(app_name, **kw)
+            except (KeyError, RayServeException):  # no such app yet, or Serve itself not up yet
+                if time.monotonic() >= deadline:
+                    raise KeyError(f"app_name={app_name!r}: no such Serve application with a Router "
+                                   f"after {wait_s:.0f} s (`serve status` lists the applications)") from None
+                time.sleep(0.5)
+
+    def wait_ready(self, replicas: int, timeout_s: float = 600.0) -> dict:
+        return fleet_ops.wait_ready(self, replicas, timeout_s)
+
+    def status(self) -> dict:
+        return self.router.status.remote().result(timeout_s=self.call_timeout_s)
+
+    def sampling_defaults(self) -> dict:
+        """The app's `sampling` section as SamplingSpec fields: what generate/stream use when called
+        without `sampling`, and what a JSONL line leaves out. Asked of the router each time: the
+        running app's config is the one that counts (a job may attach to an app deployed with
+        another, and a long-lived client may outlive a redeploy)."""
+        return self.status().get("sampling_defaults", {})
+
+    def default_sampling(self) -> SamplingSpec:
+        return SamplingSpec(**self.sampling_defaults())
+
+    def update_weights(self, path: str, version: Optional[int] = None, timeout_s: float = 600.0) -> int:
+        """Load the checkpoint in `path` (a directory every replica's node can read, same
+        architecture as the served model) into every replica, between batches; returns once all of
+        them hold it. `version` (default: current + 1) tags every Completion generated with these
+        weights. Raises if a batch is unfinished, or with every replica's error once each replica
+        has either loaded or failed. A replica whose load failed gets no work until a later update
+        succeeds; one that vLLM left half loaded also restarts (Serve's health check) and loads again.
+        While the engines sleep it returns at once: they load at wake(), which waits for it. A load
+        still running (a replacement replica loading the current weights) is waited for first,
+        within `timeout_s`: the router refuses a second load beside it."""
+        return fleet_ops.update_weights(self, path, version, timeout_s)
+
+    def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
+        """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs
+        gets their memory: level 1 moves the weights to host memory and drops the KV cache; level 2
+        drops both, and wake() reloads the latest weights (update_weights' checkpoint, else the
+        config's model, which must then be a local checkpoint). On GPUs it needs
+        engine.enable_sleep_mode. Returns once every replica sleeps; raises with each replica's
+        error once the rest are settled (they sleep: wake() wakes them all). A batch submitted
+        before wake() is refused."""
+        return fleet_ops.sleep(self, level, timeout_s)
+
+    def wake(self, timeout_s: float = 600.0) -> dict:
+        """Wake every engine; returns once each is awake and holds the current weights or failed
+        loading them (status()["weights"]["errors"]: those get no work). A level-2 sleeper reloads
+        them; an update_weights made while asleep loads now."""
+        return fleet_ops.wake(self, timeout_s)
+
+    def scale(self, replicas: int, timeout_s: float = 600.0) -> dict:
+        """Grow or shrink the engine fleet to `replicas`, in place, between or during batches: the
+        router keeps running with its live batches. A replica that Serve stops hands its running
+        sequences back with every token generated so far, and the others continue them; a new one
+        takes work once its engine is up. The router counts `replicas` at once (static's shares,
+        chunked's first round). Returns its status once exactly `replicas` replicas pull and Serve
+        runs as many. Past `timeout_s` (replicas that no node can host, say) it raises
+        TimeoutError with Serve's replica states; the target stays, and Serve keeps trying.
+        Growing a sleeping fleet is refused (wake() first). Uses Serve's external scaling
+        API: `RolloutClient.start` enables it; an app from a Serve config needs
+        `external_scaler_enabled: true` on its application. A RayService's own num_replicas
+        applies again only when its EngineReplica entry in serveConfigV2 changes (k8s/README.md)."""
+        return fleet_ops.scale(self, replicas, timeout_s)
+
+    def set_policy(self, name: str, **params) -> str:
+        return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
+
+    def cancel(self, batch_id: str) -> int:
+        """Stop a batch: its unfinished sequences come back with finish_reason "abort"."""
+        return self.router.cancel.remote(batch_id).result(timeout_s=self.call_timeout_s)
+
+    def set_trace(self, on: bool = True) -> None:
+        self.router.set_trace.remote(on).result(timeout_s=self.call_timeout_s)
+
+    def take_trace(self, batch_id: str) -> list:
+        return self.router.take_trace.remote(batch_id).result(timeout_s=self.call_timeout_s)
+
+    def take_step_samples(self) -> list:
+        """[(running, context tokens, seconds per token per sequence)] that replicas reported while tracing."""
+        return self.router.take_step_samples.remote().result(timeout_s=self.call_timeout_s)
+
+    def shutdown(self) -> None:
+        """Delete this client's app. Disconnects from Ray if `start` connected; a local cluster
+        that `start` created ends with it, a cluster it joined (`ray start`) keeps running."""
+        from ray import serve
+
+        serve.delete(self.app_name)
+        if self.owns_cluster:
+            import ray
+
+            ray.shutdown()
+
+    # ---- generation -----------------------------------------------------------------------
+    def submit(self, requests: list, wait_for_replica_s: Optional[float] = None,
+               weights_version: Optional[int] = None) -> str:
+        """Queue a batch and return its id without waiting; fetch it with router.fetch, as
+        run_requests does. A batch nobody fetches from for router.abandoned_batch_s (900 s) is taken
+        for one whose driver died, and dropped: a trainer that submits step k+1 and trains on step k
+        for longer must fetch meanwhile, or raise the setting. With `weights_version`, a fleet on
+        other weights refuses the batch (WeightsVersionError, an InputError)."""
+        answer = self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
+            timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
+        return answer["batch_id"]
+
+    def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
+                 progress: bool = False, timeout_s: Optional[float] = None,
+                 hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None,
+                 weights_version: Optional[int] = None, finish_fraction: Optional[float] = None,
+                 finish_by: str = "sample") -> list:
+        """One Completion per (prompt, sample), in input order. Without `sampling`, the app's
+        `sampling` section (sampling_defaults) applies to every prompt. `weights_version` (the
+        version update_weights returned) makes sure every sample comes from those weights: a fleet
+        on others refuses the batch (WeightsVersionError). Without it the batch runs on the current
+        weights, and a resubmission after a router restart asks for the same ones.
+
+        Partial rollouts: with `finish_fraction` (0.9, say) the batch is cut once that share of its
+        sequences is done (`finish_by="group"`: of its prompts, every sample of one done); the rest
+        come back with finish_reason "abort" and their tokens and logprobs so far.
+        `partials(prompts, results)` makes them `Partial`s, and a later batch takes those among its
+        prompts: each continues after its tokens (resume.py)."""
+        requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths)
+        return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version, finish_fraction,
+                                 finish_by)
+
+    def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
+                     wait_for_replica_s: Optional[float] = None, weights_version: Optional[int] = None,
+                     finish_fraction: Optional[float] = None, finish_by: str = "sample") -> list:
+        follower = BatchFollower(requests, timeout_s or self.timeout_s, self.call_timeout_s, self.max_router_restarts,
+                                 weights_version, finish_fraction, finish_by, wait_for_replica_s)
+        bar = _bar(len(requests), progress)
+        try:
+            return run_sync(self.router, follower, self.call_timeout_s, on_submitted=self._note_batch,
+                            on_restart=self._count_restart, on_placed=_counter(bar))
+        finally:
+            if bar:
+                bar.close()
+
+    async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
+                     timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
+                     finish_fraction: Optional[float] = None, finish_by: str = "sample") -> AsyncIterator[Completion]:
+        """Completions as they finish (not in input order). Without `sampling`, and with
+        `weights_version`, `finish_fraction` and `finish_by`, as generate. A router restart resubmits what was
+        not yielded yet, on the same weights, as generate does."""
+        if sampling is None:
+            status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
+            sampling = SamplingSpec(**status.get("sampling_defaults", {}))
+        async for c in follow_batch(self.router, expand(prompts, sampling), timeout_s or self.timeout_s,
+                                    self.call_timeout_s, self.max_router_restarts, weights_version,
+                                    on_restart=self._count_restart, finish_fraction=finish_fraction,
+                                    finish_by=finish_by):
+            yield c
+
+    def _count_restart(self) -> None:
+        self.router_restarts += 1
+
+    def _note_batch(self, batch_id: str) -> None:
+        self.last_batch_id = batch_id
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="sequences", unit="seq")
+
+
+def _counter(bar):
+    return None if bar is None else (lambda placed: bar.update(len(placed)))
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

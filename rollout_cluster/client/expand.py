@@ -1,0 +1,65 @@
+"""Prompts and sampling specs into SequenceRequests: one per (prompt, sample), in input order.
+
+What makes a request runnable is validation.py's to say. Expansion asks it once per prompt, so a
+prompt that cannot run (a bad spec, a bad prompt) is refused once, before its `n` samples are
+made: it yields one request, which carries the problem to the router, and the router answers it
+with one error completion naming the field (the JSONL reader does the same with a bad line).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from ..protocol import InputError, Partial, SamplingSpec, SequenceRequest
+from ..validation import check_request
+
+
+def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
+           hidden_lengths: Optional[Sequence] = None) -> list:
+    """One SequenceRequest per (prompt, sample), in input order. A prompt whose spec or tokens are
+    invalid (n < 1, say) yields one request carrying the error, so it comes back as an error line.
+    A `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens."""
+    specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
+    if len(specs) != len(prompts):
+        raise InputError("sampling", f"<{len(specs)} specs>", f"needs one spec per prompt ({len(prompts)})")
+    out = []
+    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        def hidden():
+            return None if hidden_lengths is None else hidden_lengths[len(out)]
+
+        if isinstance(prompt, Partial):
+            out.append(_resumed_request(prompt, spec, i, hidden()))
+            continue
+        first = _request(prompt, spec, i, 0, hidden())
+        out.append(first)
+        for j in range(1, _samples(first)):
+            out.append(_request(prompt, spec, i, j, hidden()))
+    return out
+
+
+def _samples(first: SequenceRequest) -> int:
+    """A prompt's n, or 1 where validation.py refuses its first sample."""
+    try:
+        check_request(first)
+    except InputError:
+        return 1
+    return first.sampling.n
+
+
+def _request(prompt, spec: SamplingSpec, index: int, sample: int, hidden: Optional[int]) -> SequenceRequest:
+    ids = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+    if isinstance(ids, list):
+        return SequenceRequest(ids, spec, index, sample, hidden, prompt_len=len(ids))
+    req = SequenceRequest([], spec, index, sample, hidden, prompt_len=0)
+    req.prompt_token_ids = ids  # not a token list: the router refuses it, naming the field
+    return req
+
+
+def _resumed_request(p: Partial, spec: SamplingSpec, index: int, hidden: Optional[int]) -> SequenceRequest:
+    """A Partial's one request: a sample cut off before its first token starts afresh."""
+    ids = list(p.prompt_token_ids) if isinstance(p.prompt_token_ids, (list, tuple)) else p.prompt_token_ids
+    tokens = list(p.token_ids) if isinstance(p.token_ids, (list, tuple)) else p.token_ids
+    logprobs = list(p.logprobs) if isinstance(p.logprobs, (list, tuple)) else p.logprobs
+    if tokens == []:
+        tokens = logprobs = None
+    return SequenceRequest(ids, spec, index, 0, hidden, prompt_len=len(ids) if isinstance(ids, list) else 0,
+                           output_token_ids=tokens, output_logprobs=logprobs)

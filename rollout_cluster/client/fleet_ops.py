@@ -1,0 +1,172 @@
+"""What RolloutClient does to the whole fleet (update_weights, sleep, wake, scale, wait_ready):
+order it from the router, then poll the router's status until every replica got there.
+
+Every wait is `wait_until`: one deadline loop whose predicate returns the result once the fleet
+is settled, None while it is not, or raises RuntimeError when it settled in failure; past the
+deadline it raises TimeoutError with what the predicate's caller says about the last status.
+The client's methods carry the docstrings; these functions take the client.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from ..protocol import InputError, is_int
+
+REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
+
+
+def wait_until(probe: Callable[[], object], settled: Callable[[object], object], deadline: float,
+               interval_s: float, timed_out: Callable[[object], Optional[Exception]]):
+    """probe() every interval_s until settled(value) returns something other than None, and return
+    that. Past `deadline` (time.monotonic()) raise timed_out(last value), or return None where it
+    gives no error (a wait that may end unsettled)."""
+    while True:
+        value = probe()
+        done = settled(value)
+        if done is not None:
+            return done
+        if time.monotonic() > deadline:
+            error = timed_out(value)
+            if error is None:
+                return None
+            raise error
+        time.sleep(interval_s)
+
+
+def check_replicas(replicas) -> None:
+    """RolloutClient.scale's size: an integer >= 1."""
+    if not is_int(replicas) or replicas < 1:
+        raise InputError("replicas", replicas, "must be an integer >= 1")
+
+
+def wait_ready(client, replicas: int, timeout_s: float) -> dict:
+    return wait_until(client.status, lambda st: st if len(st["replicas"]) >= replicas and st["model"] else None,
+                      time.monotonic() + timeout_s, 0.5,
+                      lambda st: TimeoutError(f"{len(st['replicas'])} of {replicas} replicas pulling after "
+                                              f"{timeout_s:.0f} s"))
+
+
+def update_weights(client, path: str, version: Optional[int], timeout_s: float) -> int:
+    # A load still running (a replacement replica loading the current weights) first: the router
+    # refuses a second load beside it. Past the deadline the router's refusal names the loads.
+    wait_until(client.status, _loads_settled, time.monotonic() + timeout_s, 0.2, lambda st: None)
+    v = client.router.update_weights.remote(path, version).result(timeout_s=client.call_timeout_s)
+    if client.status()["sleep"]["level"]:
+        return v  # asleep: the engines load it when they wake (wake() waits for it)
+    expected = client.status().get("expected_replicas") or (client.config.replicas if client.config else 1)
+
+    def held(st: dict) -> list:
+        return [rid for rid, rv in st["weights"]["replicas"].items() if rv == v]
+
+    def settled(st: dict):
+        w = st["weights"]
+        if w["version"] != v:
+            raise RuntimeError(f"update_weights: version {v} was replaced by {w['version']} meanwhile")
+        if len(held(st)) + len(w["errors"]) < max(expected, len(w["replicas"])):
+            return None
+        if w["errors"]:
+            raise RuntimeError(f"update_weights to version {v} ({path!r}) failed on {len(w['errors'])} "
+                               f"replica(s): {'; '.join(sorted(w['errors'].values()))}")
+        return v
+
+    return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, lambda st: TimeoutError(
+        f"update_weights: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
+        f"version {v} after {timeout_s:.0f} s"))
+
+
+def _loads_settled(st: dict):
+    """Every awake replica holds the current weights or failed loading them."""
+    w = st["weights"]
+    if st["sleep"]["level"] or all(v == w["version"] or rid in w["errors"] for rid, v in w["replicas"].items()):
+        return st
+    return None
+
+
+def sleep(client, level: int, timeout_s: float) -> dict:
+    client.router.sleep.remote(level).result(timeout_s=client.call_timeout_s)
+    return _wait_sleep(client, level, "sleep", time.monotonic() + timeout_s, timeout_s)
+
+
+def wake(client, timeout_s: float) -> dict:
+    client.router.wake.remote().result(timeout_s=client.call_timeout_s)
+    deadline = time.monotonic() + timeout_s
+    _wait_sleep(client, 0, "wake", deadline, timeout_s)
+
+    def behind(st: dict) -> list:
+        w = st["weights"]
+        return [rid for rid, rv in w["replicas"].items() if rv != w["version"] and rid not in w["errors"]]
+
+    return wait_until(client.status, lambda st: None if behind(st) else st, deadline, 0.1, lambda st: TimeoutError(
+        f"wake: {len(behind(st))} replica(s) still load weights version {st['weights']['version']} "
+        f"after {timeout_s:.0f} s"))
+
+
+def _wait_sleep(client, level: int, what: str, deadline: float, timeout_s: float) -> dict:
+    """The status once every replica is at `level` or failed getting there."""
+    def expected(st: dict) -> int:
+        return max(st.get("expected_replicas") or 1, len(st["replicas"]))
+
+    def at(st: dict) -> list:
+        return [rid for rid in st["replicas"] if st["sleep"]["replicas"].get(rid) == level]
+
+    def settled(st: dict):
+        sl = st["sleep"]
+        if sl["level"] != level:
+            raise RuntimeError(f"{what}: the fleet's sleep level was changed to {sl['level']} meanwhile")
+        if len(at(st)) + len(sl["errors"]) < expected(st):
+            return None
+        if sl["errors"]:
+            raise RuntimeError(f"{what}: failed on {len(sl['errors'])} replica(s): "
+                               + "; ".join(sorted(sl["errors"].values())))
+        return st
+
+    return wait_until(client.status, settled, deadline, 0.1, lambda st: TimeoutError(
+        f"{what}: {len(at(st))} of {expected(st)} replicas at sleep level {level} after {timeout_s:.0f} s"))
+
+
+def scale(client, replicas: int, timeout_s: float) -> dict:
+    check_replicas(replicas)
+    import ray
+    from ray import serve
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.exceptions import ExternalScalerDisabledError
+    from ray.serve.context import _get_global_client
+
+    st = client.status()
+    if replicas > max(len(st["replicas"]), st["expected_replicas"]) and st["sleep"]["level"]:
+        raise RuntimeError(f"scale: the fleet sleeps (level {st['sleep']['level']}); wake() first, then grow it to "
+                           f"{replicas}: a new replica allocates its engine's memory before it learns the fleet "
+                           "sleeps. Shrinking a sleeping fleet is allowed")
+    controller = _get_global_client()._controller
+    try:
+        ray.get(controller.update_deployment_replicas.remote(
+            DeploymentID(name=REPLICA_DEPLOYMENT, app_name=client.app_name), replicas), timeout=client.call_timeout_s)
+    except ExternalScalerDisabledError:
+        raise RuntimeError(
+            f"scale: Serve application {client.app_name!r} was deployed without external_scaler_enabled, so "
+            "Serve refuses to scale it from a driver. Set `external_scaler_enabled: true` on the application "
+            "in its Serve config (RolloutClient.start sets it), or change EngineReplica's num_replicas under "
+            "`deployments:` and apply the config (serve deploy, or a RayService's serveConfigV2)") from None
+    # The router counts on the target at once (static's shares, chunked's first round), and
+    # keeps it if this call times out or is interrupted.
+    client.router.set_fleet_target.remote(replicas).result(timeout_s=client.call_timeout_s)
+
+    def probe() -> tuple:
+        st = client.status()
+        app = serve.status().applications.get(client.app_name)
+        dep = app.deployments.get(REPLICA_DEPLOYMENT) if app else None
+        states = {getattr(k, "value", str(k)): v for k, v in (dep.replica_states if dep else {}).items() if v}
+        return st, dep, states
+
+    return wait_until(
+        probe, lambda got: got[0] if len(got[0]["replicas"]) == replicas and got[2] == {"RUNNING": replicas} else None,
+        time.monotonic() + timeout_s, 0.2, lambda got: TimeoutError(
+            f"scale: the fleet is not at {replicas} after {timeout_s:.0f} s: {len(got[0]['replicas'])} replicas "
+            f"pull from the router, and Serve's EngineReplica replicas are {got[2] or 'none'} "
+            f"({_one_line(got[1].message if got[1] else '')}). The target stays {replicas}: Serve keeps trying "
+            "(scale() again to change it)"))
+
+
+def _one_line(message: str) -> str:
+    return " ".join((message or "").split()) or "no message"

@@ -1,0 +1,124 @@
+"""The two drivers of a BatchFollower (follower.py): they make its calls on the router's Serve
+handle and sleep when it says so; every decision is the follower's.
+
+`run_sync` blocks (RolloutClient.generate, run_requests, the JSONL runner); `run_async` yields
+completions as they come (RolloutClient.stream, and the HTTP Gateway, a deployment of its own
+that outlives a router restart). Every call is bounded by call_timeout_s.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Callable, Optional
+
+from ..protocol import Completion
+from .follower import BatchFollower, Cancel, Done, Fail, Fetch, Pause, Submit
+
+
+def run_sync(router, follower: BatchFollower, call_timeout_s: float,
+             on_submitted: Optional[Callable[[str], None]] = None, on_restart: Optional[Callable[[], None]] = None,
+             on_placed: Optional[Callable[[list], None]] = None) -> list:
+    """The batch's completions in input order. `on_submitted(batch_id)` after each submission,
+    `on_restart()` before a resubmission after a router restart, `on_placed(completions)` after each fetch."""
+    while True:
+        action = follower.next(time.monotonic())
+        if isinstance(action, Done):
+            return action.results
+        if isinstance(action, Fail):
+            raise action.error
+        if isinstance(action, Pause):
+            time.sleep(action.seconds)
+        elif isinstance(action, Submit):
+            if action.restart and on_restart is not None:
+                on_restart()
+            try:
+                answer = _submit(router, action).result(timeout_s=call_timeout_s + (action.wait_for_replica_s or 0))
+            except Exception as e:
+                follower.submit_failed(e)
+                continue
+            follower.submitted(answer, time.monotonic())
+            if on_submitted is not None:
+                on_submitted(follower.batch_id)
+        elif isinstance(action, Fetch):
+            try:
+                new, cursor, _ = router.fetch.remote(action.batch_id, action.cursor, action.wait_s).result(
+                    timeout_s=call_timeout_s)
+            except Exception as e:
+                follower.fetch_failed(e, time.monotonic(), router_gone(e))
+                continue
+            placed = follower.take(new, cursor)
+            if on_placed is not None:
+                on_placed(placed)
+        elif isinstance(action, Cancel):
+            try:
+                router.cancel.remote(action.batch_id).result(timeout_s=call_timeout_s)
+            except Exception:
+                follower.cancelled(False)
+            else:
+                follower.cancelled(True)
+
+
+async def run_async(router, follower: BatchFollower, call_timeout_s: float,
+                    on_restart: Optional[Callable[[], None]] = None) -> AsyncIterator[Completion]:
+    """The batch's completions as they finish (not in input order); `on_restart` as run_sync's."""
+    while True:
+        action = follower.next(time.monotonic())
+        if isinstance(action, Done):
+            return
+        if isinstance(action, Fail):
+            raise action.error
+        if isinstance(action, Pause):
+            await asyncio.sleep(action.seconds)
+        elif isinstance(action, Submit):
+            if action.restart and on_restart is not None:
+                on_restart()
+            try:
+                answer = await asyncio.wait_for(_submit(router, action),
+                                                call_timeout_s + (action.wait_for_replica_s or 0))
+            except Exception as e:
+                follower.submit_failed(e)
+                continue
+            follower.submitted(answer, time.monotonic())
+        elif isinstance(action, Fetch):
+            try:
+                new, cursor, _ = await asyncio.wait_for(
+                    router.fetch.remote(action.batch_id, action.cursor, action.wait_s), call_timeout_s)
+            except Exception as e:
+                follower.fetch_failed(e, time.monotonic(), router_gone(e))
+                continue
+            for c in follower.take(new, cursor):
+                yield c
+        elif isinstance(action, Cancel):
+            try:
+                await asyncio.wait_for(router.cancel.remote(action.batch_id), call_timeout_s)
+            except Exception:
+                follower.cancelled(False)
+            else:
+                follower.cancelled(True)
+
+
+async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,
+                       max_restarts: int = 3, weights_version: Optional[int] = None,
+                       on_restart=None, finish_fraction: Optional[float] = None,
+                       finish_by: str = "sample") -> AsyncIterator[Completion]:
+    """Submit `requests` as one batch and yield its completions as they finish. A router restart
+    loses the batch: what was not yielded yet is submitted again, on the weights the first
+    submission ran on, at most `max_restarts` times. Past `timeout_s` the batch is cancelled and
+    TimeoutError raised. RolloutClient.stream and the HTTP Gateway use it."""
+    follower = BatchFollower(requests, timeout_s, call_timeout_s, max_restarts, weights_version, finish_fraction,
+                             finish_by)
+    async for c in run_async(router, follower, call_timeout_s, on_restart):
+        yield c
+
+
+def _submit(router, action: Submit):
+    return router.submit_batch.remote(action.requests, action.wait_for_replica_s, action.weights_version,
+                                      action.previous_ids)
+
+
+def router_gone(error: BaseException) -> bool:
+    """The router's process died under the call, or the call went unanswered for call_timeout_s
+    (a call to a router killed under it can be)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return isinstance(error, (RayActorError, ActorUnavailableError, TimeoutError))

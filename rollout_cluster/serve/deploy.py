@@ -1,0 +1,45 @@
+"""Deploying the application from a driver (RolloutClient.start, the Ray job): serve.run without
+its unbounded wait."""
+from __future__ import annotations
+
+import time
+
+from ray import serve
+
+from ..config import ClusterConfig
+from .app import replica_options
+
+
+def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
+    """Deploy the application, then wait at most timeout_s for Serve to call it RUNNING (every
+    replica constructed: engines loaded). A replica that no node can host (more GPUs than any node
+    has, say) would leave serve.run waiting forever; here it raises TimeoutError, and a constructor
+    that keeps failing raises RuntimeError, each naming what Serve reports and what a replica asks
+    for. The application is then removed."""
+    from ray.serve.api import _run
+    from ray.serve.schema import ApplicationStatus
+
+    name = cfg.app_name
+    # external_scaler_enabled: RolloutClient.scale sets the fleet's size in place (Serve's
+    # external scaling API); without it Serve refuses that call.
+    _run(app, _blocking=False, name=name, route_prefix=f"/{name}", external_scaler_enabled=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(name)
+        state = status.status if status else None
+        if state == ApplicationStatus.RUNNING:
+            return
+        failed = state == ApplicationStatus.DEPLOY_FAILED
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    reports = [f"{d}: {getattr(ds.status, 'value', ds.status)} {ds.message}".strip()
+               for d, ds in (status.deployments.items() if status else ()) if ds.status != "HEALTHY" or ds.message]
+    asks = replica_options(cfg)["ray_actor_options"]
+    serve.delete(name)
+    what = "failed to deploy" if failed else f"was not running after {timeout_s:.0f} s (wait_ready_s)"
+    detail = "; ".join(reports) or (status.message if status else "no status")
+    error = RuntimeError if failed else TimeoutError
+    raise error(f"Serve application {name!r} {what}, and was removed. Each EngineReplica asks for "
+                f"num_cpus={asks['num_cpus']:g} num_gpus={asks['num_gpus']:g} (resources.*, "
+                f"engine.tensor_parallel_size; a replica's GPUs must be on one node). Serve says: {detail}")
