@@ -1,22 +1,21 @@
 """Prompts and sampling specs into SequenceRequests: one per (prompt, sample), in input order.
 
-What makes a request runnable is validation.py's to say. Expansion asks it once per prompt, so a
-prompt that cannot run (a bad spec, a bad prompt) is refused once, before its `n` samples are
-made: it yields one request, which carries the problem to the router, and the router answers it
-with one error completion naming the field (the JSONL reader does the same with a bad line).
+What makes a request runnable is validation.py's to say, and the router asks it of every
+sequence: a prompt that cannot run comes back as n error completions naming the field, one per
+sample, so that the results keep their shape (one per prompt and sample). Only an invalid `n`
+yields a single request. (The JSONL reader refuses a bad line once, as one error line.)
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from ..protocol import InputError, Partial, SamplingSpec, SequenceRequest
-from ..validation import check_request
+from ..protocol import InputError, Partial, SamplingSpec, SequenceRequest, is_int
 
 
 def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
            hidden_lengths: Optional[Sequence] = None) -> list:
-    """One SequenceRequest per (prompt, sample), in input order. A prompt whose spec or tokens are
-    invalid (n < 1, say) yields one request carrying the error, so it comes back as an error line.
+    """One SequenceRequest per (prompt, sample), in input order. A prompt whose n is invalid (n < 1,
+    say) yields one request carrying the error, so it comes back as one error completion.
     A `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens."""
     specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
     if len(specs) != len(prompts):
@@ -37,12 +36,10 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
 
 
 def _samples(first: SequenceRequest) -> int:
-    """A prompt's n, or 1 where validation.py refuses its first sample."""
-    try:
-        check_request(first)
-    except InputError:
-        return 1
-    return first.sampling.n
+    """A prompt's n samples, each refused on its own if the prompt cannot run (so that a trainer
+    gets n results for every prompt); 1 where n itself is invalid (validation.py names it)."""
+    n = getattr(first.sampling, "n", None)
+    return n if is_int(n) and n >= 1 else 1
 
 
 def _request(prompt, spec: SamplingSpec, index: int, sample: int, hidden: Optional[int]) -> SequenceRequest:
