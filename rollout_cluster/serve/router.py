@@ -203,16 +203,16 @@ class Router:
         dt = c.decision_times[-10000:]
         return {
             "replicas": {rid: {"running": len(r.seqs), "capacity": r.capacity, "pulls": r.pulls,
-                               "step_time_s": r.stats.step_time_s} for rid, r in c.replicas.items()},
+                               "step_time_s": r.stats.step_time_s} for rid, r in c.fleet.replicas.items()},
             "queued": len(c.queue), "live_sequences": len(c.seqs), "batches": len(c.batches),
-            "batch_ids": c.batches_status(time.monotonic()),  # cancel one: RolloutClient.cancel(batch_id)
+            "batch_ids": c.batches.status(time.monotonic()),  # cancel one: RolloutClient.cancel(batch_id)
             "policy": c.policy.name, "counters": asdict(c.counters),
             "model": None if c.model is None else c.model.__dict__,
             "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
             "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
             "weights": c.weights_status(),
             "sleep": c.sleep_status(),  # level 0: awake
-            "expected_replicas": c.expected_replicas,
+            "expected_replicas": c.fleet.expected,
             "sampling_defaults": self.cfg.sampling.spec_fields(),  # what a request leaves out
             "router_id": self.router_id,
             "router_uptime_s": round(time.monotonic() - self.started_t, 1),
