@@ -47,6 +47,13 @@ def cmd_simulate(a) -> int:
     return 0
 
 
+def cmd_overhead(a) -> int:
+    from .overhead import overhead
+
+    overhead(a)
+    return 0
+
+
 def cmd_calibrate(a) -> int:
     from .calibrate import calibrate
 
@@ -55,6 +62,15 @@ def cmd_calibrate(a) -> int:
 
 
 def add_commands(sub) -> None:
+    p = sub.add_parser("overhead", help="the cluster with one replica against one bare AsyncLLM, in paired rounds")
+    workload_flags(p)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--rounds", type=int, default=2, help="paired rounds per seed (the order alternates)")
+    p.add_argument("--memory-fraction", type=float, default=0.42,
+                   help="GPU: each engine's gpu_memory_utilization (both stay up side by side)")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each batch")
+    p.add_argument("--out", required=True, help="output directory: overhead.json, overhead.md")
+    p.set_defaults(fn=cmd_overhead)
     p = sub.add_parser("bench", help="every policy on one workload, side by side; writes DIR/bench.{json,md,png}")
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     p.add_argument("--policies", default=None, help="comma-separated (default: the registry's benchable policies)")

@@ -1,0 +1,170 @@
+"""`rollout-cluster overhead`: the cluster with one replica against one bare AsyncLLM, in paired rounds.
+
+Separate engine instances differ by a few percent from one run to the next, so one pair of runs
+cannot resolve a 2 % overhead. Here both stay up side by side (on a GPU each takes
+--memory-fraction of it) and take turns on the same batch: for every seed, `--rounds` rounds,
+each running the batch on both, in an order that alternates from round to round (and seed to
+seed), with fresh prompt ids every run so that no run finds another's prefix cache. The answer is
+the median over all pairs of (cluster / bare - 1), with its spread and each seed's median.
+
+Both have the config's scheduler limits (max_num_seqs, max_num_batched_tokens); the bare engine
+runs every request of the batch at once, as an offline job would. With ROLLOUT_TIMELINE_DIR set,
+the replica and the bare engine write their timelines (serve/timeline.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+from ..config import PolicyConfig
+from .repeats import median
+from .run import cluster_config, fill_defaults, percentile, tail_s, workload
+from .vllm_run import _all_in_flight, warmup_batch
+
+
+def overhead(args) -> dict:
+    from ..client.client import RolloutClient
+
+    args.engine = "vllm"
+    fill_defaults(args)
+    cfg = cluster_config(args)
+    engine = cfg.engine.model_copy(update={"gpu_memory_utilization": args.memory_fraction})
+    cfg = cfg.model_copy(update={"replicas": 1, "engine": engine})
+    if cfg.policy.name != "pull":
+        cfg.policy = PolicyConfig(name="pull")  # one replica: the plainest dispatch
+    cfg = cfg.validate()
+    seeds = [int(s) for s in str(args.seeds).split(",")]
+    bare = BareEngine(cfg)  # first: its memory is taken before the replica's
+    client = RolloutClient.start(cfg)
+    try:
+        vocab = int(client.status()["model"]["vocab_size"])
+        client.run_requests(warmup_batch(1, vocab), timeout_s=args.timeout_s)
+        bare.run(warmup_batch(1, vocab), "warmup")
+        pairs = []
+        for s, seed in enumerate(seeds):
+            for r in range(args.rounds):
+                order = ("cluster", "bare") if (r + s) % 2 == 0 else ("bare", "cluster")
+                pair = {"seed": seed, "round": r, "order": list(order)}
+                for who in order:
+                    reqs, _ = workload(args, seed, vocab, ids_salt=f"-{who}-r{r}")
+                    if who == "cluster":
+                        t0 = time.monotonic()
+                        done = client.run_requests(reqs, timeout_s=args.timeout_s)
+                        pair[who] = summary(time.monotonic() - t0, [c.finish_time_s for c in done],
+                                            sum(len(c.token_ids) for c in done))
+                    else:
+                        res = bare.run(reqs, f"s{seed}r{r}")
+                        pair[who] = summary(res["makespan_s"], res["finish_times"], res["tokens"])
+                pair["overhead_pct"] = round(100 * (pair["cluster"]["makespan_s"] / pair["bare"]["makespan_s"] - 1), 2)
+                print(json.dumps(pair), flush=True)
+                pairs.append(pair)
+    finally:
+        client.shutdown()
+        bare.close()
+    result = combine(pairs, cfg, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(result, indent=1))
+    (out / "overhead.md").write_text(table(result))
+    print(table(result))
+    return result
+
+
+def summary(makespan: float, finish_times: list, tokens: int) -> dict:
+    return {"makespan_s": round(makespan, 3), "median_finish_s": round(percentile(finish_times, 0.5), 3),
+            "tail_s": round(tail_s(finish_times), 3), "tokens": tokens}
+
+
+def combine(pairs: list, cfg, args) -> dict:
+    pct = [p["overhead_pct"] for p in pairs]
+    seeds = sorted({p["seed"] for p in pairs})
+    return {"config": args.config, "model": cfg.engine.model, "max_num_seqs": cfg.engine.max_num_seqs,
+            "max_num_batched_tokens": cfg.engine.max_num_batched_tokens, "memory_fraction": args.memory_fraction,
+            "workload": {k: getattr(args, k) for k in ("prompts", "samples", "median", "sigma_prompt",
+                                                        "sigma_sample", "max_tokens", "prompt_min", "prompt_max")},
+            "rounds": args.rounds, "pairs": pairs,
+            "median_overhead_pct": round(median(pct), 2), "min_pct": min(pct), "max_pct": max(pct),
+            "per_seed_median_pct": {s: round(median([p["overhead_pct"] for p in pairs if p["seed"] == s]), 2)
+                                    for s in seeds}}
+
+
+def table(result: dict) -> str:
+    rows = ["| seed | round | order | cluster (s) | bare (s) | overhead | median finish, cluster / bare (s) |",
+            "|---:|---:|---|---:|---:|---:|---|"]
+    for p in result["pairs"]:
+        c, b = p["cluster"], p["bare"]
+        rows.append(f"| {p['seed']} | {p['round']} | {' then '.join(p['order'])} | {c['makespan_s']:.2f} | "
+                    f"{b['makespan_s']:.2f} | {p['overhead_pct']:+.2f} % | {c['median_finish_s']:.2f} / "
+                    f"{b['median_finish_s']:.2f} |")
+    rows.append("")
+    rows.append(f"median paired overhead {result['median_overhead_pct']:+.2f} % (spread {result['min_pct']:+.2f} "
+                f"to {result['max_pct']:+.2f} %); per seed: "
+                + ", ".join(f"{s}: {v:+.2f} %" for s, v in result["per_seed_median_pct"].items()))
+    return "\n".join(rows) + "\n"
+
+
+class BareEngine:
+    """One bare AsyncLLM in a spawned process that runs batch after batch on request."""
+
+    def __init__(self, cfg):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_main, args=(cfg.engine, cfg.model_path(), child))
+        self.proc.start()
+        ready = self.conn.recv()
+        if ready != "ready":
+            raise RuntimeError(f"bare engine failed to start: {ready}")
+
+    def run(self, requests: list, tag: str) -> dict:
+        self.conn.send((tag, requests))
+        answer = self.conn.recv()
+        if isinstance(answer, str):
+            raise RuntimeError(f"bare engine: {answer}")
+        return answer
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+            self.proc.join(timeout=60)
+        finally:
+            if self.proc.is_alive():
+                self.proc.terminate()
+
+
+def _serve_main(engine_cfg, model: str, conn) -> None:
+    try:
+        asyncio.run(_serve(engine_cfg, model, conn))
+    except BaseException as e:  # noqa: BLE001  (the parent must hear of any failure)
+        conn.send(f"{type(e).__name__}: {e}")
+    os._exit(0)
+
+
+async def _serve(engine_cfg, model: str, conn) -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ..engines.vllm_engine import cpu_env, engine_args, is_cpu_build
+    from ..serve.timeline import Timeline
+
+    if is_cpu_build():
+        os.environ.update(cpu_env(engine_cfg, 0))  # the replica's core
+    engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
+    timeline = Timeline.from_env("bare")
+    if timeline is not None:
+        timeline.start_probe()
+    loop = asyncio.get_running_loop()
+    conn.send("ready")
+    try:
+        while (msg := await loop.run_in_executor(None, conn.recv)) is not None:
+            tag, requests = msg
+            t0 = time.monotonic()
+            done = await _all_in_flight(engine, requests, tag)
+            conn.send({"makespan_s": time.monotonic() - t0, "tokens": sum(n for n, _ in done),
+                       "finish_times": [t - t0 for _, t in done]})
+    finally:
+        if timeline is not None:
+            timeline.close()
+        engine.shutdown()
