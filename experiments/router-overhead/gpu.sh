@@ -20,6 +20,14 @@ profile() {  # py-spy of the first process matching $1, at 50 Hz, until it ends,
 }
 profile "ServeReplica:rollout:EngineReplica" replica &
 profile "multiprocessing.spawn.*_serve_main|from multiprocessing.spawn" bare &
+if [ -n "${CORES:-}" ]; then  # both engines' EngineCore processes: their profiles, environment, niceness, affinity
+  ( sleep 330; for pid in $(pgrep -f EngineCore); do
+      ppid=$(ps -o ppid= -p $pid | tr -d ' '); who=$(ps -o args= -p $ppid | cut -c1-60 | tr -c 'a-zA-Z0-9\n' _)
+      { echo "== EngineCore $pid parent $ppid $who"; ps -o ni=,psr= -p $pid; taskset -cp $pid
+        tr '\0' '\n' < /proc/$pid/environ | sort; } >> "$OUT/cores.txt" 2>&1
+      /tmp/site/bin/py-spy record -r 100 -d 130 -f raw --nonblocking -p $pid -o "$OUT/pyspy-core-$pid.txt" > /dev/null 2>&1 &
+    done ) &
+fi
 timeout $LIMIT_S python3 -m rollout_cluster.cli overhead --config $CONFIG $W --seeds $SEEDS --rounds $ROUNDS \
   --out "$OUT/overhead-$SIZE" 2>&1 | grep -v " INFO \|^INFO" | tail -c 200000 > "$OUT/run.log"
 sleep 2; pkill -INT -f py-spy; sleep 2

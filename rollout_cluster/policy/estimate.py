@@ -129,14 +129,6 @@ def _quantile_of_finished(size: np.ndarray, finished: np.ndarray) -> np.ndarray:
     return _QUANTILES[size.astype(np.intp), np.minimum(finished, size).astype(np.intp)]
 
 
-def finish_time(remaining_and_context: list, cost: CostModel, scale: float = 1.0) -> float:
-    """`finish_time_of` for a list of (remaining, context_tokens) pairs."""
-    if not remaining_and_context:
-        return 0.0
-    arr = np.asarray(remaining_and_context, dtype=np.float64)
-    return finish_time_of(arr[:, 0], arr[:, 1], cost, scale)
-
-
 def own_costs(rem: np.ndarray, ctx: np.ndarray, cost: CostModel) -> np.ndarray:
     """Each sequence's own share of the step costs while it runs rem more tokens from context
     ctx: e per step, and c per context token per step (its context grows by one a step)."""

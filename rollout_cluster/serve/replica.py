@@ -50,9 +50,6 @@ class EngineReplica:
                                   router_cfg=self.cfg.router, timeline=self.timeline)
         self.task = asyncio.get_running_loop().create_task(self.pull_loop.run())
 
-    async def info(self) -> dict:
-        return {"replica_id": self.replica_id, "incarnation": self.incarnation, "model": self.model.__dict__}
-
     def check_health(self) -> None:
         if self.task.done():
             raise RuntimeError(f"pull loop stopped: {self.pull_loop.error or self.task.exception()}")
