@@ -98,7 +98,7 @@ class RouterConfig(Section):
         ">= replicas + 8, above replicas + drivers, or pulls queue behind each other"))
     submit_wait_for_replica_s: float = Field(600.0, ge=0, description="a submit with no live replica fails after this")
     # 0 makes decisions prompt where engines keep every core busy, at the price of engine time
-    # (2-core CPU cluster, docs/benchmarks.md: steal's decision p99 43 -> 2.2 ms, no makespan gain).
+    # (2-core CPU cluster, experiments/cpu-two-replicas: steal's decision p99 43 -> 2.2 ms, no makespan gain).
     niceness: Optional[int] = Field(None, ge=-20, le=19, description=(
         "the router's threads run at this niceness (null: keep Ray's 15)"))
     call_timeout_s: float = Field(120.0, gt=0, description="bound on every driver -> router call")

@@ -45,7 +45,7 @@ def take_spread(view: ClusterView, replica_id: str, limit: int, chunk: int = 1) 
     of a group land on different replicas. Lengths correlate within a group: spreading a group
     spreads its (unknown) long tail instead of stacking it on one replica, at the price of the
     shared prompt's prefix-cache hits: every replica a group lands on prefills its prompt once.
-    `chunk` trades the two (docs/benchmarks.md measures 1, 2 and 4)."""
+    `chunk` trades the two (experiments/steal-sensitivity measures 1, 2 and 4)."""
     q = view.queue
     out = take_for(view, replica_id, 0) if q.reserved.get(replica_id) else []
     # Continuations are spread too: a pull takes them in proportion to their part of the queue. A

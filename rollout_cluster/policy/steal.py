@@ -47,7 +47,7 @@ class StealConfig(PolicySettings):
     spread_chunk: int = Field(2, ge=1, description=(
         "spreading: a group's samples go to a replica this many at a time (fewer prompt prefills)"))
     tail_isolation: bool = Field(False, description=(
-        "estimate remaining work from group siblings (measured: docs/benchmarks.md)"))
+        "estimate remaining work from group siblings (measured: experiments/isolation-headroom)"))
 
 
 class Load:

@@ -162,7 +162,7 @@ class PullLoop:
         router.idle_pull_wait_s passes (longer in a large fleet: RouterConfig.idle_pull_wait_for).
         An urgent end waits until URGENT_REPORT_GAP_FRAC of the interval has passed: while work is
         queued, segments end often enough (hundreds a second in a fleet of hundreds) to multiply
-        the router's pulls otherwise; the freed slot idles at most that long (docs/benchmarks.md)."""
+        the router's pulls otherwise; the freed slot idles at most that long (experiments/pull-budget)."""
         engine = self.engine
         if not engine.held():  # (when the last one ends, `ended` changes: the pace ends too)
             return
