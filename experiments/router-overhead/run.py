@@ -9,59 +9,16 @@ and with the cluster's 1-replica `pull` run, it separates "being a Ray worker pr
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from rollout_cluster.bench.cli import workload_flags  # noqa: E402
 from rollout_cluster.bench.run import cluster_config, percentile, tail_s, workload  # noqa: E402
-from rollout_cluster.bench.vllm_run import warmup_batch  # noqa: E402
-from rollout_cluster.protocol import Work  # noqa: E402
-
-
-async def bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> list:
-    """The bare-engine run of `bench --bare-engine` (bench/vllm_run.py), copied here: one AsyncLLM,
-    every request of a batch in flight at once; per batch its makespan, tokens and finish times."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from rollout_cluster.engines.vllm_engine import cpu_env, engine_args, is_cpu_build
-
-    if is_cpu_build():
-        os.environ.update(cpu_env(engine_cfg, 0))
-    engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
-    try:
-        await all_in_flight(engine, warmup, "warmup")
-        out = []
-        for b, requests in enumerate(batches):
-            t0 = time.monotonic()
-            done = await all_in_flight(engine, requests, f"b{b}")
-            out.append({"makespan_s": time.monotonic() - t0, "tokens": sum(n for n, _ in done),
-                        "finish_times": [t - t0 for _, t in done]})
-        return out
-    finally:
-        engine.shutdown()
-
-
-async def all_in_flight(engine, requests: list, tag: str) -> list:
-    """Submit every request at once; [(tokens, finish time)] in request order."""
-    from vllm.inputs import TokensPrompt
-
-    from rollout_cluster.engines.vllm_engine import sampling_params
-
-    async def one(i: int, r):
-        work = Work(f"{tag}-{i}", 1, r.prompt_token_ids, r.sampling, stop_after=r.hidden_length)
-        n = 0
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=r.prompt_token_ids), sampling_params(work),
-                                         request_id=f"{tag}-{i}"):
-            n += len(out.outputs[0].token_ids)  # DELTA outputs
-        return n, time.monotonic()
-
-    return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+from rollout_cluster.bench.vllm_run import bare_batches, warmup_batch  # noqa: E402
 
 
 def main() -> None:

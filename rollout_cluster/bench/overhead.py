@@ -23,7 +23,7 @@ from pathlib import Path
 from ..config import PolicyConfig
 from .repeats import median
 from .run import cluster_config, fill_defaults, percentile, tail_s, workload
-from .vllm_run import _all_in_flight, warmup_batch
+from .vllm_run import all_in_flight, warmup_batch
 
 
 def overhead(args) -> dict:
@@ -161,7 +161,7 @@ async def _serve(engine_cfg, model: str, conn) -> None:
         while (msg := await loop.run_in_executor(None, conn.recv)) is not None:
             tag, requests = msg
             t0 = time.monotonic()
-            done = await _all_in_flight(engine, requests, tag)
+            done = await all_in_flight(engine, requests, tag)
             conn.send({"makespan_s": time.monotonic() - t0, "tokens": sum(n for n, _ in done),
                        "finish_times": [t - t0 for _, t in done]})
     finally:

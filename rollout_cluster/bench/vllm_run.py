@@ -230,7 +230,7 @@ def _bare_main(engine_cfg, model: str, batches: list, warmup: list, queue) -> No
     process then exits at once: the engine is already shut down, and letting the interpreter
     tear down would run AsyncLLM.__del__ against half-unloaded modules."""
     try:
-        queue.put(asyncio.run(_bare_batches(engine_cfg, model, batches, warmup)))
+        queue.put(asyncio.run(bare_batches(engine_cfg, model, batches, warmup)))
     except BaseException as e:  # noqa: BLE001  (the parent must hear of any failure)
         queue.put(f"{type(e).__name__}: {e}")
     queue.close()
@@ -238,7 +238,9 @@ def _bare_main(engine_cfg, model: str, batches: list, warmup: list, queue) -> No
     os._exit(0)
 
 
-async def _bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> list:
+async def bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> list:
+    """One bare AsyncLLM runs `warmup`, then each batch with every request in flight at once; per
+    batch its makespan, tokens and finish times."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ..engines.vllm_engine import cpu_env, engine_args, is_cpu_build
@@ -247,11 +249,11 @@ async def _bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> 
         os.environ.update(cpu_env(engine_cfg, 0))
     engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
     try:
-        await _all_in_flight(engine, warmup, "warmup")
+        await all_in_flight(engine, warmup, "warmup")
         out = []
         for b, requests in enumerate(batches):
             t0 = time.monotonic()
-            done = await _all_in_flight(engine, requests, f"b{b}")
+            done = await all_in_flight(engine, requests, f"b{b}")
             out.append({"makespan_s": time.monotonic() - t0, "tokens": sum(n for n, _ in done),
                         "finish_times": [t - t0 for _, t in done]})
         return out
@@ -259,7 +261,7 @@ async def _bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> 
         engine.shutdown()
 
 
-async def _all_in_flight(engine, requests: list, tag: str) -> list:
+async def all_in_flight(engine, requests: list, tag: str) -> list:
     """Submit every request at once; [(tokens, finish time)] in request order."""
     from vllm.inputs import TokensPrompt
 

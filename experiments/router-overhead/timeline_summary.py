@@ -1,0 +1,65 @@
+"""Sum up a run's timelines (serve/timeline.py) and py-spy profiles (collapsed stacks).
+
+    python experiments/router-overhead/timeline_summary.py DIR [PYSPY.txt ...]
+
+DIR holds replica-*.jsonl and bare.jsonl. Prints each event loop's lag (how late a 5 ms timer
+woke), the busy replica's pulls (what they carried, where their time went), the replica's decode
+rate in 2 s windows of its first batch, and each profile's active samples by leaf frame.
+"""
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def pct(values, q):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+def lag(lines, name):
+    lags = [x["worst_ms"] for x in lines if x["kind"] == "lag"]
+    print(f"{name}: event-loop lag over {len(lags)} samples: median {pct(lags, .5):.1f} ms, "
+          f"p90 {pct(lags, .9):.1f}, p99 {pct(lags, .99):.1f}, max {max(lags):.1f}")
+
+
+def pulls(lines):
+    ps = [x for x in lines if x["kind"] == "pull"]
+    busy = [p for p in ps if p["held"] > 300]
+    print(f"replica: {len(ps)} pulls, {len(busy)} while holding over 300 sequences; of those (median, p90):")
+    for k in ("progress", "tokens", "report_ms", "pull_ms", "apply_ms", "pace_ms"):
+        print(f"  {k:10s} {pct([p[k] for p in busy], .5):9.2f} {pct([p[k] for p in busy], .9):9.2f}")
+    starts = [i for i, p in enumerate(ps) if p["start"] >= 100]
+    if starts:
+        i0, t0 = starts[0], ps[starts[0]]["t"]
+        end = starts[1] if len(starts) > 1 else len(ps)
+        windows, held = Counter(), {}
+        for p in ps[i0:end]:
+            k = int((p["t"] - t0) // 2)
+            windows[k] += p["tokens"]
+            held[k] = p["held"]
+        print("first batch, 2 s windows: (start s, tokens/s, held, tokens/s per held)")
+        print("  " + ", ".join(f"({2 * k}, {windows[k] / 2:.0f}, {held[k]}, {windows[k] / 2 / held[k]:.0f})"
+                               for k in sorted(windows) if held[k]))
+
+
+def profile(path):
+    leaf, total = Counter(), 0
+    for line in open(path):
+        stack, _, n = line.rstrip().rpartition(" ")
+        leaf[stack.split(";")[-1]] += int(n)
+        total += int(n)
+    print(f"{path}: {total} active samples; top leaves:")
+    for f, c in leaf.most_common(12):
+        print(f"  {c:6d} {f[:140]}")
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    for f in sorted([*folder.glob("replica-*.jsonl"), *folder.glob("bare.jsonl")]):
+        lines = [json.loads(x) for x in f.read_text().splitlines()]
+        lag(lines, f.stem)
+        if f.stem.startswith("replica"):
+            pulls(lines)
+    for p in sys.argv[2:]:
+        profile(p)
