@@ -25,11 +25,12 @@ def lag(lines, name):
 
 def pulls(lines):
     ps = [x for x in lines if x["kind"] == "pull"]
-    busy = [p for p in ps if p["held"] > 300]
-    print(f"replica: {len(ps)} pulls, {len(busy)} while holding over 300 sequences; of those (median, p90):")
+    most = max((p["held"] for p in ps), default=0)
+    busy = [p for p in ps if p["held"] >= 0.8 * most]  # the bulk phase: at least 80 % of the most it held
+    print(f"replica: {len(ps)} pulls, {len(busy)} while holding {0.8 * most:.0f}+ sequences; of those (median, p90):")
     for k in ("progress", "tokens", "report_ms", "pull_ms", "apply_ms", "pace_ms"):
         print(f"  {k:10s} {pct([p[k] for p in busy], .5):9.2f} {pct([p[k] for p in busy], .9):9.2f}")
-    starts = [i for i, p in enumerate(ps) if p["start"] >= 100]
+    starts = [i for i, p in enumerate(ps) if p["start"] >= 0.8 * most]
     if starts:
         i0, t0 = starts[0], ps[starts[0]]["t"]
         end = starts[1] if len(starts) > 1 else len(ps)
