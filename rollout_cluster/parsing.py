@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 
 import yaml
-from yaml.constructor import ConstructorError
-from yaml.nodes import MappingNode, SequenceNode
+from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 MAX_INT_DIGITS = 40  # past any 64-bit value: no field takes more
 MAX_YAML_NODES = 10_000  # a config holds a few hundred values; aliases may not expand past this
@@ -79,31 +78,20 @@ def load_json(text: str):
         raise NestingError("nested too deeply") from None
 
 
+class RefusedYAML(yaml.YAMLError):
+    """A YAML document the rules above refuse (one line: where, and why)."""
+
+
 class ConfigLoader(yaml.SafeLoader):
     """yaml.SafeLoader with the rules above. Aliases stay allowed (a config may share a block with
     an anchor or a merge key `<<: *base`); what is bounded is the document they expand to."""
 
     def compose_document(self):
         node = super().compose_document()
-        _check_expansion(node)
+        if node is not None:
+            _check_expansion(node)
+            _check_unique_keys(node)
         return node
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, MappingNode):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # merged keys may be overridden
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:  # unhashable: SafeLoader refuses it
-                    continue
-                if duplicate:
-                    raise ConstructorError("while constructing a mapping", node.start_mark,
-                                           f"found duplicate key {shown(key)}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
 
     def construct_yaml_int(self, node):
         text = str(node.value).replace("_", "")
@@ -115,11 +103,13 @@ class ConfigLoader(yaml.SafeLoader):
 ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
 
 
+def _line(node) -> int:
+    return node.start_mark.line + 1
+
+
 def _check_expansion(root) -> None:
     """Refuse a node graph (aliases share nodes) whose expansion exceeds MAX_YAML_NODES nodes, or
     that contains itself. Each node is counted once, by its expanded size: linear in the graph."""
-    if root is None:
-        return
     sizes: dict = {}
     open_: set = set()  # nodes entered, not finished: the current path
     stack = [(root, False)]
@@ -131,13 +121,13 @@ def _check_expansion(root) -> None:
             open_.discard(key)
             sizes[key] = 1 + sum(sizes[id(k)] for k in kids)
             if sizes[key] > MAX_YAML_NODES:
-                raise ConstructorError(None, None, f"aliases expand to more than {MAX_YAML_NODES:,} values "
-                                       "(a config holds a few hundred)", node.start_mark)
+                raise RefusedYAML(f"line {_line(node)}: aliases expand to more than {MAX_YAML_NODES:,} values "
+                                  "(a config holds a few hundred)")
             continue
         if key in sizes:
             continue
         if key in open_:
-            raise ConstructorError(None, None, "an alias refers to the node that holds it", node.start_mark)
+            raise RefusedYAML(f"line {_line(node)}: an alias refers to the node that holds it")
         open_.add(key)
         stack.append((node, True))
         stack.extend((k, False) for k in kids if id(k) not in sizes)
@@ -149,6 +139,31 @@ def _children(node) -> list:
     if isinstance(node, SequenceNode):
         return list(node.value)
     return []
+
+
+def _check_unique_keys(root) -> None:
+    """Refuse a mapping that gives a key twice (PyYAML keeps the last), naming its key path.
+    Runs after _check_expansion: the expanded document is small. A merge key's values (`<<`)
+    may be overridden, as YAML means them to be."""
+    stack = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, SequenceNode):
+            stack.extend((n, f"{path}[{i}]") for i, n in enumerate(node.value))
+            continue
+        if not isinstance(node, MappingNode):
+            continue
+        seen: dict = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = f"{path}.{key.value}" if path else str(key.value)
+            if isinstance(key, ScalarNode):
+                if (key.tag, key.value) in seen:
+                    raise RefusedYAML(f"{name}: key given twice (lines {seen[(key.tag, key.value)]} and "
+                                      f"{_line(key)}): which one is meant?")
+                seen[(key.tag, key.value)] = _line(key)
+            stack.append((value, name))
 
 
 def load_yaml(text: str):
