@@ -79,7 +79,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
     requests, errors = [], {}
     for i, line in enumerate(lines):
         if not line.strip():
-            errors[i] = "line is empty: expected a JSON object"
+            errors[i] = str(InputError(f"line {i + 1}", line, "is empty: expected a JSON object"))
             continue
         try:
             ids, spec, resumed = parse_line(line, i, defaults)
