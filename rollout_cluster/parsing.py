@@ -52,8 +52,10 @@ def shown(value, limit: int = 80) -> str:
         return f"<integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
     try:
         text = repr(value)
-    except (ValueError, RecursionError):
+    except RecursionError:
         text = f"<{type(value).__name__} nested too deeply>"
+    except Exception:  # (an object from a driver whose repr fails)
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

@@ -106,6 +106,8 @@ def _message(err: dict, root: type, prefix: tuple) -> str:
     path, owner, info = locate(root, prefix + tuple(err["loc"]))
     if kind == "extra_forbidden":
         return _unknown_key(path, owner)
+    if kind == "invalid_key":  # YAML allows any scalar as a key (1.5, null, .inf)
+        return f"{path}: unknown key (a key is a string)"
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         if not isinstance(value, dict):
             return f"{path}={shown(value)}: must be a mapping"
