@@ -154,3 +154,21 @@ def test_aliases_and_merge_keys_within_the_bound_still_load(tmp_path):
     path.write_text("router: &r {replica_timeout_s: 40.0}\nengine: {<<: {seed: 3, max_num_seqs: 8}, seed: 4}\n")
     cfg = load_config(path)
     assert cfg.engine.seed == 4 and cfg.engine.max_num_seqs == 8 and cfg.router.replica_timeout_s == 40.0
+
+
+def test_the_http_route_answers_every_bad_line_with_its_own_error_line_and_runs_the_rest():
+    """Regression: a 5,000-digit integer or deep nesting in one line raised inside the route (500),
+    and every line of the body was lost."""
+    from starlette.testclient import TestClient
+
+    from rollout_cluster.serve.gateway import gateway_app
+    from test_partial_rollouts import CuttingRouter
+
+    bad = ['{"prompt_token_ids": [1], "n": ' + "7" * 5000 + "}", "[" * 100_000 + "]" * 100_000,
+           '{"prompt_token_ids": [1], "temperature": NaN}', '{"prompt_token_ids": [1], "n": 1, "n": 2}']
+    body = ("\n".join(bad + [json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 8})]) + "\n").encode() + b"\xff\n"
+    answer = TestClient(gateway_app(CuttingRouter(per_fetch=3), {}, 5.0)).post("/generate", content=body)
+    lines = [json.loads(x) for x in answer.content.decode().splitlines()]
+    assert answer.status_code == 200 and len(lines) == 6
+    assert [o["finish_reason"] for o in lines] == ["error"] * 4 + ["length", "error"]
+    assert [o["error"].split("=")[0] for o in lines if o["error"]] == ["n", "line 2", "temperature", "n", "line 6"]
