@@ -5,18 +5,22 @@ event loop and the unit tests unchanged. Nothing here imports ray or vllm.
 """
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Optional, Union
+
+from .parsing import shown
+
+# vLLM's engine core receives requests as MessagePack, whose integers are 64-bit, and seeds a
+# torch.Generator, which takes 64 bits: a count or a seed must fit in a signed 64-bit integer.
+INT64 = 2**63
 
 class InputError(ValueError):
     """A request field has an invalid value. The message names the field and the value."""
 
     def __init__(self, field_name: str, value, why: str):
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        super().__init__(f"{field_name}={shown}: {why}")
+        super().__init__(f"{field_name}={shown(value)}: {why}")
         self.field = field_name
 
     def __reduce__(self):
@@ -48,6 +52,22 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_int64(v) -> bool:
+    """An int (not a bool) within a signed 64-bit integer."""
+    return is_int(v) and -INT64 <= v < INT64
+
+
+def is_number(v) -> bool:
+    """A finite int or float, and not a bool: JSON's NaN and Infinity, a literal beyond a double's
+    range (1e999) and true are no values for a sampling parameter."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond a double
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """Per-prompt sampling parameters; `n` samples share a group id."""
@@ -70,31 +90,37 @@ class SamplingSpec:
     cache_salt: Optional[str] = None
 
     def validate(self) -> None:
-        if not is_int(self.n) or self.n < 1:
+        """Raise InputError naming the first field outside vLLM's own range (SamplingParams would
+        refuse it inside the engine, after the router took the request) or of the wrong type."""
+        if not is_int64(self.n) or self.n < 1:
             raise InputError("n", self.n, "must be an integer >= 1")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int64(self.max_tokens) or self.max_tokens < 1:
             raise InputError("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int64(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InputError("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InputError("temperature", self.temperature, "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InputError("top_p", self.top_p, "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise InputError("top_k", self.top_k, "must be an integer >= -1")
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise InputError("temperature", self.temperature, "must be a finite number >= 0")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InputError("top_p", self.top_p, "must be a number in (0, 1]")
+        if not is_int64(self.top_k) or self.top_k < -1:
+            raise InputError("top_k", self.top_k, "must be an integer >= -1 (0 or -1: disabled)")
         if not isinstance(self.ignore_eos, bool):
             raise InputError("ignore_eos", self.ignore_eos, "must be true or false")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int64(self.logprobs) or self.logprobs < 0):
             raise InputError("logprobs", self.logprobs, "must be null or an integer >= 0")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InputError("stop_token_ids", self.stop_token_ids, "must be a list of integers >= 0")
-        if self.seed is not None and not is_int(self.seed):
-            raise InputError("seed", self.seed, "must be null or an integer")
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if not isinstance(getattr(self, name), (int, float)):
-                raise InputError(name, getattr(self, name), "must be a number")
-        if self.repetition_penalty <= 0:
-            raise InputError("repetition_penalty", self.repetition_penalty, "must be > 0")
+        for t in self.stop_token_ids:
+            if not is_int64(t) or t < 0:
+                raise InputError("stop_token_ids", t, "every stop token id must be an integer >= 0")
+        if self.seed is not None and not is_int64(self.seed):
+            raise InputError("seed", self.seed, "must be null or an integer in [-2**63, 2**63)")
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InputError("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2 <= value <= 2:
+                raise InputError(name, value, "must be a number in [-2, 2]")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InputError("cache_salt", self.cache_salt, "must be null or a non-empty string")
 
@@ -285,6 +311,10 @@ class ModelInfo:
     vocab_size: int  # token ids must lie in [0, vocab_size)
     max_model_len: int  # prompt + max_tokens must fit
     model: str = ""  # the model's path or name, for status
+    max_logprobs: int = 20  # SamplingSpec.logprobs must not exceed it (vLLM's max_logprobs; its default)
+    # The highest temperature the engine's SamplingParams takes (None: no limit). vLLM releases
+    # differ: newer ones refuse temperature > 2, as OpenAI's API does (vllm_engine.py probes it).
+    max_temperature: Optional[float] = None
 
 
 @dataclass

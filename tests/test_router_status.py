@@ -32,4 +32,5 @@ def test_status_reports_the_fleet_batches_weights_and_counters():
     assert st["expected_replicas"] == 2 and st["policy"] == "pull"
     assert st["weights"] == {"version": 0, "path": None, "replicas": {"a": 0}, "errors": {}}
     assert st["sleep"]["level"] == 0 and st["counters"]["generated_tokens"] == 0
-    assert st["model"] == {"vocab_size": 100, "max_model_len": 64, "model": ""}
+    assert st["model"] == {"vocab_size": 100, "max_model_len": 64, "model": "", "max_logprobs": 20,
+                           "max_temperature": None}

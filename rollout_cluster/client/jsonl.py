@@ -9,7 +9,14 @@ Output, one line per (line, sample) in input order: {"prompt_index",
 "sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
 "finish_time_s", "weights_version", "resumed_tokens"}; an output line with finish_reason "abort"
 (`--finish-fraction`) resumes as an input line with its token_ids and logprobs as the output_ fields. The app's HTTP route POST /<app>/generate takes and returns the same.
-A bad line yields one output line with finish_reason "error" naming the field; the rest still run.
+A bad line yields one output line with finish_reason "error" naming the field and the value
+(`temperature=-1: must be a finite number >= 0`, or `line 3=...` when it is no JSON object); the
+rest still run. Refused besides a wrong value: a field given twice, an unknown field, true or false
+where a number is meant, NaN, Infinity and numbers beyond a double (1e999), integers past 64 bits,
+and nesting past the parser's depth (parsing.py). Ranges are vLLM's own (protocol.SamplingSpec.validate,
+validation.py): temperature >= 0, top_p in (0, 1], top_k >= -1, penalties (repetition > 0,
+presence and frequency in [-2, 2]), logprobs up to the engine's max_logprobs, seeds within 64 bits,
+resumed output_logprobs finite numbers <= 0.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import json
 from dataclasses import fields
 from typing import Optional
 
+from ..parsing import DuplicateKeyError, NestingError, load_json, shown
 from ..protocol import Completion, InputError, SamplingSpec, SequenceRequest
 from ..validation import check_prompt, check_request
 
@@ -30,9 +38,13 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     the field. `defaults`: SamplingSpec fields for what the line leaves out (the config's `sampling`
     section). The rules are validation.py's; the router checks again with the engine's limits."""
     try:
-        obj = json.loads(text)
+        obj = load_json(text)
     except json.JSONDecodeError as e:
         raise InputError(f"line {index + 1}", text.strip()[:40], f"not valid JSON ({e.msg})") from None
+    except DuplicateKeyError as e:
+        raise InputError(e.key, e.value, "given twice in one object: which one is meant?") from None
+    except NestingError:
+        raise InputError(f"line {index + 1}", text.strip()[:40], "nested too deeply") from None
     if not isinstance(obj, dict):
         raise InputError(f"line {index + 1}", obj, "must be a JSON object")
     unknown = sorted(set(obj) - LINE_FIELDS)
@@ -67,15 +79,15 @@ def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
     requests, errors = [], {}
     for i, line in enumerate(lines):
         if not line.strip():
-            errors[i] = "line is empty: expected a JSON object"
+            errors[i] = str(InputError(f"line {i + 1}", line, "is empty: expected a JSON object"))
             continue
         try:
             ids, spec, resumed = parse_line(line, i, defaults)
         except InputError as e:
             errors[i] = str(e)
             continue
-        except TypeError as e:
-            errors[i] = f"invalid field: {e}"
+        except Exception as e:  # a value no rule foresaw: this line fails, never the others
+            errors[i] = f"line {i + 1}: invalid request ({type(e).__name__}: {shown(str(e))})"
             continue
         for j in range(spec.n):
             requests.append(SequenceRequest(ids, spec, i, j, **resumed))

@@ -1,7 +1,9 @@
 """Cluster configuration: YAML (or a mapping) loaded into the pydantic models of models.py.
 
 `load_config` refuses unknown keys, wrong types and impossible values with a ConfigError that
-names the key path and the value (errors.py).
+names the key path and the value (errors.py). A file is read with parsing.ConfigLoader: a key
+given twice, aliases that expand past parsing.MAX_YAML_NODES values and integers past 64 bits are
+refused too; a file that does not parse is one ConfigError naming the file.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from ..parsing import load_yaml
 from ..policy.base import PolicySettings
 from ..policy.registry import DEFAULT_POLICY, POLICY_NAMES
 from .errors import ConfigError, config_error
@@ -42,9 +45,12 @@ def load_config(source) -> ClusterConfig:
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
+            data = load_yaml(path.read_text())
+        except RecursionError:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: nested too deeply") from None
+        except (yaml.YAMLError, ValueError) as e:  # ValueError: not UTF-8, a timestamp no date has
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        data = {} if data is None else data  # an empty file: every default
         # A file in `configs/` or one folder below it (configs/experiments/) resolves paths
         # against the project root above it; any other file against its own folder.
         here = path.resolve().parent

@@ -11,8 +11,10 @@ from typing import Literal
 import annotated_types as at
 from pydantic import BaseModel, Discriminator, ValidationError
 
+from ..parsing import LongInteger, shown
 from ..policy.base import PolicySettings
 from ..policy.registry import POLICY_NAMES, REGISTRY, owners_of
+from ..strict_model import INT_RULE
 
 
 class ConfigError(ValueError):
@@ -23,14 +25,16 @@ class FieldRuleError(ValueError):
     """A rule between fields failed: `key` (a path below the model that raised) holds `value`."""
 
     def __init__(self, key: str, value, rule: str):
-        super().__init__(f"{key}={value!r}: must be {rule}")
+        super().__init__(f"{key}={shown(value)}: must be {rule}")
         self.key, self.value, self.rule = key, value, rule
 
 
 _TYPES = {"int_type": "must be of type int", "float_type": "must be of type float", "bool_type": "must be of type bool",
           "string_type": "must be of type str", "list_type": "must be a list", "model_type": "must be a mapping",
-          "dict_type": "must be a mapping", "model_attributes_type": "must be a mapping"}
-_BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error")
+          "dict_type": "must be a mapping", "model_attributes_type": "must be a mapping",
+          "finite_number": "must be a finite number", "string_too_short": "must not be empty",
+          "int_too_long": INT_RULE, "recursion_loop": "must not contain itself"}
+_BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error", "string_too_short")
 
 
 def rule_of(info) -> str:
@@ -41,6 +45,8 @@ def rule_of(info) -> str:
         return f"one of {sorted(typing.get_args(tp))}"
     lo = hi = None
     for m in info.metadata:
+        if isinstance(m, at.MinLen) and m.min_length == 1:
+            return "non-empty"
         if isinstance(m, at.Gt):
             lo = ("(", ">", m.gt)
         elif isinstance(m, at.Ge):
@@ -100,20 +106,24 @@ def _message(err: dict, root: type, prefix: tuple) -> str:
     path, owner, info = locate(root, prefix + tuple(err["loc"]))
     if kind == "extra_forbidden":
         return _unknown_key(path, owner)
+    if kind == "invalid_key":  # YAML allows any scalar as a key (1.5, null, .inf)
+        return f"{path}: unknown key (a key is a string)"
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         if not isinstance(value, dict):
-            return f"{path}={value!r}: must be a mapping"
-        return f"{path}.name={value.get('name')!r}: must be one of {sorted(POLICY_NAMES)}"
+            return f"{path}={shown(value)}: must be a mapping"
+        return f"{path}.name={shown(value.get('name'))}: must be one of {sorted(POLICY_NAMES)}"
     if kind == "value_error" and isinstance(ctx.get("error"), FieldRuleError):
         e = ctx["error"]
-        return f"{path + '.' if path else ''}{e.key}={e.value!r}: must be {e.rule}"
-    if info is not None and info.annotation is float and type(value) is int:
+        return f"{path + '.' if path else ''}{e.key}={shown(e.value)}: must be {e.rule}"
+    if info is not None and info.annotation is float and type(value) is int and abs(value) < 2**1000:
         value = float(value)  # as the field would hold it
-    if kind in _BOUNDS and info is not None and rule_of(info):
+    if isinstance(value, LongInteger):  # (a literal too long to read: parsing.py)
+        why = INT_RULE
+    elif kind in _BOUNDS and info is not None and rule_of(info):
         why = f"must be {rule_of(info)}"
     else:
         why = _TYPES.get(kind, err["msg"])
-    return f"{path}={value!r}: {why}" if path else why
+    return f"{path}={shown(value)}: {why}" if path else why
 
 
 def config_error(e: ValidationError, root: type, prefix: tuple = ()) -> ConfigError:

@@ -2,17 +2,19 @@
 
 Each field's `description` is its documentation (docs/configuration.md is generated from them),
 its constraints are its rule, and a rule between fields is a model validator that names its
-field's `also` text. Models are strict: an int field refuses a bool and a string, a float field
-takes an int, a bool field takes only a bool; unknown keys are refused.
+field's `also` text. Models are strict (strict_model.py): an int field refuses a bool and a
+string, a float field takes an int, a bool field takes only a bool; floats are finite, integers
+within 64 bits; unknown keys are refused.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from ..policy.registry import DEFAULT_POLICY, REGISTRY
+from ..strict_model import StrictModel
 from .errors import FieldRuleError, config_error
 
 
@@ -21,9 +23,7 @@ def _also(rule: str) -> dict:
     return {"json_schema_extra": {"also": rule}}
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class Section(StrictModel):
     def _require(self, key: str, ok: bool, note: str = "") -> None:
         """Refuse `key` (a path below this model) unless `ok`, with its field's `also` rule."""
         if ok:
@@ -37,7 +37,7 @@ class Section(BaseModel):
 
 class EngineConfig(Section):
     kind: Literal["vllm", "sim"] = Field("vllm", description="vllm | sim")
-    model: str = Field("models/tiny-llama", description="local path or HF id")
+    model: str = Field("models/tiny-llama", min_length=1, description="local path or HF id")
     load_format: str = Field("auto", description="auto | dummy | safetensors | ...")
     dtype: str = Field("auto", description="vLLM dtype (auto, bfloat16, float16, float32)")
     max_model_len: int = Field(4096, ge=2, description="context limit per sequence (prompt + output)")

@@ -98,6 +98,18 @@ def sampling_params(work: Work):
     )
 
 
+def max_temperature():
+    """2.0 where this vLLM's SamplingParams refuses a higher temperature (newer releases do, as
+    OpenAI's API does), else None: the router then refuses such a request up front, naming it."""
+    from vllm import SamplingParams
+
+    try:
+        SamplingParams(temperature=2.5)
+    except Exception:  # VLLMValidationError (a ValueError in some releases, not in others)
+        return 2.0
+    return None
+
+
 def sampled_logprobs(token_ids: list, logprobs) -> list | None:
     """vLLM gives one {token_id: Logprob} per position; keep the sampled token's logprob."""
     if logprobs is None:
@@ -139,7 +151,8 @@ class VllmEngine(EngineAdapter):
             log.warning(warning)
         self.engine = AsyncLLM.from_engine_args(engine_args(self.cfg, self.model))
         mc = self.engine.model_config
-        return ModelInfo(vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, model=self.model)
+        return ModelInfo(vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, model=self.model,
+                         max_logprobs=mc.max_logprobs, max_temperature=max_temperature())
 
     def submit(self, work: Work) -> None:
         key = (work.seq_id, work.attempt)

@@ -19,9 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict
-
 from ..router.state import ClusterView, SeqState
+from ..strict_model import StrictModel
 
 
 @dataclass
@@ -43,11 +42,10 @@ class Decision:
     give_up: list = field(default_factory=list)
 
 
-class PolicySettings(BaseModel):
+class PolicySettings(StrictModel):
     """A policy's settings: the keys under `policy:` when `policy.name` names it. Strict like
-    the rest of the config (an int field refuses a bool or a string); unknown keys are refused."""
+    the rest of the config (strict_model.py: strict types, finite floats, 64-bit integers)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     name: str
 
 

@@ -23,7 +23,8 @@ from typing import Optional
 from ..policy.base import Decision, Policy
 from ..protocol import (Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
                         SequenceRequest, Work)
-from ..validation import check_request
+from ..parsing import shown
+from ..validation import check_place, check_request
 from .adoption import OrphanAdoption
 from .batches import Batches
 from .control import FleetControl
@@ -102,21 +103,20 @@ class RouterCore:
         """Queue a batch of SequenceRequests. Invalid ones finish at once with an error. With
         `weights_version`, the batch is refused unless the fleet's weights are that version.
         `previous_ids` (one per request, or None): the ids the sequences had under a router that
-        restarted; what that router's segments generated is taken over (adoption.py)."""
+        restarted; what that router's segments generated is taken over (adoption.py).
+        Atomic: what would fail the batch is refused before anything is registered, and every
+        request is checked first, so that none registered can raise afterwards (a request that
+        passes check_request is runnable: its state builds without another check)."""
         self._refuse_batch(weights_version)
-        bad = next((i for i, r in enumerate(requests) if not isinstance(r, SequenceRequest)), None)
-        if bad is not None:  # refused whole, before anything is registered
-            raise InputError(f"requests[{bad}]", requests[bad], "must be a SequenceRequest")
-        if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)):
-            raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
+        self._refuse_malformed(requests, batch_id, previous_ids)
+        errors = [self._validate(req) for req in requests]
         self.weights.learning = False  # this batch runs on the version known now, and awake
         self.sleep.settle()
         batch = self.batches.open(len(requests), now, self.weights.version, batch_id)
         bid = batch.batch_id
         self.batches.open_groups(bid, [r.prompt_index for r in requests])
-        for i, req in enumerate(requests):
+        for i, (req, error) in enumerate(zip(requests, errors)):
             seq = SeqState(f"{bid}:{i}", bid, i, (bid, req.prompt_index), req, now)
-            error = self._validate(req)
             if error:
                 seq.error = error
                 self._finish(seq, "error", now, replica_id=None)
@@ -140,13 +140,29 @@ class RouterCore:
         if self.weights.none_can_load(self.fleet.replicas):
             raise NoLiveReplicaError(self.weights.failure())
 
+    @staticmethod
+    def _refuse_malformed(requests: list, batch_id, previous_ids) -> None:
+        """What the driver's code (not its user) got wrong refuses the whole batch: a request that
+        is none, or has no place in it (its group is keyed by prompt_index), ids of the wrong kind."""
+        if not isinstance(requests, list):
+            raise InputError("requests", requests, "must be a list of SequenceRequests")
+        for i, req in enumerate(requests):
+            if not isinstance(req, SequenceRequest):
+                raise InputError(f"requests[{i}]", req, "must be a SequenceRequest")
+            check_place(req, f"requests[{i}].")
+        if batch_id is not None and (not isinstance(batch_id, str) or not batch_id):
+            raise InputError("batch_id", batch_id, "must be null or a non-empty string")
+        if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)
+                                         or not all(p is None or isinstance(p, str) for p in previous_ids)):
+            raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
+
     def _validate(self, req: SequenceRequest) -> Optional[str]:
         try:
             check_request(req, self.model)
         except InputError as e:
             return str(e)
         except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
-            return f"invalid request: {type(e).__name__}: {e}"
+            return f"invalid request: {type(e).__name__}: {shown(str(e))}"
         return None
 
     def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple:
