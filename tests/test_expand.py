@@ -1,10 +1,10 @@
 """Request expansion (client/expand.py): one request per (prompt, sample), in input order, so that
 a trainer gets n results for every prompt, bad ones included (each an error naming the field)."""
-from rollout_cluster.client.expand import expand
-from rollout_cluster.protocol import Partial, SamplingSpec
-from rollout_cluster.validation import check_request
 import pytest
-from rollout_cluster.protocol import InputError
+
+from rollout_cluster.client.expand import expand
+from rollout_cluster.protocol import InputError, Partial, SamplingSpec
+from rollout_cluster.validation import check_request
 
 
 def test_every_prompt_gives_n_requests_even_one_that_cannot_run():

@@ -3,10 +3,9 @@ from the core's components (a renamed attribute fails here, not in the e2e suite
 import asyncio
 import time
 
-from rollout_cluster.config import ClusterConfig
+from rollout_cluster.config import ClusterConfig, PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
-from rollout_cluster.config import PolicyConfig
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest
 from rollout_cluster.router.core import RouterCore
 from rollout_cluster.serve.router import Router

@@ -244,9 +244,13 @@ class RouterCore:
         if applied.replica_id is None or applied.left:
             return Orders()
         orders = self.decide(applied.replica_id, now, timer)
-        if self.trace is not None:
-            self.trace.append((now, applied.replica_id, len(self.fleet.replicas[applied.replica_id].seqs)))
+        self.trace_pull(applied.replica_id, now)
         return orders
+
+    def trace_pull(self, replica_id: str, now: float) -> None:
+        """While tracing: (time, replica, sequences it holds) once per pull, after its decision."""
+        if self.trace is not None and replica_id in self.fleet.replicas:
+            self.trace.append((now, replica_id, len(self.fleet.replicas[replica_id].seqs)))
 
     def apply(self, report: Report, now: float) -> Applied:
         """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""

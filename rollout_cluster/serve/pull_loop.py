@@ -72,17 +72,20 @@ class PullLoop:
             return False
         now = self.clock()
         report = self.build_report(now)
-        marks and marks.append(time.perf_counter())
+        if marks is not None:
+            marks.append(time.perf_counter())
         orders = await self.pull(report)
         if orders is None:
             await asyncio.sleep(RETRY_S)
             return True
-        marks and marks.append(time.perf_counter())
+        if marks is not None:
+            marks.append(time.perf_counter())
         if not await self.apply(orders, report.progress):
             return False
-        marks and marks.append(time.perf_counter())
+        if marks is not None:
+            marks.append(time.perf_counter())
         await self.pace(now, ended, self._urgent(orders), orders.report_interval_s)
-        if marks:
+        if marks is not None:
             self._record(report, orders, marks + [time.perf_counter()])
         return True
 

@@ -91,8 +91,7 @@ class Router:
         if applied.replica_id is None:
             return Orders()  # a late pull of a replica that left
         orders = core.decide(report.replica_id, now, timer=time.perf_counter)
-        if core.trace is not None:
-            core.trace.append((now, report.replica_id, len(core.fleet.replicas[report.replica_id].seqs)))
+        core.trace_pull(report.replica_id, now)
         for rid in core.outbox.replica_ids():  # the decision left orders for others (give-ups)
             if rid in self.work_ready:
                 self.work_ready[rid].set()
