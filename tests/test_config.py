@@ -63,6 +63,9 @@ def test_paths_in_a_nested_configs_folder_resolve_against_the_project(tmp_path):
     ({"policy": {"name": "chunked", "chunk_size": 5}}, "policy.chunk_size: unknown key (known: chunk_tokens, name)"),
     ({"policy": {"name": "scripted", "scripted_at_tokens": [10, "x"]}}, "policy.scripted_at_tokens[1]='x': must be of type int"),
     ({"policy": "steal"}, "policy='steal': must be a mapping"),
+    ({"\\": None}, '"\\\\": unknown key'),
+    ({"engine": {"a.b": 1}}, 'engine."a.b": unknown key'),
+    ({"x" * 100: 1}, '"' + "x" * 64 + '"...: unknown key'),
 ])
 def test_bad_config_names_key_and_value(data, fragment):
     with pytest.raises(ConfigError) as e:

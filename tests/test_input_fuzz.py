@@ -302,13 +302,15 @@ def config_text(draw) -> tuple:
     elif extra == "garbage":
         text, must_fail = draw(st.text(max_size=60)), False  # (it replaces the mapping)
     elif extra == "unknown":
-        text += f"{draw(st.sampled_from(['replica', 'engin', 'zzz']))}: 1\n"
+        key = draw(st.sampled_from(["replica", "engin", "zzz", '"\\\\"', '"a.b"', "é: x"]))
+        text += f"{key}: 1\n"
         must_fail = True
     return text, must_fail
 
 
+QUOTED = r'"(?:\\.|[^"\\])*"(?:\.\.\.)?'  # a key that is no plain name, JSON-quoted
 PATH = re.compile(r"^(config file '|config must be a mapping|"
-                  r"([A-Za-z_][\w-]*|\[\d+\])(\.[^.=:\s]+|\[\d+\])*(=|: ))")
+                  rf"(?:[A-Za-z_][\w-]*|\[\d+\]|{QUOTED})(?:\.(?:[^.=:\s\"]+|{QUOTED})|\[\d+\])*(?:=|: ))")
 
 
 @pytest.fixture(scope="module")

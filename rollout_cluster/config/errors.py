@@ -5,6 +5,8 @@ rule between fields from the `also` text its model validator raises (FieldRuleEr
 """
 from __future__ import annotations
 
+import json
+import re
 import typing
 from typing import Literal
 
@@ -85,14 +87,26 @@ def locate(root: type, loc: tuple) -> tuple:
         if isinstance(part, int):
             path, owner, info, model = f"{path}[{part}]", None, None, None
             continue
-        path = f"{path}.{part}" if path else str(part)
+        key = _key(part)
+        path = f"{path}.{key}" if path else key
         owner, info = model, (model.model_fields.get(part) if model is not None else None)
         model, tagged = _submodel(info), _is_policy_union(info)
     return path, owner, info
 
 
-def _unknown_key(path: str, owner) -> str:
-    key = path.rsplit(".", 1)[-1]
+_NAME = re.compile(r"[A-Za-z_][\w-]{0,63}")
+
+
+def _key(part) -> str:
+    """A key as a path shows it: a plain name as it is, any other key JSON-quoted (and cut at 64
+    characters), so that a key like '\\' or 'a.b' cannot be read as part of the path's syntax."""
+    text = str(part)
+    if _NAME.fullmatch(text):
+        return text
+    return json.dumps(text[:64]) + ("..." if len(text) > 64 else "")
+
+
+def _unknown_key(path: str, owner, key) -> str:
     if owner is not None and issubclass(owner, PolicySettings):
         mine, others = owner.model_fields["name"].default, owners_of(key)
         if others:
@@ -105,7 +119,7 @@ def _message(err: dict, root: type, prefix: tuple) -> str:
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     path, owner, info = locate(root, prefix + tuple(err["loc"]))
     if kind == "extra_forbidden":
-        return _unknown_key(path, owner)
+        return _unknown_key(path, owner, str(err["loc"][-1]))
     if kind == "invalid_key":  # YAML allows any scalar as a key (1.5, null, .inf)
         return f"{path}: unknown key (a key is a string)"
     if kind in ("union_tag_invalid", "union_tag_not_found"):
