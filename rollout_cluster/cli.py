@@ -52,6 +52,10 @@ def cmd_generate(a) -> int:
     return 0
 
 
+KEYS_HELP = ("the file of control keys that signs this order (default: $ROLLOUT_CONTROL_KEYS_FILE, "
+             "else $ROLLOUT_CONTROL_KEYS; docs/security.md)")
+
+
 def _attach(a):
     """Join the running app `a.app_name` at `a.address`, with Ray's worker logs off stdout (the
     attached commands print one JSON line)."""
@@ -60,7 +64,7 @@ def _attach(a):
     from .client.client import RolloutClient
 
     ray.init(address=a.address, log_to_driver=False)
-    return RolloutClient.connect(a.app_name, address=a.address)
+    return RolloutClient.connect(a.app_name, address=a.address, control_keys_file=a.control_keys_file)
 
 
 def cmd_update_weights(a) -> int:
@@ -152,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_update_weights)
 
     for name, helptext in (("sleep", "put every engine of a running app to sleep between batches (vLLM sleep mode)"),
@@ -163,6 +168,7 @@ def main(argv=None) -> int:
         p.add_argument("--app-name", default="rollout")
         p.add_argument("--address", default="auto")
         p.add_argument("--timeout-s", type=float, default=600.0)
+        p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
         p.set_defaults(fn=cmd_sleep, level=p.get_default("level") or 0)
 
     p = sub.add_parser("scale", help="grow or shrink the engine fleet of a running app, in place")
@@ -170,6 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")

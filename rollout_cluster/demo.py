@@ -15,6 +15,8 @@ from pathlib import Path
 
 from .config import load_config
 from .protocol import SamplingSpec, partials
+from .security.local import ensure_local_secrets
+from .security.secrets import read_token
 
 
 def demo_batch(prompts: int = 16, samples: int = 4, seed: int = 0, max_len: int = 400):
@@ -79,6 +81,23 @@ def stderr_to(stream):
         sys.stderr = old
 
 
+def http_check(cfg) -> dict:
+    """GET /<app> (the status) over HTTP without the token and with it: {"without": 401, "with": 200}."""
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{cfg.app_name}"
+    token = read_token(cfg.security)
+    out = {}
+    for name, headers in (("without_token", {}), ("with_token", {"Authorization": f"Bearer {token}"})):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
+                out[name] = r.status
+        except urllib.error.HTTPError as e:
+            out[name] = e.code
+    return out
+
+
 def start_ray_quietly() -> str:
     """A local Ray whose workers' output stays in their log files (not streamed to this process),
     with the repository on the workers' PYTHONPATH as RolloutClient.start sets it. Returns Ray's
@@ -121,6 +140,9 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4, log_dir: str
             say(f"making the local model in {model_dir} ...")
             make_model(str(model_dir))
         say(f"starting a local Ray cluster with {cfg.replicas} {cfg.engine.kind} replicas (a minute or two) ...")
+        for path in ensure_local_secrets(cfg):
+            say(f"made {path} (mode 0600)")
+        say(f"the HTTP token is in {cfg.security.token_file}: send it as `Authorization: Bearer <token>`")
         session_dir = start_ray_quietly()
         client = RolloutClient.start(cfg)  # joins the Ray started above; shutdown() ends it
         try:
@@ -133,6 +155,7 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4, log_dir: str
             status = client.status()
             say("partial rollouts: the same batch cut at 90 %, then its cut samples resumed ...")
             partial = partial_rollout_steps(client, ids, specs, 0.9)
+            http = http_check(cfg)
         finally:
             client.shutdown()
     if session_dir:
@@ -146,6 +169,7 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4, log_dir: str
         "finish_reasons": dict(Counter(r.finish_reason for r in results)),
         "policy": status["policy"],
         "partial_rollouts": partial,
+        "http_status_answers": http,
     }
     print("\nrollout summary")
     for k, v in summary.items():

@@ -16,6 +16,9 @@ from .parsing import shown
 # torch.Generator, which takes 64 bits: a count or a seed must fit in a signed 64-bit integer.
 INT64 = 2**63
 
+MAX_N = 65536  # samples per prompt, at most (the config's limits.max_n lowers it)
+
+
 class InputError(ValueError):
     """A request field has an invalid value. The message names the field and the value."""
 
@@ -39,6 +42,22 @@ def _rebuilt_input_error(cls, message: str, field_name: str) -> InputError:
 class WeightsVersionError(InputError):
     """A batch asked for weights (`weights_version`) other than those the fleet holds: it was not
     run, so that an RL step's samples all come from the policy the trainer meant."""
+
+
+class LimitExceeded(RuntimeError):
+    """A batch past one of the config's `limits` (HTTP 413: split it); nothing of it was
+    registered. `limit` names the setting."""
+
+    def __init__(self, limit: str, message: str):
+        super().__init__(message)
+        self.limit = limit
+
+    def __reduce__(self):
+        return type(self), (self.limit, self.args[0])
+
+
+class RouterBusy(LimitExceeded):
+    """The router holds limits.max_live_sequences already (HTTP 429): retry when batches finish."""
 
 
 class BatchLostError(KeyError):
@@ -94,6 +113,8 @@ class SamplingSpec:
         refuse it inside the engine, after the router took the request) or of the wrong type."""
         if not is_int64(self.n) or self.n < 1:
             raise InputError("n", self.n, "must be an integer >= 1")
+        if self.n > MAX_N:
+            raise InputError("n", self.n, f"must be at most {MAX_N} (limits.max_n may lower it)")
         if not is_int64(self.max_tokens) or self.max_tokens < 1:
             raise InputError("max_tokens", self.max_tokens, "must be an integer >= 1")
         if not is_int64(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -388,6 +409,9 @@ class Report:
     # Counts up with every report the replica builds (0: not counted). A report the router gets
     # after a newer one (a pull it processed late) has its progress applied, not its state.
     number: int = 0
+    # The secret the router gave this replica when it registered (Router.register): a report
+    # without it is not applied, so no other caller can speak for the replica.
+    credential: str = field(default="", repr=False)
 
 
 # ---- router -> replica: control orders, applied in order before `Orders.start` -----------------
@@ -443,6 +467,9 @@ class Orders:
     report_interval_s: float = 0.0
     # Which router answers: after a restart the replica sends the old one's segments' finals whole.
     router_id: str = ""
+    # The router does not know the report's credential (it restarted, or the replica never
+    # registered): nothing of the report was applied; register, then send it again.
+    register: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.start or self.give_up or self.control or self.report_whole)

@@ -1,9 +1,15 @@
 """Fixtures shared by the unit tests (the e2e cluster fixtures live in tests/e2e/)."""
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Every router and replica the tests make verifies and signs control orders with this key (as a
+# deployment reads it from security.control_keys_file or $ROLLOUT_CONTROL_KEYS).
+TEST_CONTROL_KEYS = "tests-key " + "k" * 48
+os.environ.setdefault("ROLLOUT_CONTROL_KEYS", TEST_CONTROL_KEYS)
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 

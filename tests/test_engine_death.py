@@ -138,6 +138,7 @@ def bare_replica(engine, core):
     """An EngineReplica over `engine` and a router handle over `core`, without Serve."""
     r = object.__new__(BareReplica)
     r.cfg, r.engine, r.router = ClusterConfig(), engine, RouterHandle(core)
+    r.link = type("Link", (), {"pull": staticmethod(lambda report: r.router.pull.remote(report))})()
     r.replica_id, r.incarnation, r.model = "a", "a-1", ModelInfo(100, 64)
     return r
 

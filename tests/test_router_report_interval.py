@@ -10,6 +10,7 @@ import pytest
 
 from rollout_cluster.config import ClusterConfig, EngineConfig, RouterConfig, to_dict
 from rollout_cluster.serve.router import Router
+from router_support import pull
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report
 
 
@@ -25,9 +26,9 @@ def test_pull_answers_name_an_interval_that_follows_the_live_fleet():
     async def go():
         router = Router.func_or_class(to_dict(cfg))
         try:
-            joined = [(await router.pull(report(f"r{i}"))).report_interval_s for i in range(4)]
-            await router.pull(report("r3", leaving=True))
-            after_leave = (await router.pull(report("r0"))).report_interval_s
+            joined = [(await pull(router, report(f"r{i}"))).report_interval_s for i in range(4)]
+            await pull(router, report("r3", leaving=True))
+            after_leave = (await pull(router, report("r0"))).report_interval_s
             return joined, after_leave
         finally:
             router._reaper.cancel()
@@ -45,7 +46,7 @@ def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_
 
     async def held_s(router, rid):
         t0 = time.monotonic()
-        await router.pull(report(rid))
+        await pull(router, report(rid))
         return time.monotonic() - t0
 
     async def go():
@@ -53,7 +54,7 @@ def test_an_idle_pull_is_held_longer_in_a_larger_fleet_and_new_work_still_wakes_
         try:
             alone = await held_s(router, "r0")  # 1 replica: 0.25 s
             for rid in ("r1", "r2", "r3"):
-                await router.pull(report(rid))
+                await pull(router, report(rid))
             four = await held_s(router, "r0")  # 4 replicas: 1.0 s
             pending = asyncio.ensure_future(held_s(router, "r1"))
             await asyncio.sleep(0.05)

@@ -9,6 +9,7 @@ from rollout_cluster.policy import make_policy
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest
 from rollout_cluster.router.core import RouterCore
 from rollout_cluster.serve.router import Router
+from rollout_cluster.security.signing import OrderVerifier
 
 
 def bare_router() -> Router:
@@ -16,6 +17,7 @@ def bare_router() -> Router:
     r.cfg = ClusterConfig()
     r.core = RouterCore(make_policy(PolicyConfig(name="pull"), load_profile("a100-80g-7b")), 2, id_prefix="r1-")
     r.router_id, r.started_t = "r1", time.monotonic()
+    r.verifier = OrderVerifier({}, allow_unsigned=True)
     return r
 
 

@@ -13,6 +13,7 @@ from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
 from rollout_cluster.serve import router as router_module
 from rollout_cluster.serve.router import Router
+from router_support import pull
 from rollout_cluster.protocol import (EngineStats, InputError, ModelInfo, Report, SamplingSpec, SeqProgress,
                                       SequenceRequest, WeightsState, WeightsVersionError)
 
@@ -97,7 +98,7 @@ def test_the_serve_router_waits_for_a_replica_that_holds_the_asked_version(monke
     async def go():
         router = _router(monkeypatch, learn_wait_s=5.0)
         try:
-            await router.pull(report("a"))  # the first replica back: config model
+            await pull(router, report("a"))  # the first replica back: config model
             submit = asyncio.ensure_future(router.submit_batch(batch(), 5.0, 2))
             await asyncio.sleep(0.3)
             assert not submit.done()  # it waits: other replicas may hold version 2
@@ -114,7 +115,7 @@ def test_the_serve_router_refuses_a_version_no_replica_reports_after_the_learnin
     async def go():
         router = _router(monkeypatch, learn_wait_s=0.4)
         try:
-            await router.pull(report("a", 1, "/ckpt/step-1"))
+            await pull(router, report("a", 1, "/ckpt/step-1"))
             t0 = time.monotonic()
             with pytest.raises(WeightsVersionError, match=r"weights_version=7: the fleet's weights are version 1"):
                 await router.submit(batch(), 30.0, 7)

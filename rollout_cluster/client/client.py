@@ -16,8 +16,11 @@ import os
 import time
 from typing import AsyncIterator, Optional, Sequence, Union
 
-from ..config import ClusterConfig, load_config
+from ..config import ClusterConfig, SecurityConfig, load_config
 from ..protocol import Completion, SamplingSpec
+from ..security.secrets import read_keys
+from ..security.signed_router import SignedRouter
+from ..security.signing import Signer
 from . import fleet_ops
 from .expand import expand
 from .follower import DEFAULT_TIMEOUT_S, BatchFollower
@@ -27,7 +30,7 @@ from .loops import follow_batch, run_sync
 class RolloutClient:
     def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
                  config: Optional[ClusterConfig] = None, owns_cluster: bool = False,
-                 max_router_restarts: int = 3):
+                 max_router_restarts: int = 3, control_keys_file: Optional[str] = None):
         from ray import serve
 
         self.app_name = app_name
@@ -38,7 +41,12 @@ class RolloutClient:
         self.router_restarts = 0  # batches this client submitted again after a router restart
         self.config = config
         self.owns_cluster = owns_cluster
-        self.router = serve.get_deployment_handle("Router", app_name)
+        # Control calls (update_weights, sleep, wake, scale, set_policy, set_trace, cancel) go out
+        # signed with the first key of security.control_keys_file / $ROLLOUT_CONTROL_KEYS.
+        security = config.security if config else SecurityConfig()
+        if control_keys_file:
+            security = security.model_copy(update={"control_keys_file": control_keys_file})
+        self.router = SignedRouter(serve.get_deployment_handle("Router", app_name), Signer(read_keys(security)))
         self.call_timeout_s = config.router.call_timeout_s if config else 120.0
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -49,10 +57,13 @@ class RolloutClient:
         import ray
         from ray import serve
 
+        from ..security.local import ensure_local_secrets
         from ..serve.app import build_app
         from ..serve.deploy import deploy
 
         cfg = load_config(config)
+        # a cluster this driver starts gets its token and control keys made (security/local.py)
+        ensure_local_secrets(cfg)
         if not ray.is_initialized():
             env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
             ray.init(address=address, runtime_env=env, **ray_init)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from ..protocol import InputError, Partial, SamplingSpec, SequenceRequest, is_int
+from ..protocol import MAX_N, InputError, Partial, SamplingSpec, SequenceRequest, is_int
 
 
 def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
@@ -37,9 +37,10 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
 
 def _samples(first: SequenceRequest) -> int:
     """A prompt's n samples, each refused on its own if the prompt cannot run (so that a trainer
-    gets n results for every prompt); 1 where n itself is invalid (validation.py names it)."""
+    gets n results for every prompt); 1 where n itself is invalid (validation.py names it), as
+    past MAX_N, so that no n makes more requests than a batch may hold."""
     n = getattr(first.sampling, "n", None)
-    return n if is_int(n) and n >= 1 else 1
+    return n if is_int(n) and 1 <= n <= MAX_N else 1
 
 
 def _request(prompt, spec: SamplingSpec, index: int, sample: int, hidden: Optional[int]) -> SequenceRequest:

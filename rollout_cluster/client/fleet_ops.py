@@ -8,6 +8,7 @@ The client's methods carry the docstrings; these functions take the client.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional
 
@@ -51,6 +52,8 @@ def update_weights(client, path: str, version: Optional[int], timeout_s: float) 
     # A load still running (a replacement replica loading the current weights) first: the router
     # refuses a second load beside it. Past the deadline the router's refusal names the loads.
     wait_until(client.status, _loads_settled, time.monotonic() + timeout_s, 0.2, lambda st: None)
+    # absolute: the router checks it against security.checkpoint_roots, the replicas load it
+    path = os.path.abspath(path) if isinstance(path, str) and path else path
     v = client.router.update_weights.remote(path, version).result(timeout_s=client.call_timeout_s)
     if client.status()["sleep"]["level"]:
         return v  # asleep: the engines load it when they wake (wake() waits for it)

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from ..protocol import BatchLostError, InputError, WeightsVersionError
+from ..protocol import BatchLostError, InputError, WeightsVersionError, is_number
 
 log = logging.getLogger(__name__)
 FINISH_BY = ("sample", "group")
@@ -124,6 +124,8 @@ class BatchFollower:
                  max_restarts: int = 3, weights_version: Optional[int] = None,
                  finish_fraction: Optional[float] = None, finish_by: str = "sample",
                  wait_for_replica_s: Optional[float] = None):
+        if not (is_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise InputError("timeout_s", timeout_s, "must be a finite number of seconds > 0")
         self.cutter = BatchCut(requests, finish_fraction, finish_by)
         self.requests = requests
         self.timeout_s, self.call_timeout_s, self.max_restarts = timeout_s, call_timeout_s, max_restarts

@@ -25,7 +25,8 @@ from dataclasses import fields
 from typing import Optional
 
 from ..parsing import DuplicateKeyError, NestingError, load_json, shown
-from ..protocol import Completion, InputError, SamplingSpec, SequenceRequest
+from ..config.models import LimitsConfig
+from ..protocol import Completion, InputError, LimitExceeded, SamplingSpec, SequenceRequest
 from ..validation import check_prompt, check_request
 
 SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
@@ -73,9 +74,15 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     return ids, spec, resumed
 
 
-def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
+def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional[LimitsConfig] = None) -> tuple:
     """(requests, errors): requests expanded prompt-major; errors maps line index -> message.
-    `defaults`: as for parse_line."""
+    `defaults`: as for parse_line. `limits` (the config's): a line with n past limits.max_n is an
+    error line; a batch past limits.max_lines or limits.max_batch_sequences raises LimitExceeded
+    before it is expanded further."""
+    limits = limits or LimitsConfig()
+    if len(lines) > limits.max_lines:
+        raise LimitExceeded("limits.max_lines", f"{len(lines)} lines: at most limits.max_lines={limits.max_lines} "
+                                                f"a batch (split it)")
     requests, errors = [], {}
     for i, line in enumerate(lines):
         if not line.strip():
@@ -89,6 +96,13 @@ def read_requests(lines: list, defaults: Optional[dict] = None) -> tuple:
         except Exception as e:  # a value no rule foresaw: this line fails, never the others
             errors[i] = f"line {i + 1}: invalid request ({type(e).__name__}: {shown(str(e))})"
             continue
+        if spec.n > limits.max_n:
+            errors[i] = f"n={spec.n}: at most limits.max_n={limits.max_n} samples per prompt"
+            continue
+        if len(requests) + spec.n > limits.max_batch_sequences:
+            raise LimitExceeded("limits.max_batch_sequences",
+                                f"line {i + 1} takes the batch past limits.max_batch_sequences="
+                                f"{limits.max_batch_sequences} sequences (split it)")
         for j in range(spec.n):
             requests.append(SequenceRequest(ids, spec, i, j, **resumed))
     return requests, errors

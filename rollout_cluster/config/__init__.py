@@ -16,11 +16,11 @@ from ..parsing import load_yaml
 from ..policy.base import PolicySettings
 from ..policy.registry import DEFAULT_POLICY, POLICY_NAMES
 from .errors import ConfigError, config_error
-from .models import (URGENT_REPORT_GAP_FRAC, ClusterConfig, EngineConfig, MetricsConfig, PolicyUnion,
-                     ReplicaResources, RouterConfig, SamplingDefaults, from_mapping)
+from .models import (URGENT_REPORT_GAP_FRAC, ClusterConfig, EngineConfig, LimitsConfig, MetricsConfig, PolicyUnion,
+                     ReplicaResources, RouterConfig, SamplingDefaults, SecurityConfig, from_mapping)
 
-__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "MetricsConfig", "POLICY_NAMES", "PolicyConfig",
-           "PolicySettings", "ReplicaResources", "RouterConfig", "SamplingDefaults", "URGENT_REPORT_GAP_FRAC",
+__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "LimitsConfig", "MetricsConfig", "POLICY_NAMES", "PolicyConfig",
+           "PolicySettings", "ReplicaResources", "RouterConfig", "SamplingDefaults", "SecurityConfig", "URGENT_REPORT_GAP_FRAC",
            "load_config", "to_dict"]
 
 _POLICY = TypeAdapter(PolicyUnion)

@@ -94,6 +94,9 @@ class RouterConfig(Section):
         "periodic reports and idle long-polls stay near this many a second: their interval grows with the fleet"))
     replica_timeout_s: float = Field(60.0, gt=0, description=(
         "no pull for this long: the replica is dead, requeue its work"))
+    stall_timeout_s: float = Field(120.0, ge=0, description=(
+        "a replica that holds running sequences and reports no new token for this long has stalled: its work "
+        "continues elsewhere and it fails its health check (Serve replaces it); 0: never"))
     max_ongoing_requests: int = Field(4096, description=">> replicas + drivers: pulls must never queue", **_also(
         ">= replicas + 8, above replicas + drivers, or pulls queue behind each other"))
     submit_wait_for_replica_s: float = Field(600.0, ge=0, description="a submit with no live replica fails after this")
@@ -161,6 +164,45 @@ class MetricsConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="0: no HTTP endpoint")
 
 
+class SecurityConfig(Section):
+    """Who may use the app (docs/security.md). Secrets never travel in the config: it names where
+    they are (a file, as a Kubernetes Secret mounts it, or an environment variable), and each
+    process reads them there (security/secrets.py)."""
+
+    token_file: str = Field("", description=(
+        "file holding the bearer token every HTTP route but /healthz asks for (a mounted Secret)"))
+    token_env: str = Field("ROLLOUT_TOKEN", description="environment variable holding the token when token_file is empty")
+    allow_unauthenticated: bool = Field(False, description=(
+        "true: serve HTTP without a token when none is configured (else the app refuses to start)"))
+    control_keys_file: str = Field("", description=(
+        "file of HMAC keys for control orders, one `key_id secret` a line; the first signs, up to two verify (rotation)"))
+    control_keys_env: str = Field("ROLLOUT_CONTROL_KEYS", description=(
+        "environment variable holding the keys (lines or `;`-separated) when control_keys_file is empty"))
+    allow_unsigned_control: bool = Field(False, description=(
+        "true: accept unsigned control orders when no key is configured (else the router refuses to start)"))
+    max_clock_skew_s: float = Field(30.0, gt=0, le=300, description=(
+        "a signed order issued further than this from the router's clock is refused; nonces are kept this long"))
+    checkpoint_roots: list[str] = Field(default_factory=list, description=(
+        "update_weights paths must resolve (realpath) under one of these folders; empty: every update is refused"))
+    require_manifest: bool = Field(True, description=(
+        "a checkpoint loads only with its rollout-manifest.json, every file present at its recorded size"))
+
+
+class LimitsConfig(Section):
+    """Bounds on what one caller can ask for; each refusal names its limit."""
+
+    max_body_bytes: int = Field(64 * 2**20, ge=1024, description="POST body bytes (413 past it, read as a stream)")
+    max_lines: int = Field(65536, ge=1, description="JSONL lines per HTTP batch (413 past it)")
+    max_n: int = Field(1024, ge=1, le=65536, description="samples per prompt (n) on a line or in a SamplingSpec")
+    max_batch_sequences: int = Field(262144, ge=1, description="sequences (prompts x n) in one batch")
+    max_live_sequences: int = Field(1048576, ge=1, description=(
+        "sequences the router holds across every live batch; a batch past it is refused with 429 and Retry-After"))
+    retry_after_s: int = Field(5, ge=1, le=3600, description="the Retry-After a 429 carries")
+    max_timeout_s: float = Field(86400.0, gt=0, description="a batch's timeout_s must be in (0, this]")
+    max_queued_requests: int = Field(256, ge=1, description=(
+        "HTTP requests Serve queues at the Gateway beyond those it runs (503 past it)"))
+
+
 class ClusterConfig(Section):
     app_name: str = Field("rollout", description=(
         "Serve application name; drivers connect with `RolloutClient.connect(app_name=...)`"))
@@ -172,6 +214,8 @@ class ClusterConfig(Section):
         "which policy schedules; the other keys under `policy:` are its settings"))
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     base_dir: str = Field("", description="where relative model paths resolve; set by load_config")
 
     @model_validator(mode="after")
@@ -183,6 +227,13 @@ class ClusterConfig(Section):
                       f" = {self.engine.max_model_len}")
         self._require("engine.sim_profile", self.engine.sim_profile in PROFILES or Path(self.profile_path()).exists(),
                       f" (built-in: {', '.join(PROFILES)})")
+        if self.base_dir:  # relative secret files and checkpoint roots resolve as the model path does
+            sec, base = self.security, Path(self.base_dir)
+            for name in ("token_file", "control_keys_file"):
+                value = getattr(sec, name)
+                if value and not Path(value).is_absolute():
+                    setattr(sec, name, str(base / value))
+            sec.checkpoint_roots = [r if Path(r).is_absolute() else str(base / r) for r in sec.checkpoint_roots]
         return self
 
     def validate(self) -> "ClusterConfig":

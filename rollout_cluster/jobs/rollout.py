@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     from ..client.client import RolloutClient
     from ..client.jsonl import run_jsonl
     from ..serve.app import build_app
+    from ..security.local import ensure_local_secrets
     from ..serve.deploy import deploy
 
     cfg = load_config(a.config)
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     running = _app_running(cfg.app_name)
     deployed = a.redeploy or not running
     if deployed:
+        ensure_local_secrets(cfg)  # an app this job deploys gets its token and keys as RolloutClient.start's does
         deploy(build_app(cfg), cfg, a.ready_timeout_s)
     else:  # a long-lived rollout service: use it, never tear it down
         print(f"using the running application {cfg.app_name!r}")

@@ -30,6 +30,7 @@ from .batches import Batches
 from .control import FleetControl
 from .counters import RouterCounters, RouterMetrics
 from .fleet import Fleet
+from .limits import BatchLimits
 from .outbox import Outbox
 from .sleep import FleetSleep
 from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
@@ -70,8 +71,9 @@ def _append_bounded(values: list, value, keep: int) -> None:
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
-                 id_prefix: str = ""):
+                 id_prefix: str = "", limits: Optional[BatchLimits] = None):
         self.policy = policy
+        self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
         self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
@@ -109,6 +111,7 @@ class RouterCore:
         passes check_request is runnable: its state builds without another check)."""
         self._refuse_batch(weights_version)
         self._refuse_malformed(requests, batch_id, previous_ids)
+        self.limits.check_batch(len(requests), len(self.seqs))
         errors = [self._validate(req) for req in requests]
         self.weights.learning = False  # this batch runs on the version known now, and awake
         self.sleep.settle()
@@ -157,6 +160,9 @@ class RouterCore:
             raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
 
     def _validate(self, req: SequenceRequest) -> Optional[str]:
+        past_limit = self.limits.n_error(getattr(req.sampling, "n", None))
+        if past_limit:
+            return past_limit
         try:
             check_request(req, self.model)
         except InputError as e:

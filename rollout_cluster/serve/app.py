@@ -38,8 +38,10 @@ def build_app(cfg: ClusterConfig):
     replicas = EngineReplica.options(**replica_options(cfg)).bind(router, d)
     # Each POST /generate holds a Gateway slot until its batch is done: Serve's default of 5 would
     # let five batches block GET / (health checks) and every further batch.
-    gateway = Gateway.options(max_ongoing_requests=cfg.router.max_ongoing_requests)
-    return gateway.bind(router, replicas, cfg.sampling.spec_fields(), cfg.router.call_timeout_s)
+    # Past max_ongoing_requests Serve queues at most limits.max_queued_requests more, then answers 503.
+    gateway = Gateway.options(max_ongoing_requests=cfg.router.max_ongoing_requests,
+                              max_queued_requests=cfg.limits.max_queued_requests)
+    return gateway.bind(router, replicas, d)
 
 
 def build(args: dict):

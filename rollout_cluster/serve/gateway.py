@@ -1,13 +1,17 @@
 """The HTTP face of the app: a FastAPI app served through `serve.ingress`, under the route prefix
-/<app_name>.
+/<app_name>. Every route but /healthz asks for `Authorization: Bearer <token>` (security.token_file;
+401 without it), and every body is bounded by the config's `limits` (docs/security.md).
 
-- GET  /<app>           the router's status as JSON (health checks, dashboards);
+- GET  /<app>/healthz   "ok", without a token (liveness probes); it says nothing else;
+- GET  /<app>           the router's status as JSON (dashboards);
 - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (client/jsonl.py,
   one request a line), answered with the output JSONL once every sequence is done. `?timeout_s=`
   bounds the wait (default 3600); past it the batch is cancelled and the answer is 504.
   `?weights_version=` runs it only on those weights: a fleet on others answers 409.
   `?finish_fraction=` (and `&finish_by=group`) cuts it there: partial rollouts (resume.py). A bad
-  query parameter answers 400 naming it; no live replica or a lost batch, 503;
+  query parameter answers 400 naming it; no live replica or a lost batch, 503; a body past
+  limits.max_body_bytes or limits.max_lines, or more sequences than limits.max_batch_sequences,
+  413; a router that holds limits.max_live_sequences already, 429 with Retry-After;
 - GET  /<app>/docs, /<app>/openapi.json  FastAPI's pages of the above.
 For trainers that are not Python; a Python driver uses RolloutClient (streaming, no HTTP limits).
 The batch is followed as RolloutClient.stream follows it (client/loops.py), so a router restart
@@ -15,7 +19,10 @@ resubmits what was not received; the Gateway is a deployment of its own that out
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import math
 from typing import Optional
 
 from fastapi import FastAPI, Query, Request
@@ -28,7 +35,11 @@ from starlette.exceptions import HTTPException
 from ..client.follower import check_finish_fraction
 from ..client.jsonl import merge_results, read_requests
 from ..client.loops import follow_batch
-from ..protocol import InputError, WeightsVersionError
+from ..config import LimitsConfig, load_config
+from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionError
+from ..security.secrets import read_keys, read_token
+from ..security.signed_router import SignedRouter
+from ..security.signing import Signer
 
 # What a query parameter that does not parse must be (400, naming it and the value)
 MUST_BE = {"timeout_s": "not a number", "weights_version": "must be an integer >= 0",
@@ -39,11 +50,42 @@ JSONL_BODY = {"requestBody": {"required": True, "content": {NDJSON: {"schema": {
                                      "...} (client/jsonl.py)"}}}}}
 
 
-def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s: float = 120.0) -> FastAPI:
+OPEN_PATHS = {"/healthz"}  # the only route without a token
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s: float = 120.0,
+                token: Optional[str] = None, limits: Optional[LimitsConfig] = None) -> FastAPI:
     """The routes over `router` (the Router's Serve handle, or anything with its methods).
-    `sampling_defaults`: the config's `sampling`, what a line leaves out."""
+    `sampling_defaults`: the config's `sampling`, what a line leaves out. `token`: what every
+    route but /healthz asks for (None: no token; the Gateway deployment refuses that unless the
+    config allows it). `limits`: the config's."""
     defaults = sampling_defaults or {}
+    limits = limits or LimitsConfig()
+    want = _digest(token) if token is not None else None
     app = FastAPI(title="rollout_cluster", description=__doc__)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if want is None or (path or "/") in OPEN_PATHS:
+            return await call_next(request)
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # digests of equal length, compared in constant time: neither the token nor its length leaks
+        if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(given.strip()), want):
+            return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <token>; "
+                                          "security.token_file)"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    @app.get("/healthz", summary="liveness: 'ok', without a token")
+    async def healthz():
+        return Response("ok", media_type="text/plain")
 
     @app.get("/", summary="the router's status")
     async def status():
@@ -58,8 +100,18 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
             check_finish_fraction(finish_fraction, finish_by)
         except InputError as e:
             return _error(str(e), 400)
-        lines = (await request.body()).decode("utf-8", errors="replace").splitlines()
-        requests, errors = read_requests(lines, defaults)
+        if not (math.isfinite(timeout_s) and 0 < timeout_s <= limits.max_timeout_s):
+            return _error(f"timeout_s={timeout_s!r}: must be a number in (0, {limits.max_timeout_s:g}] "
+                          f"(limits.max_timeout_s)", 400)
+        body = await read_bounded(request, limits.max_body_bytes)
+        if body is None:
+            return _error(f"the body is larger than limits.max_body_bytes={limits.max_body_bytes}: split the batch", 413)
+        lines = body.decode("utf-8", errors="replace").splitlines()
+        del body
+        try:
+            requests, errors = read_requests(lines, defaults, limits)
+        except LimitExceeded as e:
+            return _error(str(e), 413)
         results = [None] * len(requests)
         if requests:
             try:
@@ -68,6 +120,10 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
                     results[c.index] = c
             except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
                 return _error(str(e), 409)
+            except RouterBusy as e:  # the router is full: later
+                return _error(str(e), 429, {"Retry-After": str(limits.retry_after_s)})
+            except LimitExceeded as e:  # the batch is too large: split it
+                return _error(str(e), 413)
             except TimeoutError as e:
                 return _error(str(e), 504)
             except Exception as e:  # no live replica, weights not loadable, batch lost: say why
@@ -90,8 +146,23 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     return app
 
 
-def _error(message: str, status_code: int) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status_code)
+async def read_bounded(request: Request, max_bytes: int) -> Optional[bytes]:
+    """The body, read as a stream; None as soon as it passes `max_bytes` (a Content-Length past
+    it is refused before a byte is read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(message: str, status_code: int, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status_code, headers=headers)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -100,11 +171,18 @@ class Gateway:
     """The app's ingress: holds the Router and the EngineReplicas, so one application builds the
     whole graph, and serves gateway_app over the router (built on the replica, where the handle lives)."""
 
-    def __init__(self, router, replicas, sampling_defaults: Optional[dict] = None, call_timeout_s: float = 120.0):
-        self.router = router
+    def __init__(self, router, replicas, config: dict):
+        cfg = load_config(config)
+        sec = cfg.security
+        self.token = read_token(sec)
+        if self.token is None and not sec.allow_unauthenticated:
+            raise RuntimeError("no HTTP token configured (security.token_file, or $ROLLOUT_TOKEN / $ROLLOUT_TOKEN_FILE): "
+                               "set one, or security.allow_unauthenticated: true to serve HTTP to anyone")
+        # the Gateway cancels the batches it runs (a timeout, a cut): signed as a driver's cancel is
+        self.router = SignedRouter(router, Signer(read_keys(sec)))
         self.replicas = replicas
-        self.sampling_defaults = sampling_defaults or {}
-        self.call_timeout_s = call_timeout_s
+        self.cfg = cfg
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return gateway_app(self.router, self.sampling_defaults, self.call_timeout_s)
+        cfg = self.cfg
+        return gateway_app(self.router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits)

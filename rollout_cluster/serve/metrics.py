@@ -37,6 +37,12 @@ class PrometheusRouterMetrics(RouterMetrics):
                                     "weights failed (they get no work)", registry=r)
         self.sleep_level = Gauge("rollout_sleep_level", "The fleet's vLLM sleep level (0: awake; batches are "
                                  "refused otherwise)", registry=r)
+        self.refusals = Counter("rollout_control_refusals_total", "Control orders (and replica reports) the router "
+                                "refused, by reason: unsigned, malformed, wrong_op, unknown_key, bad_signature, skew, "
+                                "replay, path (outside security.checkpoint_roots), report_credential", ["reason"],
+                                registry=r)
+        self.busy_total = Counter("rollout_batches_refused_total", "Batches refused by a limit (limits.*)", ["limit"],
+                                  registry=r)
         self.port = port
         if port:
             start_http_server(port, registry=r)
@@ -59,6 +65,12 @@ class PrometheusRouterMetrics(RouterMetrics):
 
     def batches_abandoned(self, n: int) -> None:
         self.abandoned_total.inc(n)
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
+
+    def batch_refused(self, limit: str) -> None:
+        self.busy_total.labels(limit).inc()
 
     def gauges(self, core: RouterCore) -> None:
         self.queued.set(len(core.queue))

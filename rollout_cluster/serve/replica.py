@@ -15,8 +15,12 @@ from ray import serve
 
 from ..config import load_config
 from ..engines.factory import make_engine
+from ..security.secrets import read_keys
+from ..security.signed_router import SignedRouter
+from ..security.signing import Signer
 from .engine_moves import EngineMoves
 from .pull_loop import HAND_BACK_S, PullLoop
+from .router_link import RouterLink
 from .timeline import Timeline
 
 log = logging.getLogger("ray.serve")
@@ -32,9 +36,11 @@ def replica_rank() -> int:
 class EngineReplica:
     async def __init__(self, router, config: dict):
         self.cfg = load_config(config)
-        self.router = router
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.incarnation = uuid.uuid4().hex[:8]
+        # registers with a signed order; every report carries the credential it got
+        self.link = RouterLink(SignedRouter(router, Signer(read_keys(self.cfg.security))), self.replica_id,
+                               self.incarnation)
         self.engine = make_engine(self.cfg, replica_rank())
         self.model = await self.engine.start()
         self._start_loop()
@@ -45,7 +51,7 @@ class EngineReplica:
         self.timeline = Timeline.from_env(f"replica-{self.replica_id}")
         if self.timeline is not None:
             self.timeline.start_probe()
-        self.pull_loop = PullLoop(self.engine, self.moves, lambda report: self.router.pull.remote(report),
+        self.pull_loop = PullLoop(self.engine, self.moves, self.link.pull,
                                   replica_id=self.replica_id, incarnation=self.incarnation, model=self.model,
                                   router_cfg=self.cfg.router, timeline=self.timeline)
         self.task = asyncio.get_running_loop().create_task(self.pull_loop.run())
@@ -95,7 +101,7 @@ class EngineReplica:
         # With nothing to hand back the goodbye only saves the router a timeout; when the whole
         # application is being deleted the router may be gone already: do not wait long for it.
         try:
-            await asyncio.wait_for(self.router.pull.remote(report), HAND_BACK_S / 2 if report.progress else 1.0)
+            await asyncio.wait_for(self.link.pull(report), HAND_BACK_S / 2 if report.progress else 1.0)
         except Exception as e:
             if report.progress:
                 raise

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 import logging
+import hmac
 import resource
+import secrets
 import time
 import uuid
 
@@ -22,7 +24,11 @@ from .metrics import PrometheusRouterMetrics
 from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router.core import NoLiveReplicaError, RouterCore
-from ..protocol import Orders, Report
+from ..router.limits import BatchLimits
+from ..protocol import LimitExceeded, Orders, Report
+from ..security.paths import check_under_roots
+from ..security.secrets import read_keys
+from ..security.signing import OrderRefused, OrderVerifier
 
 log = logging.getLogger("ray.serve")
 # A batch that names a weights version newer than a new router knows waits this long after the
@@ -45,8 +51,42 @@ class Router:
         # Which router process this is: a restart (which loses every live batch) changes it.
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
-                               id_prefix=self.router_id[:6] + "-")
+                               id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits))
+        self.batches_made = 0
+        # Control orders are signed (security/signing.py); each replica reports with the credential
+        # register() gave it, so that no other caller can speak for it.
+        sec = cfg.security
+        self.verifier = OrderVerifier(read_keys(sec), sec.max_clock_skew_s, sec.allow_unsigned_control)
+        self.credentials: dict = {}  # replica_id -> the credential it reports with
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    def _order(self, order, op: str) -> dict:
+        """The arguments of a control order, or OrderRefused (counted by reason)."""
+        try:
+            return self.verifier.check(order, op, time.time())
+        except OrderRefused as e:
+            self.metrics.refused(e.reason)
+            log.warning("%s", e)
+            raise
+
+    async def register(self, order) -> str:
+        """A replica's signed request for its report credential (on its first pull, and again
+        when a restarted router does not know it)."""
+        args = self._order(order, "register")
+        rid = args.get("replica_id")
+        if not isinstance(rid, str) or not rid:
+            raise OrderRefused("malformed", "register: replica_id must be a non-empty string")
+        self.credentials[rid] = credential = secrets.token_hex(16)
+        return credential
+
+    def _known(self, report: Report) -> bool:
+        expected = self.credentials.get(report.replica_id) if isinstance(report.replica_id, str) else None
+        given = report.credential if isinstance(report.credential, str) else ""
+        ok = hmac.compare_digest((expected or "-").encode(), given.encode()) and expected is not None
+        if not ok:
+            self.verifier.refusals["report_credential"] += 1
+            self.metrics.refused("report_credential")
+        return ok
 
     async def _reap(self) -> None:
         while True:
@@ -76,6 +116,8 @@ class Router:
             ev.set()
 
     async def pull(self, report: Report) -> Orders:
+        if not isinstance(report, Report) or not self._known(report):
+            return Orders(register=True)  # nothing applied: the replica registers and sends it again
         now = time.monotonic()
         core = self.core
         applied = core.apply(report, now)
@@ -86,6 +128,7 @@ class Router:
         if applied.left:  # its work is back in the queue: the others take it now
             log.info("replica %s left; its sequences were requeued", report.replica_id)
             self.work_ready.pop(report.replica_id, None)
+            self.credentials.pop(report.replica_id, None)
             self._wake_all()
             return Orders()
         if applied.replica_id is None:
@@ -136,7 +179,15 @@ class Router:
                     f"{what} after {wait:.0f} s (router.submit_wait_for_replica_s): "
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
-        bid = core.submit(requests, time.monotonic(), weights_version=weights_version, previous_ids=previous_ids)
+        # A batch's id is its capability: fetch takes any id, so no caller may guess another's.
+        self.batches_made += 1
+        bid = f"{self.router_id[:6]}-b{self.batches_made}-{secrets.token_hex(8)}"
+        try:
+            bid = core.submit(requests, time.monotonic(), batch_id=bid, weights_version=weights_version,
+                              previous_ids=previous_ids)
+        except LimitExceeded as e:
+            self.metrics.batch_refused(e.limit)
+            raise
         if self.core.trace is not None:
             self.submit_t[bid] = self.core.batches[bid].submitted_t
         self.batch_progress[bid] = asyncio.Event()
@@ -170,31 +221,40 @@ class Router:
             self.batch_progress.pop(batch_id, None)
         return new, new_cursor, done
 
-    async def cancel(self, batch_id: str) -> int:
-        n = self.core.cancel(batch_id, time.monotonic())
+    async def cancel(self, order) -> int:
+        n = self.core.cancel(self._order(order, "cancel")["batch_id"], time.monotonic())
         self._wake_all()
         self._notify_batches()
         return n
 
-    async def update_weights(self, path: str, version: int | None = None) -> int:
-        """Order every replica to load `path` as `version` (between batches); returns the version."""
-        v = self.core.update_weights(path, version)
+    async def update_weights(self, order) -> int:
+        """Order every replica to load `path` as `version` (between batches); returns the version.
+        The path must resolve under one of security.checkpoint_roots."""
+        args = self._order(order, "update_weights")
+        try:
+            path = check_under_roots(args.get("path"), self.cfg.security.checkpoint_roots)
+        except PermissionError:
+            self.verifier.refusals["path"] += 1
+            self.metrics.refused("path")
+            raise
+        v = self.core.update_weights(path, args.get("version"))
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
 
-    async def sleep(self, level: int = 1) -> int:
+    async def sleep(self, order) -> int:
         """Put every engine to sleep (vLLM sleep mode, between batches); returns the level."""
-        level = self.core.sleep_fleet(level)
+        level = self.core.sleep_fleet(self._order(order, "sleep").get("level", 1))
         self._wake_all()
         return level
 
-    async def wake(self) -> None:
+    async def wake(self, order) -> None:
+        self._order(order, "wake")
         self.core.wake_fleet()
         self._wake_all()
 
-    async def set_fleet_target(self, replicas: int) -> int:
+    async def set_fleet_target(self, order) -> int:
         """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
-        self.core.set_fleet_target(replicas, time.monotonic())
+        self.core.set_fleet_target(self._order(order, "set_fleet_target").get("replicas"), time.monotonic())
         return self.core.fleet.expected
 
     async def status(self) -> dict:
@@ -218,11 +278,13 @@ class Router:
             # the router process's peak resident memory (it holds every token of its live batches)
             "router_rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "router_cpu_s": time.process_time(),  # CPU seconds of the router's process so far
+            # control orders accepted, and those refused (and reports without a credential) by reason
+            "control": {"accepted": self.verifier.accepted, "refused": dict(self.verifier.refusals)},
         }
 
-    async def set_trace(self, on: bool = True) -> None:
+    async def set_trace(self, order) -> None:
         """Record (time, replica, sequences held) at every pull: benchmarks plot it."""
-        self.core.trace = [] if on else None
+        self.core.trace = [] if self._order(order, "set_trace").get("on", True) else None
         self.submit_t.clear()
 
     async def take_trace(self, batch_id: str) -> list:
@@ -238,10 +300,13 @@ class Router:
         out, self.core.step_samples = self.core.step_samples, []
         return out
 
-    async def set_policy(self, policy: dict) -> str:
+    async def set_policy(self, order) -> str:
         """Swap the policy between batches (benchmarks run every policy on one cluster)."""
         from ..config import PolicyConfig
 
+        policy = self._order(order, "set_policy").get("policy")
+        if not isinstance(policy, dict):
+            raise TypeError(f"policy={policy!r}: must be a mapping")
         if self.core.seqs:
             raise RuntimeError("set_policy: a batch is running; switch policies between batches")
         pc = PolicyConfig(**policy)

@@ -3,7 +3,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -43,11 +45,15 @@ def ray_head():
 def cluster_config():
     from rollout_cluster.config import PolicyConfig, load_config
     from rollout_cluster.model_maker import make_model
+    from rollout_cluster.security.local import ensure_local_secrets
 
     cfg = load_config(ROOT / "configs" / "local-cpu.yaml")
-    if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
+    if not (ROOT / "models" / "tiny-llama" / "rollout-manifest.json").exists():
         make_model(str(ROOT / "models" / "tiny-llama"))
-    cfg.router = cfg.router.model_copy(update={"replica_timeout_s": 8.0, "niceness": 0})
+    cfg.router = cfg.router.model_copy(update={"replica_timeout_s": 8.0, "niceness": 0, "stall_timeout_s": 20.0})
+    # the tests load checkpoints they write under the temporary folder, and the models
+    cfg.security = cfg.security.model_copy(update={"checkpoint_roots": [str(ROOT / "models"), tempfile.gettempdir()]})
+    ensure_local_secrets(cfg)
     cfg.metrics = cfg.metrics.model_copy(update={"port": METRICS_PORT})
     cfg.policy = PolicyConfig(name="pull")
     cfg.sampling = cfg.sampling.model_copy(update={"max_tokens": DEFAULT_MAX_TOKENS})  # what lines leave out
@@ -82,3 +88,12 @@ def collect(client, bid, n):
             assert results[c.index] is None  # never twice
             results[c.index] = c
     return results
+
+
+def http_request(cfg, path: str = "", data=None, method=None, token: bool = True) -> urllib.request.Request:
+    """A request to the app's HTTP route /<app><path>, with the app's bearer token unless `token` is False."""
+    from rollout_cluster.security.secrets import read_token
+
+    base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{cfg.app_name}"
+    headers = {"Authorization": f"Bearer {read_token(cfg.security)}"} if token else {}
+    return urllib.request.Request(base + path, data=data, method=method, headers=headers)

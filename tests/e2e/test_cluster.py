@@ -10,7 +10,7 @@ from rollout_cluster.client.expand import expand
 from rollout_cluster.demo import demo_batch
 from rollout_cluster.protocol import SamplingSpec
 
-from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, ray_env
+from e2e_support import DEFAULT_MAX_TOKENS, ROOT, VENV_BIN, http_request, ray_env
 
 pytestmark = pytest.mark.e2e
 
@@ -102,33 +102,41 @@ def test_cli_generate_jsonl(client, tmp_path):
 
 
 def test_http_generate_takes_and_returns_the_jsonl_format(client, tmp_path):
-    import os
     import urllib.error
     import urllib.request
 
-    base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{client.app_name}"
+    cfg = client.config
     body = ("\n".join(JSONL_IN) + "\n").encode()
-    with urllib.request.urlopen(urllib.request.Request(f"{base}/generate", data=body, method="POST"), timeout=600) as r:
+    with urllib.request.urlopen(http_request(cfg, "/generate", body, "POST"), timeout=600) as r:
         assert r.status == 200 and r.headers["content-type"].startswith("application/x-ndjson")
         (tmp_path / "out.jsonl").write_bytes(r.read())
     _check_jsonl_output(tmp_path / "out.jsonl")
-    with urllib.request.urlopen(base, timeout=60) as r:  # GET: the router's status
+    with urllib.request.urlopen(http_request(cfg), timeout=60) as r:  # GET: the router's status
         assert "replicas" in json.loads(r.read())
-    with urllib.request.urlopen(f"{base}/openapi.json", timeout=60) as r:  # FastAPI's, under the prefix
-        assert {"/", "/generate"} <= set(json.loads(r.read())["paths"])
-    with urllib.request.urlopen(f"{base}/docs", timeout=60) as r:
+    with urllib.request.urlopen(http_request(cfg, "/openapi.json"), timeout=60) as r:  # FastAPI's, under the prefix
+        assert {"/", "/generate", "/healthz"} <= set(json.loads(r.read())["paths"])
+    with urllib.request.urlopen(http_request(cfg, "/docs"), timeout=60) as r:
         assert r.status == 200 and b"openapi.json" in r.read()
+    with urllib.request.urlopen(http_request(cfg, "/healthz", token=False), timeout=60) as r:  # liveness: no token
+        assert r.read() == b"ok"
     version = client.status()["weights"]["version"]
-    for req, code, said in [(urllib.request.Request(f"{base}/generate?timeout_s=soon", data=body, method="POST"),
-                             400, "timeout_s='soon'"),
-                            (urllib.request.Request(f"{base}/generate?weights_version=v1", data=body, method="POST"),
-                             400, "weights_version='v1'"),
-                            (urllib.request.Request(f"{base}/generate?weights_version={version + 5}", data=body,
-                                                    method="POST"), 409, f"fleet's weights are version {version}"),
-                            (urllib.request.Request(f"{base}/generate", method="GET"), 405, "POST /generate")]:
+    wrong = http_request(cfg, "/generate", body, "POST")
+    wrong.add_header("Authorization", "Bearer " + "x" * 43)
+    for req, code, said in [(http_request(cfg, "/generate?timeout_s=soon", body, "POST"), 400, "timeout_s='soon'"),
+                            (http_request(cfg, "/generate?timeout_s=nan", body, "POST"), 400, "timeout_s=nan"),
+                            (http_request(cfg, "/generate?weights_version=v1", body, "POST"), 400, "weights_version='v1'"),
+                            (http_request(cfg, f"/generate?weights_version={version + 5}", body, "POST"), 409,
+                             f"fleet's weights are version {version}"),
+                            (http_request(cfg, "/generate", method="GET"), 405, "POST /generate"),
+                            # every route but /healthz needs the token, the status and the docs too
+                            (http_request(cfg, "/generate", body, "POST", token=False), 401, "bearer token"),
+                            (wrong, 401, "bearer token"),
+                            (http_request(cfg, token=False), 401, "bearer token"),
+                            (http_request(cfg, "/docs", token=False), 401, "bearer token"),
+                            (http_request(cfg, "/openapi.json", token=False), 401, "bearer token")]:
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=60)
-        assert e.value.code == code and said in json.loads(e.value.read())["error"]
+        assert e.value.code == code and said in json.loads(e.value.read())["error"], req.full_url
 
 
 def test_ray_job_submit(client, tmp_path):

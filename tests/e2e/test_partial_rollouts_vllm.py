@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from e2e_support import http_request
 from rollout_cluster.client.jsonl import run_jsonl
 from rollout_cluster.protocol import SamplingSpec, partials
 
@@ -61,14 +62,12 @@ def test_jsonl_lines_resume_what_a_cut_batch_wrote(client, fresh_policy, uncut, 
 
 
 def test_http_generate_cuts_at_finish_fraction_and_refuses_a_bad_one(client, fresh_policy):
-    import os
     import urllib.error
     import urllib.request
 
-    base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{client.app_name}"
     body = "".join(json.dumps({"prompt_token_ids": p, "max_tokens": s.max_tokens, "ignore_eos": True, "logprobs": 0})
                    + "\n" for p, s in zip(PROMPTS, SPECS)).encode()
-    req = urllib.request.Request(f"{base}/generate?finish_fraction=0.25", data=body, method="POST")
+    req = http_request(client.config, "/generate?finish_fraction=0.25", body, "POST")
     with urllib.request.urlopen(req, timeout=600) as r:
         lines = [json.loads(x) for x in r.read().decode().splitlines()]
     assert [o["finish_reason"] for o in lines] == ["length", "abort", "abort", "abort"]
@@ -76,7 +75,7 @@ def test_http_generate_cuts_at_finish_fraction_and_refuses_a_bad_one(client, fre
     for query, said in [("finish_fraction=1.5", "finish_fraction=1.5: must be"),
                         ("finish_fraction=most", "finish_fraction='most': must be"),
                         ("finish_fraction=0.5&finish_by=prompt", "finish_by='prompt': must be one of sample, group")]:
-        bad = urllib.request.Request(f"{base}/generate?{query}", data=body, method="POST")
+        bad = http_request(client.config, f"/generate?{query}", body, "POST")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(bad, timeout=60)
         assert e.value.code == 400 and said in json.loads(e.value.read())["error"], query

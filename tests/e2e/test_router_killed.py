@@ -3,7 +3,6 @@ batches): a driver's generate still returns every sequence once, in its place, b
 again what it had not received. A fleet that sleeps keeps sleeping through the restart, and
 wakes on the weights an update made while it slept names."""
 import json
-import os
 import threading
 import time
 import urllib.request
@@ -11,7 +10,7 @@ import urllib.request
 import pytest
 import ray
 
-from e2e_support import ROOT
+from e2e_support import ROOT, http_request
 from rollout_cluster.client.expand import expand
 from rollout_cluster.model_maker import make_model
 from rollout_cluster.protocol import SamplingSpec
@@ -143,7 +142,6 @@ def test_http_generate_answers_every_line_across_a_router_restart(client, fresh_
     """The HTTP route runs in the Gateway, a deployment of its own: it submits again what the
     killed router's batch had not returned, as the driver does, and answers every line."""
     fresh_policy("pull")
-    base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{client.app_name}"
     lengths = [16] * 4 + [1500] * 20
     lines = [json.dumps({"prompt_token_ids": [80 + i, 7], "max_tokens": n, "ignore_eos": True, "logprobs": 0})
              for i, n in enumerate(lengths)]
@@ -151,8 +149,7 @@ def test_http_generate_answers_every_line_across_a_router_restart(client, fresh_
 
     def post():
         try:
-            req = urllib.request.Request(f"{base}/generate?timeout_s=600", data=("\n".join(lines) + "\n").encode(),
-                                         method="POST")
+            req = http_request(client.config, "/generate?timeout_s=600", ("\n".join(lines) + "\n").encode(), "POST")
             with urllib.request.urlopen(req, timeout=700) as r:
                 out["status"], out["body"] = r.status, r.read().decode()
         except Exception as e:  # noqa: BLE001 (reported below)

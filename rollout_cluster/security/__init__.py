@@ -1,0 +1,6 @@
+"""Who may use the app: the HTTP token, signed control orders, replica credentials (docs/security.md).
+
+- secrets.py reads the token and the control keys from where the config says they are;
+- signing.py signs control orders (Signer) and checks them (OrderVerifier): pure, clock injected;
+- signed_router.py wraps the Router's handle so that callers sign without knowing it.
+"""

@@ -1,0 +1,43 @@
+"""Secrets for a cluster a driver starts itself (RolloutClient.start, the demo, the Ray job).
+
+A config that names no token and no control keys (and whose environment holds none) gets fresh
+random ones, written once to <base_dir>/.secrets/ readable by their owner only, and the config
+is pointed at those files; a config that names files that do not exist yet gets them created.
+The Router, the Gateway and the replicas then read them as they would a mounted Kubernetes
+Secret. An app deployed any other way (serve deploy, a RayService) gets nothing made for it: it
+refuses to start without its secrets (docs/security.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from ..config import ClusterConfig
+from .secrets import new_token, read_keys, read_token, write_private
+
+log = logging.getLogger(__name__)
+SECRETS_DIR = ".secrets"
+
+
+def ensure_local_secrets(cfg: ClusterConfig) -> list[str]:
+    """Point `cfg.security` at secret files, making those that are missing; returns the files made."""
+    sec = cfg.security
+    folder = Path(cfg.base_dir or os.getcwd()) / SECRETS_DIR
+    made, update = [], {}
+    if not sec.token_file and read_token(sec) is None and not sec.allow_unauthenticated:
+        update["token_file"] = str(folder / "token")
+    if not sec.control_keys_file and not read_keys(sec) and not sec.allow_unsigned_control:
+        update["control_keys_file"] = str(folder / "control-keys")
+    if update:
+        cfg.security = sec = sec.model_copy(update=update)
+    for path, make in ((sec.token_file, new_token),
+                       (sec.control_keys_file, lambda: f"local-{secrets.token_hex(4)} {secrets.token_hex(32)}\n")):
+        if path and not os.path.exists(path):
+            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+            write_private(path, make() if make is not new_token else make() + "\n")
+            made.append(path)
+    for path in made:
+        log.info("made the secret file %s (readable by its owner only)", path)
+    return made

@@ -1,0 +1,20 @@
+"""Calling the Serve Router's methods in-process, as its callers do: signed, with a credential."""
+from rollout_cluster.config import SecurityConfig
+from rollout_cluster.security.secrets import read_keys
+from rollout_cluster.security.signing import Signer
+
+SIGNER = Signer(read_keys(SecurityConfig()))  # the tests' key (conftest.TEST_CONTROL_KEYS)
+
+
+async def pull(router, report):
+    """router.pull(report) as a registered replica sends it: registered on its first report."""
+    if report.replica_id not in router.credentials:
+        await router.register(SIGNER.sign("register", {"replica_id": report.replica_id,
+                                                       "incarnation": report.incarnation}))
+    report.credential = router.credentials[report.replica_id]
+    return await router.pull(report)
+
+
+def order(op: str, **args):
+    """A signed control order for one of the Router's control methods."""
+    return SIGNER.sign(op, args)
