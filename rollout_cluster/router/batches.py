@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..protocol import BatchLostError, Completion
 from .state import GroupState
 
 DROPPED_KEPT = 1024  # abandoned batches remembered, to tell a late fetch why its batch is gone
-BATCH_ID = re.compile(r"^(.+-)b\d+$")  # "<the router's id prefix>b<n>": which router made a batch
+BATCH_ID = re.compile(r"^(.+?-)b\d+(?:-[0-9a-f]{16})?$")  # "<router's id prefix>b<n>[-<salt>]": which router made it
 CANCELLED_UNFETCHED_S = 60.0  # a cancelled batch (driver timed out) not fetched for this long is dropped
 
 
@@ -40,10 +40,13 @@ class BatchState:
 
 
 class Batches:
-    def __init__(self, id_prefix: str = ""):
-        # Batch ids are "<id_prefix>b<n>". The Serve router passes its own id: after a restart,
-        # replicas may still run the old router's sequences, whose ids must not match new ones.
+    def __init__(self, id_prefix: str = "", id_salt: Optional[Callable[[], str]] = None):
+        # Batch ids are "<id_prefix>b<n>", and "<id_prefix>b<n>-<salt>" with `id_salt` (16 hex
+        # digits). The Serve router passes its own id: after a restart, replicas may still run the
+        # old router's sequences, whose ids must not match new ones; and a random salt, since any
+        # caller who knows a batch's id can fetch it.
         self.id_prefix = id_prefix
+        self.id_salt = id_salt
         self.live: dict[str, BatchState] = {}  # batch_id -> state, until released or dropped
         self.dropped: dict[str, str] = {}  # batch_id -> why it was dropped unfetched (bounded, in order)
         # (batch_id, prompt_index) -> the group of a prompt's samples, whose lengths correlate: the
@@ -72,7 +75,7 @@ class Batches:
     def open(self, size: int, now: float, weights_version: int, batch_id: Optional[str] = None) -> BatchState:
         """A new batch of `size` sequences (its id made here unless given)."""
         if batch_id is None:
-            batch_id = f"{self.id_prefix}b{self._next}"
+            batch_id = f"{self.id_prefix}b{self._next}" + (f"-{self.id_salt()}" if self.id_salt else "")
             self._next += 1
         batch = BatchState(batch_id, size, now, [None] * size, weights_version=weights_version, fetched_t=now)
         self.live[batch_id] = batch

@@ -71,7 +71,7 @@ def _append_bounded(values: list, value, keep: int) -> None:
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
-                 id_prefix: str = "", limits: Optional[BatchLimits] = None):
+                 id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None):
         self.policy = policy
         self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
@@ -82,7 +82,7 @@ class RouterCore:
         self.seqs: dict[str, SeqState] = {}  # seq_id -> state, every unfinished sequence of every batch
         self.give_up_t: dict[str, tuple[float, Optional[str]]] = {}  # seq_id -> (when ordered, destination)
         self.model: Optional[ModelInfo] = None  # the first replica's; requests are checked against it
-        self.batches = Batches(id_prefix)
+        self.batches = Batches(id_prefix, id_salt)  # id_salt: () -> 16 hex digits of a batch id (Serve: random)
         self.fleet = Fleet(expected_replicas, replica_timeout_s)
         self.outbox = Outbox()
         self.weights = FleetWeights()

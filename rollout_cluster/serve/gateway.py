@@ -146,6 +146,16 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     return app
 
 
+def http_token(security) -> Optional[str]:
+    """The token the routes ask for; RuntimeError when none is configured and the config does not
+    say security.allow_unauthenticated (None then)."""
+    token = read_token(security)
+    if token is None and not security.allow_unauthenticated:
+        raise RuntimeError("no HTTP token configured (security.token_file, or $ROLLOUT_TOKEN / $ROLLOUT_TOKEN_FILE): "
+                           "set one, or security.allow_unauthenticated: true to serve HTTP to anyone")
+    return token
+
+
 async def read_bounded(request: Request, max_bytes: int) -> Optional[bytes]:
     """The body, read as a stream; None as soon as it passes `max_bytes` (a Content-Length past
     it is refused before a byte is read)."""
@@ -174,10 +184,7 @@ class Gateway:
     def __init__(self, router, replicas, config: dict):
         cfg = load_config(config)
         sec = cfg.security
-        self.token = read_token(sec)
-        if self.token is None and not sec.allow_unauthenticated:
-            raise RuntimeError("no HTTP token configured (security.token_file, or $ROLLOUT_TOKEN / $ROLLOUT_TOKEN_FILE): "
-                               "set one, or security.allow_unauthenticated: true to serve HTTP to anyone")
+        self.token = http_token(sec)
         # the Gateway cancels the batches it runs (a timeout, a cut): signed as a driver's cancel is
         self.router = SignedRouter(router, Signer(read_keys(sec)))
         self.replicas = replicas

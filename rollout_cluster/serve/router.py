@@ -51,8 +51,8 @@ class Router:
         # Which router process this is: a restart (which loses every live batch) changes it.
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
-                               id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits))
-        self.batches_made = 0
+                               id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits),
+                               id_salt=lambda: secrets.token_hex(8))  # a batch's id is its capability: unguessable
         # Control orders are signed (security/signing.py); each replica reports with the credential
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
@@ -179,12 +179,8 @@ class Router:
                     f"{what} after {wait:.0f} s (router.submit_wait_for_replica_s): "
                     "the batch was not run; check that the engine replicas started")
             await asyncio.sleep(0.1)
-        # A batch's id is its capability: fetch takes any id, so no caller may guess another's.
-        self.batches_made += 1
-        bid = f"{self.router_id[:6]}-b{self.batches_made}-{secrets.token_hex(8)}"
         try:
-            bid = core.submit(requests, time.monotonic(), batch_id=bid, weights_version=weights_version,
-                              previous_ids=previous_ids)
+            bid = core.submit(requests, time.monotonic(), weights_version=weights_version, previous_ids=previous_ids)
         except LimitExceeded as e:
             self.metrics.batch_refused(e.limit)
             raise
@@ -278,7 +274,7 @@ class Router:
             # the router process's peak resident memory (it holds every token of its live batches)
             "router_rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "router_cpu_s": time.process_time(),  # CPU seconds of the router's process so far
-            # control orders accepted, and those refused (and reports without a credential) by reason
+            # control orders whose signature held, and those refused (and reports without a credential) by reason
             "control": {"accepted": self.verifier.accepted, "refused": dict(self.verifier.refusals)},
         }
 
