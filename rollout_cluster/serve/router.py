@@ -80,13 +80,18 @@ class Router:
         return credential
 
     def _known(self, report: Report) -> bool:
+        """The report carries the credential its replica registered with. A replica this router
+        never registered (it restarted) is only asked to register; a wrong credential for a
+        registered one is a forgery, counted as `report_credential`."""
         expected = self.credentials.get(report.replica_id) if isinstance(report.replica_id, str) else None
+        if expected is None:
+            return False
         given = report.credential if isinstance(report.credential, str) else ""
-        ok = hmac.compare_digest((expected or "-").encode(), given.encode()) and expected is not None
-        if not ok:
-            self.verifier.refusals["report_credential"] += 1
-            self.metrics.refused("report_credential")
-        return ok
+        if hmac.compare_digest(expected.encode(), given.encode()):
+            return True
+        self.verifier.refusals["report_credential"] += 1
+        self.metrics.refused("report_credential")
+        return False
 
     async def _reap(self) -> None:
         while True:
