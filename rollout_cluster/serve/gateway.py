@@ -19,6 +19,7 @@ resubmits what was not received; the Gateway is a deployment of its own that out
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -40,6 +41,11 @@ from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionErro
 from ..security.secrets import read_keys, read_token
 from ..security.signed_router import SignedRouter
 from ..security.signing import Signer
+from ..text.codec import TextCodec
+from .http_body import read_bounded
+from .protocols.batch import ProtocolContext
+from .protocols.openai import openai_routes
+from .protocols.trl import trl_routes
 
 # What a query parameter that does not parse must be (400, naming it and the value)
 MUST_BE = {"timeout_s": "not a number", "weights_version": "must be an integer >= 0",
@@ -50,7 +56,9 @@ JSONL_BODY = {"requestBody": {"required": True, "content": {NDJSON: {"schema": {
                                      "...} (client/jsonl.py)"}}}}}
 
 
-OPEN_PATHS = {"/healthz"}  # the only route without a token
+# The routes without a token: liveness only. TRL's client polls /health (/health/ before 1.11)
+# with a bare request that carries no credentials, and waits for ever on a 401.
+OPEN_PATHS = {"/healthz", "/health", "/health/"}
 
 
 def _digest(text: str) -> bytes:
@@ -58,11 +66,13 @@ def _digest(text: str) -> bytes:
 
 
 def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s: float = 120.0,
-                token: Optional[str] = None, limits: Optional[LimitsConfig] = None) -> FastAPI:
+                token: Optional[str] = None, limits: Optional[LimitsConfig] = None,
+                protocols: Optional[ProtocolContext] = None) -> FastAPI:
     """The routes over `router` (the Router's Serve handle, or anything with its methods).
     `sampling_defaults`: the config's `sampling`, what a line leaves out. `token`: what every
     route but /healthz asks for (None: no token; the Gateway deployment refuses that unless the
-    config allows it). `limits`: the config's."""
+    config allows it). `limits`: the config's. `protocols`: with it, the OpenAI-compatible and
+    TRL routes too (protocols/)."""
     defaults = sampling_defaults or {}
     limits = limits or LimitsConfig()
     want = _digest(token) if token is not None else None
@@ -75,9 +85,8 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
             path = path[len(root):]
         if want is None or (path or "/") in OPEN_PATHS:
             return await call_next(request)
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # digests of equal length, compared in constant time: neither the token nor its length leaks
-        if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(given.strip()), want):
+        if not hmac.compare_digest(_digest(presented(request.headers.get("authorization", ""))), want):
             return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <token>; "
                                           "security.token_file)"}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -86,6 +95,10 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     @app.get("/healthz", summary="liveness: 'ok', without a token")
     async def healthz():
         return Response("ok", media_type="text/plain")
+
+    if protocols is not None:
+        app.include_router(openai_routes(protocols))
+        app.include_router(trl_routes(protocols))
 
     @app.get("/", summary="the router's status")
     async def status():
@@ -146,6 +159,21 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     return app
 
 
+def presented(header: str) -> str:
+    """The token an Authorization header presents: `Bearer <token>`, or HTTP Basic auth whose
+    password is the token (what a client sends for `http://user:<token>@host/...`, or from
+    ~/.netrc: TRL's client has no other way to send one)."""
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return ""
+    return ""
+
+
 def http_token(security) -> Optional[str]:
     """The token the routes ask for; RuntimeError when none is configured and the config does not
     say security.allow_unauthenticated (None then)."""
@@ -154,21 +182,6 @@ def http_token(security) -> Optional[str]:
         raise RuntimeError("no HTTP token configured (security.token_file, or $ROLLOUT_TOKEN / $ROLLOUT_TOKEN_FILE): "
                            "set one, or security.allow_unauthenticated: true to serve HTTP to anyone")
     return token
-
-
-async def read_bounded(request: Request, max_bytes: int) -> Optional[bytes]:
-    """The body, read as a stream; None as soon as it passes `max_bytes` (a Content-Length past
-    it is refused before a byte is read)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _error(message: str, status_code: int, headers: Optional[dict] = None) -> JSONResponse:
@@ -192,4 +205,8 @@ class Gateway:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         cfg = self.cfg
-        return gateway_app(self.router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits)
+        protocols = ProtocolContext(self.router, TextCodec.load(cfg.model_path()), cfg.limits, cfg.router.call_timeout_s,
+                                    model_name=cfg.engine.model, model_root=cfg.model_path(),
+                                    world_size=cfg.engine.tensor_parallel_size)
+        return gateway_app(self.router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits,
+                           protocols)

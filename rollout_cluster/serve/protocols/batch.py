@@ -1,0 +1,212 @@
+"""What the protocols share: a request's prompts and sampling into one batch for the router, and
+its completions back as text, with stop strings applied.
+
+A request is checked whole before anything is submitted (vLLM refuses a bad request whole too):
+its prompts against the engine's vocabulary and context, its sampling against vLLM's ranges and
+the config's `limits`. One request is one batch to the router, so its samples are balanced and
+migrated across replicas like any other batch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from ...client.expand import expand
+from ...client.loops import follow_batch
+from ...config import LimitsConfig
+from ...parsing import DuplicateKeyError, NestingError, load_json
+from ...protocol import (Completion, InputError, LimitExceeded, ModelInfo, RouterBusy, SamplingSpec,
+                         is_int)
+from ...text.codec import NoTokenizer, TextCodec
+from ...validation import check_request
+from ..http_body import read_bounded
+
+
+class ProtocolError(Exception):
+    """A request refused: the HTTP status, a message naming the field, and the field (`param`)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: str = "BadRequestError",
+                 retry_after_s: Optional[int] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ProtocolContext:
+    """What every protocol route needs from the Gateway."""
+
+    router: object  # the Router's handle (a SignedRouter in the Gateway: it cancels what it runs)
+    codec: Optional[TextCodec]  # the model's tokenizer; None: prompts are token ids, no text comes back
+    limits: LimitsConfig  # the config's limits (n, batch size, the Retry-After of a busy answer)
+    call_timeout_s: float  # bound on each router call
+    model_name: str  # the id /v1/models lists; a request may name it (or the model's path)
+    model_root: str  # the model's path
+    batch_timeout_s: float = 3600.0  # a request's batch is cancelled past this
+    world_size: int = 1  # GPUs (tensor-parallel ranks) per engine, for TRL's /get_world_size
+    _model: Optional[ModelInfo] = field(default=None, repr=False)  # the engine's limits, once a replica said them
+
+    async def model_info(self) -> Optional[ModelInfo]:
+        if self._model is None:
+            st = await self.router.status.remote()
+            if st.get("model"):
+                self._model = ModelInfo(**st["model"])
+        return self._model
+
+    def names_model(self, name) -> bool:
+        return name in (None, "", self.model_name, self.model_root)
+
+
+async def read_json(request, limits: LimitsConfig) -> dict:
+    """The body as a JSON object, read within limits.max_body_bytes; ProtocolError otherwise."""
+    body = await read_bounded(request, limits.max_body_bytes)
+    if body is None:
+        raise ProtocolError(413, f"the body is larger than limits.max_body_bytes={limits.max_body_bytes}")
+    try:
+        obj = load_json(body.decode("utf-8"))
+    except DuplicateKeyError as e:
+        raise ProtocolError(400, f"{e.key} is given twice in one object", e.key) from None
+    except NestingError:
+        raise ProtocolError(400, "the body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(400, f"the body is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(400, "the body must be a JSON object")
+    return obj
+
+
+def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt as token ids: a string goes through the model's tokenizer, a list must hold ids."""
+    if isinstance(prompt, str):
+        if ctx.codec is None:
+            raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json): send token ids", param)
+        if not prompt:
+            raise ProtocolError(400, f"{param}: must not be empty", param)
+        return ctx.codec.encode(prompt, add_special_tokens)
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return list(prompt)
+    raise ProtocolError(400, f"{param}: must be a non-empty string or a non-empty list of token ids", param)
+
+
+def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Optional[dict] = None) -> list[int]:
+    """A conversation's prompt through the model's chat template, as token ids."""
+    if ctx.codec is None:
+        raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ProtocolError(400, f"{param}: must be a non-empty list of messages", param)
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ProtocolError(400, f"{param}[{i}]: needs a string role and a string content", f"{param}[{i}]")
+    try:
+        text = ctx.codec.render_chat(messages, True, **(template_kwargs or {}))
+    except NoTokenizer as e:
+        raise ProtocolError(400, f"{param}: {e}", param) from None
+    except Exception as e:  # the template raised (raise_exception) or did not render
+        raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
+    return ctx.codec.encode(text, add_special_tokens=False)
+
+
+def spec_of(fields: dict) -> SamplingSpec:
+    """A SamplingSpec from the protocol's sampling fields (already named as SamplingSpec's);
+    ProtocolError naming the first bad one."""
+    try:
+        spec = SamplingSpec(**fields)
+        spec.validate()
+    except InputError as e:
+        raise ProtocolError(400, str(e), e.field) from None
+    except TypeError as e:
+        raise ProtocolError(400, str(e)) from None
+    return spec
+
+
+async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSpec) -> list:
+    """The batch's SequenceRequests (prompt-major), every one checked against the engine's limits."""
+    limits = ctx.limits
+    if spec.n > limits.max_n:
+        raise ProtocolError(400, f"n={spec.n}: at most limits.max_n={limits.max_n} samples per prompt", "n")
+    if len(prompts) * spec.n > limits.max_batch_sequences:
+        raise ProtocolError(400, f"{len(prompts)} prompts x n={spec.n}: at most limits.max_batch_sequences="
+                                 f"{limits.max_batch_sequences} sequences a request", "prompt")
+    requests = expand(prompts, spec)
+    model = await ctx.model_info()
+    for req in requests[::spec.n]:
+        try:
+            check_request(req, model)
+        except InputError as e:
+            where = f" (prompt {req.prompt_index})" if len(prompts) > 1 else ""
+            raise ProtocolError(400, f"{e}{where}", e.field) from None
+    return requests
+
+
+async def stream_batch(ctx: ProtocolContext, requests: list) -> AsyncIterator[Completion]:
+    """The batch's completions as they finish; the router's refusals as ProtocolErrors."""
+    try:
+        async for c in follow_batch(ctx.router, requests, ctx.batch_timeout_s, ctx.call_timeout_s):
+            if c.error:
+                raise ProtocolError(400, c.error)
+            yield c
+    except RouterBusy as e:  # 503 + Retry-After: the clients these routes serve retry it (TRL does not retry 429)
+        raise ProtocolError(503, str(e), kind="ServiceUnavailableError", retry_after_s=ctx.limits.retry_after_s) from None
+    except LimitExceeded as e:
+        raise ProtocolError(400, str(e)) from None
+    except TimeoutError as e:
+        raise ProtocolError(504, str(e), kind="TimeoutError") from None
+    except ProtocolError:
+        raise
+    except Exception as e:  # no live replica, a lost batch: say why; nothing of it comes back
+        raise ProtocolError(503, f"{type(e).__name__}: {e}", kind="ServiceUnavailableError",
+                            retry_after_s=ctx.limits.retry_after_s) from None
+
+
+async def run_batch(ctx: ProtocolContext, requests: list) -> list[Completion]:
+    """Every completion of the batch, in request order (prompt-major)."""
+    results: list = [None] * len(requests)
+    async for c in stream_batch(ctx, requests):
+        results[c.index] = c
+    return results
+
+
+@dataclass
+class Output:
+    """One sample as a protocol returns it."""
+
+    token_ids: list  # generated ids (cut after a stop string)
+    logprobs: Optional[list]  # the sampled tokens' logprobs, aligned with token_ids
+    text: str  # token_ids decoded ("" without a tokenizer)
+    finish_reason: str  # "stop", "length" or "abort"
+    stop_reason: object = None  # the stop string that ended it
+
+
+def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bool = False) -> Output:
+    """A completion as text, cut at the first stop string (the engines run without detokenizer,
+    so stop strings are applied here, on the whole output)."""
+    ids, logprobs = list(c.token_ids), (list(c.logprobs) if c.logprobs is not None else None)
+    if ctx.codec is None:
+        return Output(ids, logprobs, "", c.finish_reason)
+    if stops:
+        from tokenizers.decoders import DecodeStream
+
+        stream, text = DecodeStream(skip_special_tokens=True), ""
+        for k, t in enumerate(ids):
+            text += stream.step(ctx.codec.tokenizer, t) or ""
+            hit = min(((text.find(s), s) for s in stops if s and s in text), default=None)
+            if hit is not None:
+                at, s = hit
+                return Output(ids[:k + 1], logprobs[:k + 1] if logprobs is not None else None,
+                              text[:at + len(s)] if include_stop else text[:at], "stop", s)
+    return Output(ids, logprobs, ctx.codec.decode(ids), c.finish_reason)
+
+
+def stop_list(value, param: str = "stop") -> list:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ProtocolError(400, f"{param}: must be a string or a list of strings", param)
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

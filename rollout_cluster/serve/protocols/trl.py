@@ -1,0 +1,177 @@
+"""The routes of TRL's `trl vllm-serve`, so that TRL's VLLMClient (and GRPOTrainer with
+vllm_mode="server") talks to the whole fleet as to one vLLM server.
+
+- TRL up to 1.10 speaks its own protocol: GET /health/, GET /get_world_size/, POST /generate/
+  (prompts as strings or token-id lists), POST /chat/ (a batch of conversations),
+  POST /reset_prefix_cache/. Answers: {prompt_ids, completion_ids, logprobs, logprob_token_ids};
+  a bad field is FastAPI's 422 naming it, as TRL's own server answers.
+- TRL from 1.11 talks to vLLM's OpenAI server (openai.py) plus GET /health, GET /get_world_size
+  and POST /reset_prefix_cache, served here.
+The weight routes (/init_communicator/, /update_named_param/, /close_communicator/ and
+1.11's weight-transfer routes) are not served yet: update weights with RolloutClient.update_weights.
+
+TRL's client retries a POST answered 500, 502 or 503; a full router answers 503 with Retry-After
+(nothing of the request was registered, so the retry is safe), and a bad request never answers 500.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .batch import (ProtocolContext, ProtocolError, checked_requests, chat_prompt, output_of, prompt_ids,
+                    read_json, run_batch, spec_of, stop_list)
+
+# generation_kwargs keys (vLLM SamplingParams names) this cluster honours, beyond the request's fields
+GENERATION_KWARGS = {"ignore_eos", "min_tokens", "seed", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                     "max_tokens", "temperature", "top_p", "top_k", "n", "repetition_penalty", "logprobs", "stop",
+                     "include_stop_str_in_output", "min_p", "cache_salt"}
+
+
+class TRLSampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: int = 1
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    logprobs: Optional[int] = 0
+    images: Optional[list] = None
+    structured_outputs_regex: Optional[str] = None
+    guided_decoding_regex: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    generation_kwargs: dict = {}
+
+
+class GenerateRequest(TRLSampling):
+    prompts: Union[list[str], list[list[int]]]
+
+
+class ChatRequest(TRLSampling):
+    messages: list[list[dict]]
+    chat_template_kwargs: dict = {}
+    tools: Optional[list] = None
+
+
+def unprocessable(field: str, message: str, value=None) -> JSONResponse:
+    """FastAPI's 422, as TRL's own server answers a bad field."""
+    return JSONResponse({"detail": [{"type": "value_error", "loc": ["body", field], "msg": message,
+                                     "input": value}]}, status_code=422)
+
+
+def refusal(e: ProtocolError) -> JSONResponse:
+    if e.status == 400:
+        return unprocessable(e.param or "body", e.message)
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
+    return JSONResponse({"detail": e.message}, status_code=e.status, headers=headers)
+
+
+def _parse(model: type, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ProtocolError(400, f"{first['msg']}", ".".join(str(p) for p in first["loc"])) from None
+
+
+def _spec(req: TRLSampling) -> tuple:
+    """(SamplingSpec, stop strings, include_stop) of a request: its fields, then generation_kwargs over them."""
+    for name in ("images", "structured_outputs_regex", "guided_decoding_regex", "truncate_prompt_tokens"):
+        if getattr(req, name) is not None:
+            raise ProtocolError(400, f"{name}: not supported by rollout_cluster", name)
+    fields = {"n": req.n, "repetition_penalty": req.repetition_penalty, "temperature": req.temperature,
+              "top_p": req.top_p, "top_k": req.top_k, "max_tokens": req.max_tokens, "logprobs": req.logprobs,
+              "min_p": req.min_p}
+    for key, value in req.generation_kwargs.items():
+        if key not in GENERATION_KWARGS:
+            raise ProtocolError(400, f"generation_kwargs.{key}: not supported (supported: "
+                                     f"{', '.join(sorted(GENERATION_KWARGS))})", f"generation_kwargs.{key}")
+        fields[key] = value
+    stops = stop_list(fields.pop("stop", None), "generation_kwargs.stop")
+    include = fields.pop("include_stop_str_in_output", False)
+    if fields.pop("min_p", 0.0) not in (0, 0.0):
+        raise ProtocolError(400, "min_p: only 0 is supported", "min_p")
+    if fields.get("logprobs") not in (None, 0):
+        raise ProtocolError(400, f"logprobs={fields['logprobs']}: only the sampled token's logprob is available "
+                                 "(logprobs=0)", "logprobs")
+    if "stop_token_ids" in fields and isinstance(fields["stop_token_ids"], list):
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+    return spec_of(fields), stops, include
+
+
+async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> dict:
+    requests = await checked_requests(ctx, prompts, spec)
+    outputs = [output_of(ctx, c, stops, include) for c in await run_batch(ctx, requests)]
+    with_logprobs = spec.logprobs is not None
+    return {"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
+            "logprobs": [[[lp] for lp in o.logprobs] for o in outputs] if with_logprobs else None,
+            "logprob_token_ids": [[[t] for t in o.token_ids] for o in outputs] if with_logprobs else None}
+
+
+async def _world_size(ctx: ProtocolContext) -> int:
+    st = await ctx.router.status.remote()
+    return max(1, int(st.get("expected_replicas") or len(st.get("replicas") or {}) or 1)) * ctx.world_size
+
+
+def trl_routes(ctx: ProtocolContext) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/health/", summary="TRL <= 1.10: liveness (no token needed)")
+    async def health_legacy():
+        return {"status": "ok"}
+
+    @api.get("/health", summary="TRL >= 1.11 / vLLM: liveness (no token needed)")
+    async def health():
+        return Response(status_code=200)
+
+    @api.get("/get_world_size/", summary="TRL <= 1.10: GPUs of the engine fleet")
+    async def world_size_legacy():
+        return {"world_size": await _world_size(ctx)}
+
+    @api.get("/get_world_size", summary="TRL >= 1.11: GPUs of the engine fleet")
+    async def world_size():
+        return {"world_size": await _world_size(ctx)}
+
+    @api.post("/generate/", summary="TRL <= 1.10: prompts (strings or token ids) x n samples")
+    async def generate(request: Request):
+        try:
+            req = _parse(GenerateRequest, await read_json(request, ctx.limits))
+            spec, stops, include = _spec(req)
+            prompts = [prompt_ids(ctx, p, f"prompts[{i}]") for i, p in enumerate(req.prompts)]
+            if not prompts:
+                raise ProtocolError(400, "prompts: must not be empty", "prompts")
+            return await _answer(ctx, prompts, spec, stops, include)
+        except ProtocolError as e:
+            return refusal(e)
+
+    @api.post("/chat/", summary="TRL <= 1.10: conversations x n samples, through the chat template")
+    async def chat(request: Request):
+        try:
+            req = _parse(ChatRequest, await read_json(request, ctx.limits))
+            spec, stops, include = _spec(req)
+            kwargs = dict(req.chat_template_kwargs)
+            if req.tools:
+                kwargs["tools"] = req.tools
+            prompts = [chat_prompt(ctx, m, f"messages[{i}]", kwargs) for i, m in enumerate(req.messages)]
+            if not prompts:
+                raise ProtocolError(400, "messages: must not be empty", "messages")
+            return await _answer(ctx, prompts, spec, stops, include)
+        except ProtocolError as e:
+            return refusal(e)
+
+    async def reset() -> bool:
+        return bool(await ctx.router.reset_prefix_cache.remote())
+
+    @api.post("/reset_prefix_cache/", summary="TRL <= 1.10: every engine drops its prefix cache")
+    async def reset_legacy():
+        return {"message": f"Request received, resetting prefix cache status: {await reset()}"}
+
+    @api.post("/reset_prefix_cache", summary="TRL >= 1.11 / vLLM: every engine drops its prefix cache")
+    async def reset_new():
+        return {"success": await reset()}
+
+    return api

@@ -1,0 +1,85 @@
+"""TextCodec: strings to token ids and back, and chat messages to a prompt, for the HTTP
+protocols (TRL's /generate/ and /chat/, OpenAI's /v1/completions and /v1/chat/completions).
+
+It reads a Hugging Face model folder's tokenizer.json with the `tokenizers` library and renders
+the chat template (tokenizer_config.json's `chat_template`, or chat_template.jinja) in a sandboxed
+Jinja environment, as transformers' apply_chat_template does, without importing transformers in
+the Gateway. A model without tokenizer.json has no codec: token-id prompts still work, and a text
+prompt is refused naming the field.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+
+class NoTokenizer(ValueError):
+    """Text was given (or asked for) but the model has no tokenizer."""
+
+
+class TextCodec:
+    def __init__(self, tokenizer, chat_template: Optional[str], special: dict):
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer
+        self.chat_template = chat_template  # Jinja source, or None
+        self.special = special  # bos_token, eos_token, pad_token as strings (the template may use them)
+        self._template = None
+        eos = special.get("eos_token")
+        self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
+
+    @classmethod
+    def load(cls, model_dir: str) -> Optional["TextCodec"]:
+        """The codec of a model folder, or None when it has no tokenizer.json."""
+        from tokenizers import Tokenizer
+
+        folder = Path(model_dir)
+        if not (folder / "tokenizer.json").is_file():
+            return None
+        config = {}
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), template, special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as the model's tokenizer makes them; `add_special_tokens`: its
+        post-processor's (a BOS, say), as a completion's prompt gets and a chat template's text does not."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token on its own, decoded (OpenAI's logprobs.tokens)."""
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def render_chat(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text of `messages` through the model's chat template."""
+        if self.chat_template is None:
+            raise NoTokenizer("the model's tokenizer has no chat template (tokenizer_config.json chat_template)")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special, **kwargs)
+
+
+def _token_text(value) -> Optional[str]:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)

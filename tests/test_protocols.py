@@ -1,0 +1,244 @@
+"""The OpenAI-compatible and TRL routes of the Gateway over an in-process router (a real
+RouterCore and one fake replica), driven by the real `openai` client where it can be: its HTTP
+client is Starlette's TestClient. The e2e suite drives them on real engines with TRL's own
+VLLMClient too (tests/e2e/test_trainer_protocols.py)."""
+import json
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from rollout_cluster.config import LimitsConfig
+from rollout_cluster.protocol import ModelInfo, SeqProgress
+from rollout_cluster.serve.gateway import gateway_app
+from rollout_cluster.serve.protocols.batch import ProtocolContext
+from rollout_cluster.text.codec import TextCodec
+from rollout_cluster.text.make_tokenizer import make_tokenizer
+from test_router_restart import FakeRouter, Method
+
+TOKEN = "proto-token-" + "z" * 24
+SCRIPT = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(str(folder), vocab_size=1000)
+    return TextCodec.load(str(folder))
+
+
+class TextRouter(FakeRouter):
+    """The fake replica writes SCRIPT's tokens (from the start, cut at max_tokens), each with
+    logprob -0.5; `status` and `reset_prefix_cache` answer as the Router's do."""
+
+    def __init__(self, codec, per_fetch=3):
+        self.script = codec.encode(SCRIPT) * 20
+        self.resets = 0
+        self.busy = False
+        super().__init__(per_fetch)
+        self.status = Method(lambda: {"model": ModelInfo(1000, 4096).__dict__, "expected_replicas": 2, "replicas": {}})
+        self.reset_prefix_cache = Method(self._reset)
+
+    def _reset(self):
+        self.resets += 1
+        return True
+
+    def _submit(self, requests, *a, **kw):
+        if self.busy:
+            from rollout_cluster.router.limits import BatchLimits
+
+            BatchLimits(max_live_sequences=1).check_batch(len(requests), live=1)
+        return super()._submit(requests, *a, **kw)
+
+    def _fetch(self, batch_id, cursor, wait_s):
+        self.running += self.core.decide("a", self.now).start
+        done, self.running = self.running[:self.per_fetch], self.running[self.per_fetch:]
+        self.report([SeqProgress(w.seq_id, w.attempt, self.script[:w.sampling.max_tokens],
+                                 [-0.5] * w.sampling.max_tokens if w.sampling.logprobs is not None else None,
+                                 "length", offset=0) for w in done])
+        new, cursor, finished = self.core.fetch(batch_id, cursor, self.now)
+        if finished:
+            self.core.release(batch_id)
+        return new, cursor, finished
+
+
+@pytest.fixture
+def router(codec):
+    return TextRouter(codec)
+
+
+def app_over(router, codec, **limits):
+    ctx = ProtocolContext(router, codec, LimitsConfig(**limits), 5.0, model_name="models/tiny", model_root="/m/tiny",
+                          world_size=1)
+    return TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(**limits), ctx))
+
+
+@pytest.fixture
+def http(router, codec):
+    return app_over(router, codec)
+
+
+@pytest.fixture
+def client(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=TOKEN, http_client=http, max_retries=0)
+
+
+# ---- OpenAI ---------------------------------------------------------------------------------------
+def test_models_lists_the_served_model(client):
+    (m,) = client.models.list().data
+    assert m.id == "models/tiny" and m.model_extra["max_model_len"] == 4096
+
+
+def test_text_completion_with_n_logprobs_and_token_ids(client, codec):
+    out = client.completions.create(model="models/tiny", prompt="Prove that", n=2, max_tokens=5, logprobs=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = codec.encode(SCRIPT)[:5]
+    assert [c.index for c in out.choices] == [0, 1]
+    for c in out.choices:
+        assert c.model_extra["token_ids"] == ids and c.text == codec.decode(ids) and c.finish_reason == "length"
+        assert c.model_extra["prompt_token_ids"] == codec.encode("Prove that")
+        assert c.logprobs.token_logprobs == [-0.5] * 5 and "".join(c.logprobs.tokens) == c.text
+        assert c.logprobs.text_offset[0] == 0 and c.logprobs.top_logprobs[0] == {c.logprobs.tokens[0]: -0.5}
+    assert out.usage.completion_tokens == 10 and out.usage.prompt_tokens == len(codec.encode("Prove that"))
+
+
+def test_token_id_prompts_come_back_prompt_major(client):
+    out = client.completions.create(model="models/tiny", prompt=[[5, 6, 7], [8, 9]], n=3, max_tokens=4,
+                                    extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
+                                    logprobs=0)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.model_extra["prompt_token_ids"] for c in out.choices] == [[5, 6, 7]] * 3 + [[8, 9]] * 3
+    assert all(c.logprobs.tokens == [f"token_id:{t}" for t in c.model_extra["token_ids"]] for c in out.choices)
+
+
+def test_a_stream_sends_every_choice_once_then_done(client, codec, http):
+    chunks = list(client.completions.create(model="models/tiny", prompt=["a b", "c d"], n=2, max_tokens=6,
+                                            stream=True, stream_options={"include_usage": True}))
+    by_index = {}
+    for ch in chunks:
+        for c in ch.choices:
+            assert c.index not in by_index  # each choice once, whole
+            by_index[c.index] = c
+    assert sorted(by_index) == [0, 1, 2, 3] and chunks[-1].usage.completion_tokens == 24
+    assert all(c.text == codec.decode(codec.encode(SCRIPT)[:6]) for c in by_index.values())
+    raw = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True},
+                    headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert raw.endswith("data: [DONE]\n\n") and raw.count("data: ") == 2
+
+
+def test_stop_strings_cut_the_text_and_the_tokens(client, codec):
+    out = client.completions.create(model="models/tiny", prompt="x", max_tokens=30, stop=["gamma"],
+                                    extra_body={"return_token_ids": True})
+    (c,) = out.choices
+    assert c.text == "alpha beta " and c.finish_reason == "stop" and c.model_extra["stop_reason"] == "gamma"
+    assert "gamma" in codec.decode(c.model_extra["token_ids"]) and len(c.model_extra["token_ids"]) < 30
+
+
+def test_chat_renders_the_template_and_returns_the_prompt_ids(client, codec):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]
+    out = client.chat.completions.create(model="models/tiny", messages=messages, n=2, max_tokens=4, logprobs=True,
+                                         extra_body={"return_token_ids": True})
+    prompt = codec.encode(codec.render_chat(messages), add_special_tokens=False)
+    assert out.model_extra["prompt_token_ids"] == prompt
+    # the markers are single special tokens (<|im_start|> is id 1), skipped when decoded
+    assert prompt[0] == 1 and codec.decode(prompt) == "system\nBe brief.\nuser\nWhat is two plus two?\nassistant\n"
+    for c in out.choices:
+        assert c.message.role == "assistant" and c.message.content == codec.decode(codec.encode(SCRIPT)[:4])
+        assert [x.logprob for x in c.logprobs.content] == [-0.5] * 4 and c.logprobs.content[0].top_logprobs == []
+    chunks = list(client.chat.completions.create(model="models/tiny", messages=messages, n=2, max_tokens=3,
+                                                 stream=True))
+    assert sorted(c.index for ch in chunks for c in ch.choices) == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs, error, param", [
+    ({"logprobs": 2}, openai.BadRequestError, "logprobs"),
+    ({"model": "other-model"}, openai.NotFoundError, "model"),
+    ({"echo": True}, openai.BadRequestError, "echo"),
+    ({"temperature": -1.0}, openai.BadRequestError, "temperature"),
+    ({"n": 5000}, openai.BadRequestError, "n"),
+    ({"extra_body": {"top_k": "many"}}, openai.BadRequestError, "body.top_k"),
+    ({"prompt": [[1, 5000]]}, openai.BadRequestError, "prompt_token_ids"),
+])
+def test_bad_fields_are_named_in_openais_error_shape(client, kwargs, error, param):
+    args = {"model": "models/tiny", "prompt": "hi", "max_tokens": 3, **kwargs}
+    with pytest.raises(error) as e:
+        client.completions.create(**args)
+    assert e.value.body["param"] == param and e.value.body["code"] == e.value.status_code
+
+
+def test_the_token_is_required_and_basic_auth_carries_it_too(http, router, codec):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http,
+                      max_retries=0).models.list()
+    assert http.get("/v1/models").status_code == 401
+    assert http.get("/v1/models", auth=("trl", TOKEN)).status_code == 200  # http://trl:<token>@host/...
+    assert http.get("/v1/models", auth=("trl", "wrong")).status_code == 401
+    for path in ("/health", "/health/", "/healthz"):  # liveness: no token (TRL polls it bare)
+        assert http.get(path).status_code == 200
+
+
+def test_a_full_router_answers_503_with_retry_after(http, router, client):
+    router.busy = True
+    answer = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+    assert "max_live_sequences" in answer.json()["error"]["message"]
+    answer = http.post("/generate/", json={"prompts": [[1, 2]]}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+
+
+def test_no_tokenizer_means_token_ids_only(router):
+    http = app_over(router, None)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    answer = http.post("/v1/completions", json={"prompt": "text", "max_tokens": 2}, headers=auth)
+    assert answer.status_code == 400 and "no tokenizer" in answer.json()["error"]["message"]
+    answer = http.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 2, "return_token_ids": True},
+                       headers=auth)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == ""
+
+
+# ---- TRL up to 1.10 -------------------------------------------------------------------------------
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_trl_generate_with_strings_and_ids(http, codec):
+    answer = http.post("/generate/", json={"prompts": ["Prove that", "Solve"], "n": 2, "max_tokens": 4,
+                                           "generation_kwargs": {"ignore_eos": True, "seed": 3}}, headers=AUTH)
+    body = answer.json()
+    assert answer.status_code == 200 and body["prompt_ids"] == [codec.encode("Prove that"), codec.encode("Solve")]
+    assert body["completion_ids"] == [codec.encode(SCRIPT)[:4]] * 4
+    assert body["logprobs"] == [[[-0.5]] * 4] * 4 and body["logprob_token_ids"] == [[[t] for t in ids]
+                                                                                  for ids in body["completion_ids"]]
+    body = http.post("/generate/", json={"prompts": [[7, 8], [9]], "max_tokens": 3, "logprobs": None},
+                     headers=AUTH).json()
+    assert body["prompt_ids"] == [[7, 8], [9]] and body["logprobs"] is None and len(body["completion_ids"]) == 2
+
+
+def test_trl_chat_takes_a_batch_of_conversations(http, codec):
+    convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Add 2 and 3."}]]
+    body = http.post("/chat/", json={"messages": convs, "n": 3, "max_tokens": 2}, headers=AUTH).json()
+    assert body["prompt_ids"] == [codec.encode(codec.render_chat(c), add_special_tokens=False) for c in convs]
+    assert len(body["completion_ids"]) == 6
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompts": ["x"], "temperature": "hot"}, "temperature"),
+    ({"prompts": ["x"], "generation_kwargs": {"beam_width": 2}}, "generation_kwargs.beam_width"),
+    ({"prompts": ["x"], "logprobs": 3}, "logprobs"),
+    ({"prompts": ["x"], "top_p": 0}, "top_p"),
+    ({"prompt": ["x"]}, "prompts"),
+])
+def test_trl_bad_fields_are_422_naming_them(http, body, field):
+    answer = http.post("/generate/", json=body, headers=AUTH)
+    assert answer.status_code == 422, answer.text
+    assert field in json.dumps(answer.json()["detail"])
+
+
+def test_trl_health_world_size_and_prefix_cache(http, router):
+    assert http.get("/health/").json() == {"status": "ok"}
+    assert http.get("/get_world_size/", headers=AUTH).json() == {"world_size": 2}
+    assert http.get("/get_world_size", headers=AUTH).json() == {"world_size": 2}
+    assert http.post("/reset_prefix_cache", headers=AUTH).json() == {"success": True}
+    assert "True" in http.post("/reset_prefix_cache/", headers=AUTH).json()["message"]
+    assert router.resets == 2
+    assert http.post("/reset_prefix_cache").status_code == 401
