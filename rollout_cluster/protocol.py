@@ -97,6 +97,7 @@ class SamplingSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: disabled); per step, so exact across migration
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: no logprobs; k>=0: logprob of the sampled token (+k top)
     stop_token_ids: tuple = ()
@@ -125,6 +126,8 @@ class SamplingSpec:
             raise InputError("top_p", self.top_p, "must be a number in (0, 1]")
         if not is_int64(self.top_k) or self.top_k < -1:
             raise InputError("top_k", self.top_k, "must be an integer >= -1 (0 or -1: disabled)")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InputError("min_p", self.min_p, "must be a number in [0, 1]")
         if not isinstance(self.ignore_eos, bool):
             raise InputError("ignore_eos", self.ignore_eos, "must be true or false")
         if self.logprobs is not None and (not is_int64(self.logprobs) or self.logprobs < 0):
@@ -448,7 +451,15 @@ class Wake:
     version: int
 
 
-ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake]
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Drop the engine's prefix cache (TRL's /reset_prefix_cache). Only speed changes: a cached
+    block is the same KV the engine would compute, so outputs do not. `number` tells two orders apart."""
+
+    number: int
+
+
+ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake, ResetPrefixCache]
 
 
 @dataclass

@@ -43,7 +43,7 @@ def valid_line(draw) -> dict:
     line = {"prompt_token_ids": draw(st.lists(st.integers(0, 999), min_size=1, max_size=8))}
     opt = {
         "n": st.integers(1, 3), "max_tokens": st.integers(1, 32), "temperature": st.floats(0, 2),
-        "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50), "ignore_eos": st.booleans(),
+        "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1), "ignore_eos": st.booleans(),
         "logprobs": st.one_of(st.none(), st.integers(0, 5)), "seed": st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
         "stop_token_ids": st.lists(st.integers(0, 2**31), max_size=3), "repetition_penalty": st.floats(0.01, 5),
         "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),

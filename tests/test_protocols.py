@@ -48,6 +48,7 @@ class TextRouter(FakeRouter):
             from rollout_cluster.router.limits import BatchLimits
 
             BatchLimits(max_live_sequences=1).check_batch(len(requests), live=1)
+        self.submitted = requests
         return super()._submit(requests, *a, **kw)
 
     def _fetch(self, batch_id, cursor, wait_s):
@@ -158,6 +159,7 @@ def test_chat_renders_the_template_and_returns_the_prompt_ids(client, codec):
     ({"n": 5000}, openai.BadRequestError, "n"),
     ({"extra_body": {"top_k": "many"}}, openai.BadRequestError, "body.top_k"),
     ({"prompt": [[1, 5000]]}, openai.BadRequestError, "prompt_token_ids"),
+    ({"extra_body": {"min_p": 1.5}}, openai.BadRequestError, "min_p"),
 ])
 def test_bad_fields_are_named_in_openais_error_shape(client, kwargs, error, param):
     args = {"model": "models/tiny", "prompt": "hi", "max_tokens": 3, **kwargs}
@@ -214,6 +216,17 @@ def test_trl_generate_with_strings_and_ids(http, codec):
     assert body["prompt_ids"] == [[7, 8], [9]] and body["logprobs"] is None and len(body["completion_ids"]) == 2
 
 
+def test_sampling_fields_reach_the_router_as_vllm_names_them(http, client, router):
+    client.completions.create(model="models/tiny", prompt=[1, 2], max_tokens=2, top_p=0.9,
+                              extra_body={"min_p": 0.05, "top_k": 7, "repetition_penalty": 1.1})
+    (spec,) = {r.sampling for r in router.submitted}
+    assert (spec.min_p, spec.top_k, spec.top_p, spec.repetition_penalty) == (0.05, 7, 0.9, 1.1)
+    http.post("/generate/", json={"prompts": [[3]], "n": 2, "min_p": 0.2, "max_tokens": 2,
+                                  "generation_kwargs": {"seed": 11, "top_k": 3}}, headers=AUTH)
+    (spec,) = {r.sampling for r in router.submitted}
+    assert (spec.min_p, spec.seed, spec.top_k, spec.n) == (0.2, 11, 3, 2)
+
+
 def test_trl_chat_takes_a_batch_of_conversations(http, codec):
     convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Add 2 and 3."}]]
     body = http.post("/chat/", json={"messages": convs, "n": 3, "max_tokens": 2}, headers=AUTH).json()
@@ -227,6 +240,7 @@ def test_trl_chat_takes_a_batch_of_conversations(http, codec):
     ({"prompts": ["x"], "logprobs": 3}, "logprobs"),
     ({"prompts": ["x"], "top_p": 0}, "top_p"),
     ({"prompt": ["x"]}, "prompts"),
+    ({"prompts": ["x"], "min_p": -0.1}, "min_p"),
 ])
 def test_trl_bad_fields_are_422_naming_them(http, body, field):
     answer = http.post("/generate/", json=body, headers=AUTH)

@@ -14,7 +14,7 @@ A bad line yields one output line with finish_reason "error" naming the field an
 rest still run. Refused besides a wrong value: a field given twice, an unknown field, true or false
 where a number is meant, NaN, Infinity and numbers beyond a double (1e999), integers past 64 bits,
 and nesting past the parser's depth (parsing.py). Ranges are vLLM's own (protocol.SamplingSpec.validate,
-validation.py): temperature >= 0, top_p in (0, 1], top_k >= -1, penalties (repetition > 0,
+validation.py): temperature >= 0, top_p in (0, 1], top_k >= -1, min_p in [0, 1], penalties (repetition > 0,
 presence and frequency in [-2, 2]), logprobs up to the engine's max_logprobs, seeds within 64 bits,
 resumed output_logprobs finite numbers <= 0.
 """

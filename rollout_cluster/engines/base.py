@@ -80,6 +80,11 @@ class EngineAdapter(ABC):
         between batches: nothing may be running. Cached KV of the old weights is dropped."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights")
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the cached KV blocks no running sequence holds. Returns whether the engine says it
+        did (vLLM refuses while requests hold blocks). Outputs never change, only prefill work."""
+        return True
+
     async def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between rollouts (vLLM sleep mode: 1 keeps the weights in host
         memory, 2 drops them). Nothing runs (the router sleeps engines between batches only)."""

@@ -130,3 +130,8 @@ class PrefixCache:
             _, n = free.popitem(last=False)
             self.free_tokens -= n
             self.evictions += 1
+
+    def drop_free(self) -> None:
+        """reset_prefix_cache: the free pool goes; what running sequences hold stays (as in vLLM)."""
+        self.free.clear()
+        self.free_tokens = 0

@@ -73,6 +73,10 @@ class SimEngine(EngineAdapter):
         """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""
         self.weights_path = path
 
+    async def reset_prefix_cache(self) -> bool:
+        self.core.prefix_cache.drop_free()
+        return True
+
     async def shutdown(self) -> None:
         if self._task:
             self._task.cancel()

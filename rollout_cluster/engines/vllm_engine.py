@@ -91,7 +91,7 @@ def sampling_params(work: Work):
     max_tokens = s.max_tokens if work.stop_after is None else min(s.max_tokens, work.stop_after)
     return SamplingParams(
         n=1, max_tokens=max_tokens, min_tokens=min(s.min_tokens, max_tokens), temperature=s.temperature,
-        top_p=s.top_p, top_k=max(0, s.top_k),
+        top_p=s.top_p, top_k=max(0, s.top_k), min_p=s.min_p,
         ignore_eos=s.ignore_eos, logprobs=s.logprobs, stop_token_ids=list(s.stop_token_ids), seed=s.seed,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, detokenize=False, output_kind=RequestOutputKind.DELTA,
@@ -332,6 +332,9 @@ class VllmEngine(EngineAdapter):
         # The prefix cache's KV blocks were computed with the old weights.
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.engine.reset_prefix_cache())
 
     async def sleep(self, level: int = 1) -> None:
         if not self.on_cpu and not self.cfg.enable_sleep_mode:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..protocol import LoadWeights, NoteWeights, SleepState, Sleep, Wake, WeightsState
+from ..protocol import LoadWeights, NoteWeights, ResetPrefixCache, SleepState, Sleep, Wake, WeightsState
 from .fleet import Fleet
 from .outbox import Outbox
 from .sleep import FleetSleep
@@ -26,6 +26,7 @@ class FleetControl:
                  unfinished: dict[str, SeqState]):
         self.weights, self.sleep, self.fleet, self.outbox = weights, sleep, fleet, outbox
         self.unfinished = unfinished  # the router's live sequences (read only): no change while they run
+        self.cache_resets = 0  # reset_prefix_cache orders so far (numbers them)
 
     # ---- a driver's orders ---------------------------------------------------------------------
     def update_weights(self, path: str, version: Optional[int]) -> int:
@@ -67,6 +68,16 @@ class FleetControl:
         self.sleep.set(0)
         for rid in self.fleet.replicas:
             self.order_sleep(rid)
+
+    def reset_prefix_cache(self) -> int:
+        """Have every engine drop its prefix cache at its next pull (while sequences run too: an
+        engine drops only the blocks no running sequence holds, as vLLM does). Returns how many
+        replicas were ordered. A weights update resets the cache by itself."""
+        self.cache_resets += 1
+        order = ResetPrefixCache(self.cache_resets)
+        for rid in self.fleet.replicas:
+            self.outbox.replace_control(rid, (ResetPrefixCache,), order)
+        return len(self.fleet.replicas)
 
     def refuse_batch(self, weights_version: Optional[int]) -> None:
         """Raise if a batch cannot run on the fleet's weights and sleep state now."""

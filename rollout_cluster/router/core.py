@@ -218,6 +218,10 @@ class RouterCore:
         """Wake every engine (a level-2 sleeper reloads the current weights first)."""
         self.control.wake_fleet()
 
+    def reset_prefix_cache(self) -> int:
+        """Order every engine to drop its prefix cache; returns how many replicas were ordered."""
+        return self.control.reset_prefix_cache()
+
     def weights_status(self) -> dict:
         return self.weights.status(self.fleet.replicas)
 

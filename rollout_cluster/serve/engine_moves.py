@@ -19,7 +19,7 @@ from typing import Optional
 
 from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
-from ..protocol import ControlOrder, LoadWeights, NoteWeights, Sleep, SleepState, Wake, WeightsState
+from ..protocol import ControlOrder, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake, WeightsState
 
 log = logging.getLogger("ray.serve")
 
@@ -39,7 +39,8 @@ class EngineMoves:
         self.sleep_error: Optional[str] = None
         self.sleep_task: Optional[asyncio.Task] = None
         self.broken: Optional[Exception] = None
-        self._handlers = {LoadWeights: self._load, NoteWeights: self._note,
+        self.cache_reset = 0  # the number of the last ResetPrefixCache order taken (a resent one starts nothing)
+        self._handlers = {LoadWeights: self._load, NoteWeights: self._note, ResetPrefixCache: self._reset_cache,
                           Sleep: lambda order: self._move(order.level, None), Wake: lambda order: self._move(0, order)}
 
     # ---- the replica's view ---------------------------------------------------------------------
@@ -107,7 +108,23 @@ class EngineMoves:
         before = [t for t in (self.sleep_task, self.loading and self.loading[1]) if t]
         self.sleep_task = asyncio.get_running_loop().create_task(self._move_sleep(goal, reload, before))
 
+    def _reset_cache(self, order: ResetPrefixCache) -> None:
+        if order.number <= self.cache_reset:
+            return
+        self.cache_reset = order.number
+        asyncio.get_running_loop().create_task(self._drop_cache(self.in_progress()))
+
     # ---- the moves ------------------------------------------------------------------------------
+    async def _drop_cache(self, before: list) -> None:
+        """After the moves under way (a load resets the cache itself); never fails the replica."""
+        if before:
+            await asyncio.gather(*before, return_exceptions=True)
+        try:
+            if not await self.engine.reset_prefix_cache():
+                log.info("replica %s: the engine kept blocks that running requests hold", self.replica_id)
+        except Exception:
+            log.exception("replica %s: reset_prefix_cache failed", self.replica_id)
+
     async def _move_sleep(self, goal: int, reload: Optional[Wake], before: list) -> None:
         """Sleep at `goal`, or wake (goal 0) and, from level 2, reload the weights the wake order
         names (the router's current version) before reporting awake. `sleep_level` changes only

@@ -253,6 +253,14 @@ class Router:
         self.core.wake_fleet()
         self._wake_all()
 
+    async def reset_prefix_cache(self) -> int:
+        """Every engine drops its prefix cache (TRL's /reset_prefix_cache); returns how many replicas
+        were ordered. No signed order: it changes no output and no fleet state, only prefill work,
+        so the HTTP token that may already run batches may ask it (docs/security.md)."""
+        n = self.core.reset_prefix_cache()
+        self._wake_all()
+        return n
+
     async def set_fleet_target(self, order) -> int:
         """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
         self.core.set_fleet_target(self._order(order, "set_fleet_target").get("replicas"), time.monotonic())

@@ -55,8 +55,6 @@ class Sampling(BaseModel):
     user: Optional[str] = None
 
     def spec_fields(self, max_tokens: int, logprobs: Optional[int]) -> dict:
-        if self.min_p not in (None, 0, 0.0):
-            raise ProtocolError(400, f"min_p={self.min_p!r}: not supported (only 0)", "min_p")
         for key, default in UNSUPPORTED.items():
             if (self.model_extra or {}).get(key, default) not in (default, None, False):
                 raise ProtocolError(400, f"{key}: not supported by rollout_cluster", key)
@@ -64,6 +62,7 @@ class Sampling(BaseModel):
                   "logprobs": logprobs, "seed": self.seed, "stop_token_ids": tuple(self.stop_token_ids or ()),
                   "cache_salt": self.cache_salt}
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
+                            ("min_p", self.min_p),
                             ("repetition_penalty", self.repetition_penalty),
                             ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             if value is not None:

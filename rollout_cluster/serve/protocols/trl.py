@@ -93,8 +93,6 @@ def _spec(req: TRLSampling) -> tuple:
         fields[key] = value
     stops = stop_list(fields.pop("stop", None), "generation_kwargs.stop")
     include = fields.pop("include_stop_str_in_output", False)
-    if fields.pop("min_p", 0.0) not in (0, 0.0):
-        raise ProtocolError(400, "min_p: only 0 is supported", "min_p")
     if fields.get("logprobs") not in (None, 0):
         raise ProtocolError(400, f"logprobs={fields['logprobs']}: only the sampled token's logprob is available "
                                  "(logprobs=0)", "logprobs")
