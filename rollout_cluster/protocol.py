@@ -182,6 +182,9 @@ class SequenceRequest:
     # migrated sequence does; `sampling.max_tokens` counts them, and its Completion starts with them.
     output_token_ids: Optional[list] = None
     output_logprobs: Optional[list] = None
+    # A multi-turn session this request is a turn of (an agent's conversation): the router prefers
+    # the replica that ran the session's previous turn, whose prefix cache holds the shared prefix.
+    session: Optional[str] = None
 
     def __post_init__(self):
         if self.prompt_len < 0:

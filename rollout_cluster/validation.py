@@ -27,6 +27,7 @@ def check_request(req: SequenceRequest, model: Optional[ModelInfo] = None) -> No
     if not isinstance(req.sampling, SamplingSpec):
         raise InputError("sampling", req.sampling, "must be a SamplingSpec")
     req.sampling.validate()
+    check_session(getattr(req, "session", None))
     check_prompt(req.prompt_token_ids)
     check_positions(req)
     check_resumed_output(req, model)
@@ -50,6 +51,14 @@ def check_request(req: SequenceRequest, model: Optional[ModelInfo] = None) -> No
     if req.prompt_len + req.sampling.max_tokens > model.max_model_len:
         raise InputError("max_tokens", req.sampling.max_tokens,
                          f"prompt ({req.prompt_len}) + max_tokens exceeds max_model_len={model.max_model_len}")
+
+
+MAX_SESSION_CHARS = 256
+
+
+def check_session(session) -> None:
+    if session is not None and (not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS):
+        raise InputError("session", session, f"must be null or a string of 1 to {MAX_SESSION_CHARS} characters")
 
 
 def _first(values: list, ok) -> Optional[tuple]:

@@ -227,6 +227,35 @@ def test_sampling_fields_reach_the_router_as_vllm_names_them(http, client, route
     assert (spec.min_p, spec.seed, spec.top_k, spec.n) == (0.2, 11, 3, 2)
 
 
+def test_a_session_comes_from_the_header_else_from_user(client, router):
+    client.completions.create(model="models/tiny", prompt=[1, 2], max_tokens=2, user="u-1",
+                              extra_headers={"X-Session-Id": "agent-9"})
+    assert {r.session for r in router.submitted} == {"agent-9"}
+    client.chat.completions.create(model="models/tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   user="u-1")
+    assert {r.session for r in router.submitted} == {"u-1"}
+    client.completions.create(model="models/tiny", prompt=[[1], [2]], max_tokens=2)
+    assert {r.session for r in router.submitted} == {None}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="models/tiny", prompt=[1], max_tokens=2, extra_headers={"X-Session-Id": "x" * 300})
+    assert e.value.body["param"] == "session"
+
+
+def test_chat_takes_text_parts_and_refuses_images_and_own_templates_by_name(client, codec, router):
+    parts = [{"type": "text", "text": "Add 2 "}, {"type": "text", "text": "and 3."}]
+    client.chat.completions.create(model="models/tiny", messages=[{"role": "user", "content": parts}], max_tokens=2)
+    plain = codec.encode(codec.render_chat([{"role": "user", "content": "Add 2 and 3."}]), add_special_tokens=False)
+    assert router.submitted[0].prompt_token_ids == plain
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="models/tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert e.value.body["param"] == "messages[0].content[0]"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="models/tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert e.value.body["param"] == "chat_template"
+
+
 def test_trl_chat_takes_a_batch_of_conversations(http, codec):
     convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Add 2 and 3."}]]
     body = http.post("/chat/", json={"messages": convs, "n": 3, "max_tokens": 2}, headers=AUTH).json()

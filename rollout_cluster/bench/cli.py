@@ -61,7 +61,44 @@ def cmd_calibrate(a) -> int:
     return 0
 
 
+def cmd_protocols(a) -> int:
+    from .protocols import protocol_overhead
+
+    protocol_overhead(a)
+    return 0
+
+
+def cmd_multiturn(a) -> int:
+    from .multiturn import multiturn
+
+    multiturn(a)
+    return 0
+
+
 def add_commands(sub) -> None:
+    p = sub.add_parser("protocol-overhead", help="one batch via TRL's /generate/, OpenAI's /v1/completions and "
+                                                 "RolloutClient.generate, in rotating rounds")
+    p.add_argument("--config", default="configs/local-cpu.yaml")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4, help="n per prompt (16 x 4: the issue's 64 sequences)")
+    p.add_argument("--max-tokens", type=int, default=64, help="every sequence's length (ignore_eos)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds; each runs the three paths in a rotated order")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--out", required=True, help="output directory: protocols.json, protocols.md")
+    p.set_defaults(fn=cmd_protocols)
+    p = sub.add_parser("multiturn", help="prefix-cache hit rate of multi-turn sessions with and without affinity")
+    p.add_argument("--config", default="configs/local-cpu.yaml")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--user-tokens", type=int, default=32, help="new tokens each turn adds (turn 1: the prompt)")
+    p.add_argument("--response-tokens", type=int, default=48, help="every response's length (ignore_eos)")
+    p.add_argument("--rounds", type=int, default=2, help="runs per mode; the modes alternate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--out", required=True, help="output directory: multiturn.json, multiturn.md")
+    p.set_defaults(fn=cmd_multiturn)
+
     p = sub.add_parser("overhead", help="the cluster with one replica against one bare AsyncLLM, in paired rounds")
     workload_flags(p)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")

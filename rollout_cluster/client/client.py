@@ -156,6 +156,11 @@ class RolloutClient:
     def set_policy(self, name: str, **params) -> str:
         return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
 
+    def reset_prefix_cache(self) -> int:
+        """Every engine drops its prefix cache at its next pull (what TRL asks after a weights update;
+        update_weights does it by itself). Returns how many replicas were ordered."""
+        return self.router.reset_prefix_cache.remote().result(timeout_s=self.call_timeout_s)
+
     def cancel(self, batch_id: str) -> int:
         """Stop a batch: its unfinished sequences come back with finish_reason "abort"."""
         return self.router.cancel.remote(batch_id).result(timeout_s=self.call_timeout_s)
@@ -197,7 +202,7 @@ class RolloutClient:
                  progress: bool = False, timeout_s: Optional[float] = None,
                  hidden_lengths: Optional[Sequence] = None, wait_for_replica_s: Optional[float] = None,
                  weights_version: Optional[int] = None, finish_fraction: Optional[float] = None,
-                 finish_by: str = "sample") -> list:
+                 finish_by: str = "sample", sessions: Optional[Sequence] = None) -> list:
         """One Completion per (prompt, sample), in input order. Without `sampling`, the app's
         `sampling` section (sampling_defaults) applies to every prompt. `weights_version` (the
         version update_weights returned) makes sure every sample comes from those weights: a fleet
@@ -208,8 +213,13 @@ class RolloutClient:
         sequences is done (`finish_by="group"`: of its prompts, every sample of one done); the rest
         come back with finish_reason "abort" and their tokens and logprobs so far.
         `partials(prompts, results)` makes them `Partial`s, and a later batch takes those among its
-        prompts: each continues after its tokens (resume.py)."""
-        requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths)
+        prompts: each continues after its tokens (resume.py).
+
+        Multi-turn agents: `sessions` gives each prompt a session id (or None); a session's next
+        turn goes to the replica that ran its previous one while it has room (its prefix is cached
+        there: router/sessions.py)."""
+        requests = expand(prompts, self.default_sampling() if sampling is None else sampling, hidden_lengths,
+                          sessions)
         return self.run_requests(requests, progress, timeout_s, wait_for_replica_s, weights_version, finish_fraction,
                                  finish_by)
 
@@ -228,14 +238,15 @@ class RolloutClient:
 
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                      timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
-                     finish_fraction: Optional[float] = None, finish_by: str = "sample") -> AsyncIterator[Completion]:
+                     finish_fraction: Optional[float] = None, finish_by: str = "sample",
+                     sessions: Optional[Sequence] = None) -> AsyncIterator[Completion]:
         """Completions as they finish (not in input order). Without `sampling`, and with
-        `weights_version`, `finish_fraction` and `finish_by`, as generate. A router restart resubmits what was
+        `weights_version`, `finish_fraction`, `finish_by` and `sessions`, as generate. A router restart resubmits what was
         not yielded yet, on the same weights, as generate does."""
         if sampling is None:
             status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
             sampling = SamplingSpec(**status.get("sampling_defaults", {}))
-        async for c in follow_batch(self.router, expand(prompts, sampling), timeout_s or self.timeout_s,
+        async for c in follow_batch(self.router, expand(prompts, sampling, sessions=sessions), timeout_s or self.timeout_s,
                                     self.call_timeout_s, self.max_router_restarts, weights_version,
                                     on_restart=self._count_restart, finish_fraction=finish_fraction,
                                     finish_by=finish_by):

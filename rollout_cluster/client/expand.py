@@ -13,13 +13,17 @@ from ..protocol import MAX_N, InputError, Partial, SamplingSpec, SequenceRequest
 
 
 def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
-           hidden_lengths: Optional[Sequence] = None) -> list:
+           hidden_lengths: Optional[Sequence] = None, sessions: Optional[Sequence] = None) -> list:
     """One SequenceRequest per (prompt, sample), in input order. A prompt whose n is invalid (n < 1,
     say) yields one request carrying the error, so it comes back as one error completion.
-    A `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens."""
+    A `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens.
+    `sessions`: one multi-turn session id (or None) per prompt, for session affinity."""
     specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
     if len(specs) != len(prompts):
         raise InputError("sampling", f"<{len(specs)} specs>", f"needs one spec per prompt ({len(prompts)})")
+    if sessions is not None and (isinstance(sessions, str) or len(sessions) != len(prompts)):
+        raise InputError("sessions", f"<{len(sessions)} sessions>" if not isinstance(sessions, str) else sessions,
+                         f"needs one session id (or None) per prompt ({len(prompts)})")
     out = []
     for i, (prompt, spec) in enumerate(zip(prompts, specs)):
         def hidden():
@@ -32,6 +36,9 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
         out.append(first)
         for j in range(1, _samples(first)):
             out.append(_request(prompt, spec, i, j, hidden()))
+        if sessions is not None:
+            for req in out[len(out) - _samples(first):]:
+                req.session = sessions[i]
     return out
 
 

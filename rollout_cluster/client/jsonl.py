@@ -3,7 +3,8 @@
 Input, one JSON object a line: {"prompt_token_ids": [..], "n": 1, "max_tokens": 128, "temperature": 1.0,
 "top_p": 1.0, "ignore_eos": false, "logprobs": null, "stop_token_ids": [], "seed": null}; all but
 prompt_token_ids optional (max_tokens, temperature and top_p default to the config's `sampling`).
-A line may resume a partial rollout (resume.py): "output_token_ids" (and "output_logprobs" when
+A line may name its multi-turn session ("session": "agent-7"): its samples go to the replica that ran
+the session's previous turn while it has room (router/sessions.py). A line may resume a partial rollout (resume.py): "output_token_ids" (and "output_logprobs" when
 logprobs are asked for) are the tokens an earlier batch cut off; such a line is one sample (n 1).
 Output, one line per (line, sample) in input order: {"prompt_index",
 "sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
@@ -31,11 +32,11 @@ from ..validation import check_prompt, check_request
 
 SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
 RESUME_FIELDS = ("output_token_ids", "output_logprobs")
-LINE_FIELDS = {"prompt_token_ids"} | SPEC_FIELDS | set(RESUME_FIELDS)
+LINE_FIELDS = {"prompt_token_ids", "session"} | SPEC_FIELDS | set(RESUME_FIELDS)
 
 
 def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
-    """(prompt_token_ids, SamplingSpec, {output_token_ids, output_logprobs}); raises InputError naming
+    """(prompt_token_ids, SamplingSpec, {output_token_ids, output_logprobs, session}); raises InputError naming
     the field. `defaults`: SamplingSpec fields for what the line leaves out (the config's `sampling`
     section). The rules are validation.py's; the router checks again with the engine's limits."""
     try:
@@ -59,7 +60,7 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     check_prompt(ids)
     kw = dict(defaults or {})
     kw.update((k, v) for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed"))
-    for k in ("prompt_token_ids",) + RESUME_FIELDS:
+    for k in ("prompt_token_ids", "session") + RESUME_FIELDS:
         kw.pop(k, None)
     if "stop_token_ids" in kw:
         if not isinstance(kw["stop_token_ids"], list):
@@ -67,11 +68,12 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
         kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     spec = SamplingSpec(**kw)
     spec.validate()
-    resumed = {k: obj.get(k) for k in RESUME_FIELDS}
-    if resumed["output_token_ids"] is not None and spec.n != 1:
+    extra = {k: obj.get(k) for k in RESUME_FIELDS}
+    extra["session"] = obj.get("session")
+    if extra["output_token_ids"] is not None and spec.n != 1:
         raise InputError("n", spec.n, "must be 1 on a line that resumes output_token_ids: it is one sample")
-    check_request(SequenceRequest(ids, spec, index, 0, **resumed))  # the resumed output, before the router
-    return ids, spec, resumed
+    check_request(SequenceRequest(ids, spec, index, 0, **extra))  # the resumed output and session, before the router
+    return ids, spec, extra
 
 
 def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional[LimitsConfig] = None) -> tuple:
@@ -89,7 +91,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional
             errors[i] = str(InputError(f"line {i + 1}", line, "is empty: expected a JSON object"))
             continue
         try:
-            ids, spec, resumed = parse_line(line, i, defaults)
+            ids, spec, extra = parse_line(line, i, defaults)
         except InputError as e:
             errors[i] = str(e)
             continue
@@ -104,7 +106,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional
                                 f"line {i + 1} takes the batch past limits.max_batch_sequences="
                                 f"{limits.max_batch_sequences} sequences (split it)")
         for j in range(spec.n):
-            requests.append(SequenceRequest(ids, spec, i, j, **resumed))
+            requests.append(SequenceRequest(ids, spec, i, j, **extra))
     return requests, errors
 
 

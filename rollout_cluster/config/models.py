@@ -97,6 +97,9 @@ class RouterConfig(Section):
     stall_timeout_s: float = Field(120.0, ge=0, description=(
         "a replica that holds running sequences and reports no new token for this long has stalled: its work "
         "continues elsewhere and it fails its health check (Serve replaces it); 0: never"))
+    max_sessions: int = Field(65536, ge=0, description=(
+        "multi-turn sessions whose last replica the router remembers (session affinity; least recently used "
+        "forgotten first; 0: no affinity)"))
     max_ongoing_requests: int = Field(4096, description=">> replicas + drivers: pulls must never queue", **_also(
         ">= replicas + 8, above replicas + drivers, or pulls queue behind each other"))
     submit_wait_for_replica_s: float = Field(600.0, ge=0, description="a submit with no live replica fails after this")

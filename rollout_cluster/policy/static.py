@@ -69,7 +69,7 @@ class StaticPolicy(Policy):
         rep = view.replicas[replica_id]
         # Continuations only exist after a replica failure: re-dispatch them pull-style.
         if view.queue.continuations:
-            out += take_for(view, replica_id, max(0, rep.free_slots - len(out)))[: len(view.queue.continuations)]
+            out += take_for(view, replica_id, max(0, rep.free_slots - len(out)), homes=False)[: len(view.queue.continuations)]
             out = list({s.seq_id: s for s in out}.values())
         return Decision(assign=[Assign(s, replica_id) for s in out])
 

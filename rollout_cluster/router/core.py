@@ -28,6 +28,7 @@ from ..validation import check_place, check_request
 from .adoption import OrphanAdoption
 from .batches import Batches
 from .control import FleetControl
+from .sessions import SessionHomes
 from .counters import RouterCounters, RouterMetrics
 from .fleet import Fleet
 from .limits import BatchLimits
@@ -71,7 +72,8 @@ def _append_bounded(values: list, value, keep: int) -> None:
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
-                 id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None):
+                 id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
+                 max_sessions: int = 65536):
         self.policy = policy
         self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
@@ -90,6 +92,7 @@ class RouterCore:
         self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
         self.adoption = OrphanAdoption(self, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
                                        id_prefix)
+        self.sessions = SessionHomes(max_sessions)  # multi-turn sessions' home replicas (affinity)
         self.finished_lengths: list[int] = []  # recent finished sequences' lengths (the policy's evidence)
         self.decision_times: list[float] = []
         self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
@@ -129,6 +132,7 @@ class RouterCore:
                 self.counters.partials_resumed += 1
                 self.counters.partial_tokens_resumed += seq.generated
                 self.metrics.resumed("-", "partial")
+            seq.home = self.sessions.home(req.session, self.fleet.replicas)
             self.seqs[seq.seq_id] = seq
             self.queue.push(seq)
         if previous_ids is not None:
@@ -397,6 +401,9 @@ class RouterCore:
             context = seq.request.prompt_len + seq.segment_start
             self.counters.reprefilled_tokens += max(0, context - p.cached_tokens)
             self.counters.reprefill_segments_measured += 1
+        elif p.cached_tokens >= 0:  # a fresh segment's first report: how much of its prompt was cached
+            self.counters.prompt_tokens_measured += seq.request.prompt_len
+            self.counters.prompt_cached_tokens += min(p.cached_tokens, seq.request.prompt_len)
         if p.num_tokens:
             seq.generated += p.num_tokens
             rep.seqs.progressed(seq)
@@ -567,6 +574,7 @@ class RouterCore:
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
             _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
+            self.sessions.record(req.session, replica_id)  # its context is cached there now
         self.batches.group_finished(seq.group, seq.generated, counts_length=reason != "error")
         self.metrics.finished(replica_id or "-", reason)
         self.finished_count += 1

@@ -19,6 +19,10 @@ class RouterCounters:
     # `reprefill_segments_measured` continuation segments that reported it (vLLM only).
     reprefilled_tokens: int = 0
     reprefill_segments_measured: int = 0
+    # Fresh segments' prompts, as the engines reported their prefix-cache hits (vLLM only): the
+    # prompt tokens measured and those found cached (hit rate = cached / measured).
+    prompt_tokens_measured: int = 0
+    prompt_cached_tokens: int = 0
     generated_tokens: int = 0  # tokens accepted from the replicas
     stale_reports: int = 0  # progress of an attempt the router no longer runs there (dropped)
     duplicate_reports: int = 0  # progress sent again after a lost reply (dropped)

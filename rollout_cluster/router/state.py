@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -52,6 +53,7 @@ class SeqState:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     cancelled: bool = False  # the driver gave up on the batch: finish as "abort", never requeue
+    home: Optional[str] = None  # the replica that ran its session's previous turn (sessions.py), when queued
     delivered_pull: int = -1  # the replica's pull whose reply carried the current attempt's Work
     give_up_pull: int = -1  # the replica's pull whose reply carried the give-up of the current attempt
 
@@ -131,6 +133,8 @@ class WorkQueue:
         self.continuations: "OrderedDict[str, SeqState]" = OrderedDict()
         self.reserved: "dict[str, OrderedDict[str, SeqState]]" = {}
         self.fresh_by_group: "dict[tuple, OrderedDict[str, SeqState]]" = {}
+        # fresh sequences by their session's home replica (sessions.py): it has first claim on them
+        self.homed: "dict[str, OrderedDict[str, SeqState]]" = {}
         self._reserved_for: "dict[str, str]" = {}  # seq_id -> the replica whose lane holds it
 
     def __len__(self) -> int:  # every pull asks: O(1)
@@ -146,6 +150,8 @@ class WorkQueue:
         else:
             self.fresh[seq.seq_id] = seq
             self.fresh_by_group.setdefault(seq.group, OrderedDict())[seq.seq_id] = seq
+            if seq.home is not None:
+                self.homed.setdefault(seq.home, OrderedDict())[seq.seq_id] = seq
 
     def remove(self, seq: SeqState) -> None:
         sid = seq.seq_id
@@ -155,6 +161,12 @@ class WorkQueue:
                 g.pop(sid, None)
                 if not g:
                     del self.fresh_by_group[seq.group]
+            if seq.home is not None:
+                lane = self.homed.get(seq.home)
+                if lane is not None:
+                    lane.pop(sid, None)
+                    if not lane:
+                        del self.homed[seq.home]
             return
         if self.continuations.pop(sid, None) is not None:
             return
@@ -170,6 +182,17 @@ class WorkQueue:
         for seq in self.reserved.pop(replica_id, {}).values():
             self._reserved_for.pop(seq.seq_id, None)
             self.continuations[seq.seq_id] = seq
+
+    def kept_for_homes(self, replicas: dict, puller: str) -> set:
+        """Seq ids of fresh work other replicas than `puller` leave to its home: as many of each
+        live home's sequences as it has free slots (it takes them at its next pull)."""
+        kept = set()
+        for rid, lane in self.homed.items():
+            rep = replicas.get(rid)
+            if rid == puller or rep is None:
+                continue
+            kept.update(islice(lane, rep.free_slots))
+        return kept
 
     def unreserved(self):
         yield from self.continuations.values()

@@ -52,7 +52,7 @@ class Router:
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
                                id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits),
-                               id_salt=lambda: secrets.token_hex(8))  # a batch's id is its capability: unguessable
+                               id_salt=lambda: secrets.token_hex(8), max_sessions=cfg.router.max_sessions)  # a batch's id is its capability: unguessable
         # Control orders are signed (security/signing.py); each replica reports with the credential
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
@@ -289,6 +289,7 @@ class Router:
             "router_cpu_s": time.process_time(),  # CPU seconds of the router's process so far
             # control orders whose signature held, and those refused (and reports without a credential) by reason
             "control": {"accepted": self.verifier.accepted, "refused": dict(self.verifier.refusals)},
+            "sessions": c.sessions.status(),  # multi-turn session affinity (router/sessions.py)
         }
 
     async def set_trace(self, order) -> None:

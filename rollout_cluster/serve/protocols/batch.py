@@ -95,6 +95,8 @@ def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Opt
         raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ProtocolError(400, f"{param}: must be a non-empty list of messages", param)
+    messages = [dict(m, content=_text_content(m.get("content"), f"{param}[{i}].content")) if isinstance(
+        m.get("content"), list) else m for i, m in enumerate(messages)]
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ProtocolError(400, f"{param}[{i}]: needs a string role and a string content", f"{param}[{i}]")
@@ -105,6 +107,17 @@ def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Opt
     except Exception as e:  # the template raised (raise_exception) or did not render
         raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
     return ctx.codec.encode(text, add_special_tokens=False)
+
+
+def _text_content(parts: list, param: str) -> str:
+    """OpenAI's content parts, text only: their texts joined (an image part is refused by name)."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ProtocolError(400, f"{param}[{j}]: a {kind!r} part; only text parts are supported", f"{param}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def spec_of(fields: dict) -> SamplingSpec:
@@ -120,15 +133,17 @@ def spec_of(fields: dict) -> SamplingSpec:
     return spec
 
 
-async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSpec) -> list:
-    """The batch's SequenceRequests (prompt-major), every one checked against the engine's limits."""
+async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSpec,
+                           session: Optional[str] = None) -> list:
+    """The batch's SequenceRequests (prompt-major), every one checked against the engine's limits.
+    `session`: the multi-turn session every prompt of the request is a turn of (session affinity)."""
     limits = ctx.limits
     if spec.n > limits.max_n:
         raise ProtocolError(400, f"n={spec.n}: at most limits.max_n={limits.max_n} samples per prompt", "n")
     if len(prompts) * spec.n > limits.max_batch_sequences:
         raise ProtocolError(400, f"{len(prompts)} prompts x n={spec.n}: at most limits.max_batch_sequences="
                                  f"{limits.max_batch_sequences} sequences a request", "prompt")
-    requests = expand(prompts, spec)
+    requests = expand(prompts, spec, sessions=None if session is None else [session] * len(prompts))
     model = await ctx.model_info()
     for req in requests[::spec.n]:
         try:

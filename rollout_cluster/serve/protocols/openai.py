@@ -25,7 +25,8 @@ from .batch import (ProtocolContext, ProtocolError, checked_requests, chat_promp
 UNSUPPORTED = {"echo": False, "best_of": None, "use_beam_search": False, "suffix": None, "logit_bias": None,
                "prompt_logprobs": None, "structured_outputs": None, "response_format": None, "guided_json": None,
                "guided_regex": None, "guided_choice": None, "allowed_token_ids": None, "bad_words": None,
-               "continue_final_message": False, "prompt_embeds": None, "logprob_token_ids": None}
+               "continue_final_message": False, "prompt_embeds": None, "logprob_token_ids": None,
+               "chat_template": None}  # (a client's own chat template: the model's is the one rendered)
 
 
 class Sampling(BaseModel):
@@ -68,6 +69,15 @@ class Sampling(BaseModel):
             if value is not None:
                 fields[name] = value
         return fields
+
+
+SESSION_HEADER = "X-Session-Id"
+
+
+def session_of(request: Request, body: Sampling) -> Optional[str]:
+    """The multi-turn session a request is a turn of: the X-Session-Id header, else OpenAI's `user`
+    field (router/sessions.py sends the session's turns to the replica that ran the previous one)."""
+    return request.headers.get(SESSION_HEADER) or body.user
 
 
 class CompletionBody(Sampling):
@@ -171,7 +181,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                 body.max_tokens = 16
             spec = spec_of(body.spec_fields(body.max_tokens, logprobs))
             stops = stop_list(body.stop)
-            requests = await checked_requests(ctx, prompts, spec)
+            requests = await checked_requests(ctx, prompts, spec, session_of(request, body))
         except ProtocolError as e:
             return error(e)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -223,7 +233,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                 max_tokens = max(1, (model.max_model_len if model else 4096) - len(prompt))
             spec = spec_of(body.spec_fields(max_tokens, logprobs))
             stops = stop_list(body.stop)
-            requests = await checked_requests(ctx, [prompt], spec)
+            requests = await checked_requests(ctx, [prompt], spec, session_of(request, body))
         except ProtocolError as e:
             return error(e)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
