@@ -75,7 +75,11 @@ class Router:
         args = self._order(order, "register")
         rid = args.get("replica_id")
         if not isinstance(rid, str) or not rid:
-            raise OrderRefused("malformed", "register: replica_id must be a non-empty string")
+            refusal = OrderRefused("malformed", "register: replica_id must be a non-empty string")
+            self.verifier.refusals[refusal.reason] += 1  # counted as refused (and as accepted: its signature held)
+            self.metrics.refused(refusal.reason)
+            log.warning("%s", refusal)
+            raise refusal
         self.credentials[rid] = credential = secrets.token_hex(16)
         return credential
 
