@@ -136,7 +136,7 @@ class Router:
         applied = core.apply(report, now)
         if applied.stalled:  # declared now or before: its work continues elsewhere; it stops
             if applied.replica_id is not None:
-                self.stalls.note([report.replica_id], now)
+                self.stalls.note([report.replica_id])
                 self.work_ready.pop(report.replica_id, None)
                 self._wake_all()
             self.credentials.pop(report.replica_id, None)  # (a replica that missed this answer registers, to hear it again)
@@ -288,7 +288,6 @@ class Router:
             "weights": c.weights_status(),
             "sleep": c.sleep_status(),  # level 0: awake
             "expected_replicas": c.fleet.expected,
-            "stalls": self.stalls.status(time.monotonic()),  # the latest replicas declared stalled (counter replica_stalls)
             "sampling_defaults": self.cfg.sampling.spec_fields(),  # what a request leaves out
             "router_id": self.router_id,
             "router_uptime_s": round(time.monotonic() - self.started_t, 1),
