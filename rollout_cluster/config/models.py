@@ -99,7 +99,7 @@ class RouterConfig(Section):
     stall_timeout_s: float = Field(120.0, ge=0, description=(
         "a replica that holds running sequences and reports no new token for this long has stalled: its work "
         "continues elsewhere and it fails its health check (Serve replaces it); 0: never"),
-        **_also("0 (never) or >= 2 x min(5, router.replica_timeout_s / 4) (twice the longest report interval)"))
+        **_also("0 (never) or >= twice the longest report interval, 2 x min(5, router.replica_timeout_s / 4)"))
     max_ongoing_requests: int = Field(4096, description=">> replicas + drivers: pulls must never queue", **_also(
         ">= replicas + 8, above replicas + drivers, or pulls queue behind each other"))
     submit_wait_for_replica_s: float = Field(600.0, ge=0, description="a submit with no live replica fails after this")
@@ -119,7 +119,7 @@ class RouterConfig(Section):
         self._require("report_interval_s", self.report_interval_s <= ceiling, f" = {ceiling:g}")
         self._require("abandoned_batch_s", self.abandoned_batch_s == 0 or self.abandoned_batch_s >= 10)
         self._require("stall_timeout_s", self.stall_timeout_s == 0 or self.stall_timeout_s >= 2 * ceiling,
-                      f"; here {2 * ceiling:g}")
+                      f" = {2 * ceiling:g}")
         return self
 
     def report_interval_for(self, replicas: int) -> float:
