@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from rollout_cluster.config import ClusterConfig, ConfigError, EngineConfig, PolicyConfig, RouterConfig, load_config, to_dict
+from rollout_cluster.config import (ClusterConfig, ConfigError, EngineConfig, PolicyConfig, RouterConfig, load_config,
+                                    to_dict)
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest
@@ -35,8 +36,7 @@ def report(rid: str, progress=(), leaving: bool = False, inc: str = "i1") -> Rep
                   leaving=leaving)
 
 
-def tok(p: SeqProgress | None = None, seq_id: str = "", attempt: int = 1, tokens=(7,), offset: int = 0,
-        reason=None) -> SeqProgress:
+def tok(seq_id: str, attempt: int = 1, tokens=(7,), offset: int = 0, reason=None) -> SeqProgress:
     return SeqProgress(seq_id, attempt, list(tokens), None, reason, offset=offset)
 
 
@@ -384,6 +384,7 @@ def test_random_freezes_complete_every_sequence_once_with_its_exact_tokens(seed)
             assert c.index not in got  # never twice
             got[c.index] = c
     assert replaced and core.counters.replica_stalls == replaced and core.counters.replica_deaths == 0
+    assert late_pulls and core.counters.stale_reports == 0  # the late reports were refused whole, unapplied
     for i, c in got.items():
         assert c.finish_reason == "length"
         assert list(c.token_ids) == [expected_token(i, p) for p in range(max_tokens)], (i, c.migrations)

@@ -139,7 +139,8 @@ class Router:
                 self.stalls.note([report.replica_id])
                 self.work_ready.pop(report.replica_id, None)
                 self._wake_all()
-            self.credentials.pop(report.replica_id, None)  # (a replica that missed this answer registers, to hear it again)
+            # (one that missed this answer registers again, and hears it again)
+            self.credentials.pop(report.replica_id, None)
             return Orders(stop=STALLED, router_id=self.router_id)
         if applied.finished:
             self._notify_batches()
