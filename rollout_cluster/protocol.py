@@ -484,6 +484,10 @@ class Orders:
     # The router does not know the report's credential (it restarted, or the replica never
     # registered): nothing of the report was applied; register, then send it again.
     register: bool = False
+    # Non-empty (why): the router declared this replica stalled (its running sequences made no
+    # progress for router.stall_timeout_s) and continues its work elsewhere; the replica stops
+    # pulling, hands nothing back, and fails its health check, so that Serve replaces it.
+    stop: str = ""
 
     def __bool__(self) -> bool:
-        return bool(self.start or self.give_up or self.control or self.report_whole)
+        return bool(self.start or self.give_up or self.control or self.report_whole or self.stop)

@@ -6,7 +6,10 @@ tests call it directly. A replica's pull is two calls, as vLLM v1's scheduler sp
     applied = core.apply(report, now)       # register, take its state, its tokens, its listing
     orders = core.decide(replica_id, now)   # the policy's decision, and what waits for it
 (`on_report` does both.) Drivers call `submit`, `fetch` and `cancel`; a periodic `expire` declares
-silent replicas dead and drops abandoned batches. Migration semantics: docs/semantics.md.
+silent replicas dead and drops abandoned batches, and a periodic `check_stalls` (also run at each
+report) declares stalled those that pull on while their sequences make no progress: their work
+continues elsewhere as a dead replica's does, and their further pulls are answered with an order
+to stop. Migration semantics: docs/semantics.md.
 
 The state a sequence moves through is here (submit, dispatch, apply progress, give up, requeue,
 finish); the parts with state of their own are components it holds and calls: `batches`
@@ -41,6 +44,9 @@ from .weights import FleetWeights
 STEP_SAMPLES_KEPT = 100_000
 DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
+# Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
+STALLED = ("stalled: no new token for router.stall_timeout_s while holding running sequences; "
+           "they continue elsewhere from their last reported tokens")
 
 
 class NoLiveReplicaError(RuntimeError):
@@ -55,6 +61,7 @@ class Applied:
     finished: bool = False  # sequences finished: their drivers' fetches have news
     requeued: bool = False  # work went back to the queue: held pulls can take it
     left: bool = False  # the replica said goodbye; its work is back in the queue
+    stalled: bool = False  # the replica was declared stalled (now or before): answer with Orders.stop
 
 
 def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
@@ -73,8 +80,10 @@ class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
-                 max_sessions: int = 65536):
+                 max_sessions: int = 65536, stall_timeout_s: float = 0.0):
         self.policy = policy
+        # A replica holding running sequences with no new token for this long is stalled (0: never).
+        self.stall_timeout_s = stall_timeout_s
         self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
@@ -255,6 +264,8 @@ class RouterCore:
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         """A replica's pull: apply its report, then decide; returns its orders."""
         applied = self.apply(report, now)
+        if applied.stalled:
+            return Orders(stop=STALLED)
         if applied.replica_id is None or applied.left:
             return Orders()
         orders = self.decide(applied.replica_id, now, timer)
@@ -268,17 +279,22 @@ class RouterCore:
 
     def apply(self, report: Report, now: float) -> Applied:
         """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
-        if self.fleet.gone(report):
-            return Applied(None)
+        if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
+            return Applied(None, stalled=self.fleet.was_stalled(report))
         finished, requeues = self.finished_count, self.requeues
         rep = self._register(report, now)
         self._apply_engine_state(rep, report, now)
         self._apply_progress(rep, report, now)
+        stalled = False
         if report.leaving:
             self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
+        elif self.stall_timeout_s > 0 and rep.stalled(now, self.stall_timeout_s):
+            self.remove_replica(rep.replica_id, now, stalled=True)
+            stalled = True
         elif report.listing is not None:
             self._reconcile(rep, report.listing.held, report.listing.aborting, now)
-        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving)
+        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving,
+                       stalled)
 
     def decide(self, replica_id: str, now: float, timer=None) -> Orders:
         """The policy's decision at this replica's pull; returns the orders waiting for it."""
@@ -331,17 +347,34 @@ class RouterCore:
         self.adoption.expire(now)
         return dead
 
-    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False) -> None:
+    def check_stalls(self, now: float) -> list:
+        """Declare stalled the replicas that hold running sequences and reported no new token for
+        stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
+        continue elsewhere from their last reported tokens, and their further pulls are answered
+        with Orders.stop (the replica then fails its health check). Returns their ids."""
+        if self.stall_timeout_s <= 0:
+            return []
+        stalled = self.fleet.stalled(now, self.stall_timeout_s)
+        for rid in stalled:
+            self.remove_replica(rid, now, stalled=True)
+        return stalled
+
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
+                       stalled: bool = False) -> None:
         """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
         it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a
-        graceful shutdown, or its engine died), and a late pull of it is not a new replica."""
+        graceful shutdown, or its engine died), and a late pull of it is not a new replica.
+        `stalled`: the router declared it stalled; a late pull of it is told to stop."""
         rep = self.fleet.pop(replica_id)
         if rep is None:
             return
         self.adoption.note_listing(rep, frozenset())  # what it ran of a predecessor's runs nowhere now
-        self.fleet.removed(rep, now, leaving, goodbye)
+        self.fleet.removed(rep, now, leaving, goodbye, stalled)
         if leaving:
             self.counters.replica_leaves += 1
+        elif stalled:
+            self.counters.replica_stalls += 1
+            self.metrics.replica_stalled(replica_id)
         else:
             self.counters.replica_deaths += 1
         self.outbox.drop(replica_id)
@@ -405,6 +438,7 @@ class RouterCore:
             self.counters.prompt_tokens_measured += seq.request.prompt_len
             self.counters.prompt_cached_tokens += min(p.cached_tokens, seq.request.prompt_len)
         if p.num_tokens:
+            rep.progress_t = now  # (check_stalls)
             seq.generated += p.num_tokens
             rep.seqs.progressed(seq)
             self.counters.generated_tokens += p.num_tokens
@@ -480,6 +514,8 @@ class RouterCore:
                 self.counters.policy_errors += 1
                 continue
             self.queue.remove(seq)
+            if not rep.seqs:  # its first running sequence: its progress is measured from now
+                rep.progress_t = now
             self._dispatch(seq, a.replica_id, a.segment_cap)
         for g in decision.give_up:
             seq = g.seq

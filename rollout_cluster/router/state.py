@@ -114,6 +114,14 @@ class ReplicaState:
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
     listed: bool = False  # it sent this router a listing of what it holds (Report.held)
     orphan_ids: frozenset = frozenset()  # seq ids of the attempts it held at that listing the router did not know
+    # When it last showed progress: a report that carried a new token or a sequence's end, or the
+    # dispatch of its first running sequence. Holding sequences with no progress for
+    # router.stall_timeout_s is a stall (`stalled`).
+    progress_t: float = 0.0
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        """It holds running sequences and made no progress for longer than `timeout_s` (> 0)."""
+        return bool(self.seqs) and now - self.progress_t > timeout_s
 
     @property
     def load(self) -> int:

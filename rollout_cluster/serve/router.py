@@ -21,9 +21,10 @@ from ray import serve
 from ..config import load_config
 from ..engines.cost_model import load_profile
 from .metrics import PrometheusRouterMetrics
+from .stall_watch import StallWatch
 from ..niceness import set_niceness
 from ..policy import make_policy
-from ..router.core import NoLiveReplicaError, RouterCore
+from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
 from ..protocol import LimitExceeded, Orders, Report
 from ..security.paths import check_under_roots
@@ -52,7 +53,9 @@ class Router:
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
                                id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits),
-                               id_salt=lambda: secrets.token_hex(8), max_sessions=cfg.router.max_sessions)  # a batch's id is its capability: unguessable
+                               id_salt=lambda: secrets.token_hex(8),  # a batch's id is its capability: unguessable
+                               stall_timeout_s=cfg.router.stall_timeout_s, max_sessions=cfg.router.max_sessions)
+        self.stalls = StallWatch(self.core)  # replicas that pull on while their engine makes no progress
         # Control orders are signed (security/signing.py); each replica reports with the credential
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
@@ -107,6 +110,11 @@ class Router:
                 for rid in dead:
                     self.work_ready.pop(rid, None)
                 self._wake_all()
+            stalled = self.stalls.tick(now)
+            if stalled:
+                self._wake_all()  # their work is queued: the others take it now (a held pull of theirs ends)
+                for rid in stalled:
+                    self.work_ready.pop(rid, None)
             dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
             for bid in dropped:
                 log.warning("batch %s: %s", bid, self.core.batches.dropped[bid])
@@ -130,6 +138,14 @@ class Router:
         now = time.monotonic()
         core = self.core
         applied = core.apply(report, now)
+        if applied.stalled:  # declared now or before: its work continues elsewhere; it stops
+            if applied.replica_id is not None:
+                self.stalls.note([report.replica_id])
+                self.work_ready.pop(report.replica_id, None)
+                self._wake_all()
+            # (one that missed this answer registers again, and hears it again)
+            self.credentials.pop(report.replica_id, None)
+            return Orders(stop=STALLED, router_id=self.router_id)
         if applied.finished:
             self._notify_batches()
         if applied.requeued:  # requeued work (give-up partials): held pulls take it now
