@@ -1402,8 +1402,10 @@ def check_fleet_converged(chaos: Chaos) -> None:
     for rid, rep in live.items():
         state = (rep.weights, rep.loading, rep.sleep_level, rep.sleep_goal, rep.sleep_error, rep.noted)
         assert state == ((v, f"/ckpt/{v}" if v else ""), None, 0, 0, None, (0, "")), f"{rid}: {state}"
-    assert core.weights_status() == {"version": v, "path": f"/ckpt/{v}" if v else None,
-                                     "replicas": {rid: v for rid in live}, "errors": {}}
+    status = core.weights_status()
+    status.pop("broken")  # (a level-2 wake reloads the fleet's checkpoint even after it broke a load)
+    assert status == {"version": v, "path": f"/ckpt/{v}" if v else None, "replicas": {rid: v for rid in live},
+                      "errors": {}}
     assert core.sleep_status() == {"level": 0, "replicas": {rid: 0 for rid in live}, "moving": [], "errors": {}}
 
 
@@ -1592,7 +1594,7 @@ def test_the_faults_happen():
     for policy, seed, restart in (("pull", 0, False), ("static", 1, False), ("least-loaded", 1, True),
                                   ("steal", 1, True), ("chunked", 1, True), ("pull", 2, True), ("least-loaded", 2, True),
                                   ("scripted", 11, True), ("steal", 20, True), ("scripted", 0, True), ("pull", 3, True),
-                                  ("steal", 0, True)):
+                                  ("steal", 0, True), ("chunked", 16, True)):
         seen += run_control_case(policy, seed, restart).seen
     wanted = {"late report applied first", "late report applied after its resend", "reply with control orders lost",
               "load failed", "replica restarted while loading", "replica restarted asleep", "join asleep",
