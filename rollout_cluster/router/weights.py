@@ -13,9 +13,10 @@ the failed one's replacement (a load that broke an engine would break the next, 
 restarts), not a replica that joins later, not one whose order was lost. Such a replica counts as
 failed (`errors` names the break): the driver's update_weights raises, queued work fails once no
 replica can run it, and the replicas that hold the version keep serving it. An update to a broken
-path is refused. A replica that loads the version after all (one ordered before the break, or a
+path is refused. A replica that loads the version after the break (one ordered before it, or a
 level-2 wake's reload) shows the failure was its replica's, not the checkpoint's: the break is
-forgotten and the replicas held back get their order. The router keeps the last BROKEN_KEPT
+forgotten and the replicas held back get their order (replicas that held the version before the
+break say nothing of it: a replacement may break where the first load worked). The router keeps the last BROKEN_KEPT
 breaks (a restarted router starts without them).
 
 Plain state, no clock, no I/O: RouterCore passes the reports in and sends the orders out.
@@ -112,12 +113,14 @@ class FleetWeights:
         waits in its outbox. Returns whether it just became unable to hold the current version: its
         load failed, or the version broke another replica's load and it is held back."""
         v = self.version
+        just_loaded = rep.weights_version != v and w.version == v
         rep.weights_version, rep.weights_loading = w.version, w.loading
         if rep.weights_noted == v and w.noted != v and w.version != v and not note_pending:
             rep.weights_noted = None  # the note was sent and the replica never saw it: again
         if rep.weights_version == v:
             self.errors.pop(rep.replica_id, None)
-            self._loaded()
+            if just_loaded:
+                self._loaded()
         elif w.error and w.error_version == v:
             if rep.replica_id not in self.errors or rep.replica_id in self.held_back:
                 self.held_back.discard(rep.replica_id)
@@ -148,8 +151,8 @@ class FleetWeights:
                 self.broken.pop(next(iter(self.broken)))
 
     def _loaded(self) -> None:
-        """A replica holds the current version: if it had broken a load, the checkpoint loads after
-        all (the failure was that replica's), and the replicas held back get their order."""
+        """A replica just loaded the current version: if it broke a load before, it loads after all
+        (the failure was that replica's), and the replicas held back get their order."""
         if self.broken.pop((self.path, self.version), None) is not None:
             for rid in self.held_back:
                 self.errors.pop(rid, None)
