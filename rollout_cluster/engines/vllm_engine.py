@@ -18,6 +18,7 @@ from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
+from .checkpoint import check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +62,6 @@ def engine_args(cfg: EngineConfig, model: str):
     )
 
 
-def check_checkpoint(path: str) -> None:
-    """Refuse a directory that cannot be a complete checkpoint, before the engine touches its weights
-    (vLLM empties a layer before it reads its new tensors, and only warns about missing ones)."""
-    import json
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"path={path!r}: no such checkpoint directory on this replica's node")
-    files = set(os.listdir(path))
-    if "config.json" not in files:
-        raise FileNotFoundError(f"path={path!r}: no config.json (write the checkpoint with save_pretrained)")
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if index in files:
-            with open(os.path.join(path, index)) as f:
-                shards = set(json.load(f).get("weight_map", {}).values())
-            missing = sorted(shards - files)
-            if missing:
-                raise FileNotFoundError(f"path={path!r}: {index} names shards that are not there: {missing[:3]}")
-            return
-    if not any(f.endswith((".safetensors", ".bin", ".pt")) for f in files):
-        raise FileNotFoundError(f"path={path!r}: no weight files (*.safetensors, *.bin)")
-
-
 def sampling_params(work: Work):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -118,9 +97,11 @@ def sampled_logprobs(token_ids: list, logprobs) -> list | None:
 
 
 class VllmEngine(EngineAdapter):
-    def __init__(self, cfg: EngineConfig, model: str, rank: int = 0, on_cpu: bool | None = None):
+    def __init__(self, cfg: EngineConfig, model: str, rank: int = 0, on_cpu: bool | None = None,
+                 require_manifest: bool = True):
         self.cfg = cfg
         self.model = model
+        self.require_manifest = require_manifest  # security.require_manifest: load only a sealed checkpoint
         self.rank = rank
         self.capacity = cfg.max_num_seqs
         self.on_cpu = on_cpu
@@ -319,7 +300,10 @@ class VllmEngine(EngineAdapter):
                            seq_tokens_per_s=self._rate_ema)
 
     async def load_weights(self, path: str) -> None:
-        check_checkpoint(path)  # before vLLM touches the model: a bad path leaves the old weights
+        # Before vLLM touches the model (it empties a layer before it reads its new tensors, and only
+        # warns about missing ones): an incomplete checkpoint leaves the old weights. In a thread:
+        # it may hash every file (the manifest's sha256).
+        await asyncio.to_thread(check_checkpoint, path, self.require_manifest)
         if self.tasks:  # the router orders a load only between batches: these are orphans of a
             log.warning("aborting %d requests left from before the weights load", len(self.tasks))
             await self.give_up(list(self.tasks))

@@ -19,6 +19,7 @@ import uuid
 from ray import serve
 
 from ..config import load_config
+from ..engines.checkpoint import check_checkpoint, root_is_here
 from ..engines.cost_model import load_profile
 from .metrics import PrometheusRouterMetrics
 from .stall_watch import StallWatch
@@ -250,14 +251,20 @@ class Router:
 
     async def update_weights(self, order) -> int:
         """Order every replica to load `path` as `version` (between batches); returns the version.
-        The path must resolve under one of security.checkpoint_roots."""
+        The path must resolve under one of security.checkpoint_roots and be a complete checkpoint
+        (docs/checkpoints.md), or the fleet keeps its weights and the caller gets why."""
         args = self._order(order, "update_weights")
+        sec = self.cfg.security
         try:
-            path = check_under_roots(args.get("path"), self.cfg.security.checkpoint_roots)
+            path = check_under_roots(args.get("path"), sec.checkpoint_roots)
         except PermissionError:
             self.verifier.refusals["path"] += 1
             self.metrics.refused("path")
             raise
+        self.core.weights.checked(path, args.get("version"))  # a broken path is refused before any disk work
+        if self.cfg.engine.kind != "sim" and root_is_here(path, sec.checkpoint_roots):
+            # Sizes only (each engine hashes before it loads), in a thread: pulls go on meanwhile.
+            await asyncio.to_thread(check_checkpoint, path, sec.require_manifest, verify_sha256=False)
         v = self.core.update_weights(path, args.get("version"))
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
