@@ -425,10 +425,13 @@ class Report:
 
 @dataclass(frozen=True)
 class LoadWeights:
-    """Load the checkpoint at `path` into the running engine as `version` (update_weights)."""
+    """Load the checkpoint at `path` into the running engine as `version` (update_weights), or the
+    pushed tensors in `buckets` (push_weights; `path` then names the push, "push://<id>")."""
 
     path: str
     version: int
+    # push_weights: the tensors' buckets (transfer/buckets.py) as object-store handles, in order
+    buckets: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -437,6 +440,7 @@ class NoteWeights:
 
     path: str
     version: int
+    buckets: Optional[tuple] = None  # pushed weights: as LoadWeights.buckets
 
 
 @dataclass(frozen=True)
@@ -452,6 +456,7 @@ class Wake:
 
     path: Optional[str]
     version: int
+    buckets: Optional[tuple] = None  # pushed weights: as LoadWeights.buckets
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ def flip_value(v, rng: random.Random):
         return v ^ (1 << rng.randrange(8))
     if isinstance(v, str):
         return flip_str(v, rng)
+    if isinstance(v, list):  # (push_weights' bucket ids)
+        return [flip_value(x, rng) for x in v]
     return {k: flip_value(x, rng) for k, x in v.items()}  # (set_policy's mapping)
 
 
@@ -114,9 +116,14 @@ class Drill:
                 "sleep": {"level": 1}, "wake": {}, "set_fleet_target": {"replicas": 1 + self.n % 3},
                 "set_policy": {"policy": {"name": "pull"}}, "set_trace": {"on": self.n % 2 == 0},
                 "cancel": {"batch_id": self.target_batch}, "register": {"replica_id": f"r{self.n}", "incarnation": "i"},
+                "push_weights": {"source": f"push://d{self.n}", "version": self.version + 1,
+                                 "buckets": [f"{self.n:032x}"], "tensors": 1, "bytes": 4},
                 }[op]
 
     async def call(self, op: str, order):
+        if op == "push_weights":  # the buckets travel beside the order: those the order names
+            ids = order.args.get("buckets") if isinstance(getattr(order, "args", None), dict) else None
+            return await self.router.push_weights(order, [BucketRef(h) for h in ids] if isinstance(ids, list) else [])
         return await getattr(self.router, op)(order)
 
     async def valid(self, op: str, args: dict) -> None:
@@ -125,7 +132,7 @@ class Drill:
         await self.call(op, order)
         self.accepted += 1
         self.pool[op].append(order)
-        if op == "update_weights":  # the replica loads it, so that the next update may follow
+        if op in ("update_weights", "push_weights"):  # the replica loads it, so that the next update may follow
             self.version = args["version"]
             await pull(self.router, report())
 
@@ -210,6 +217,16 @@ class Drill:
             if (i + 1) % VALID_EVERY == 0:
                 op = valid_ops[(i // VALID_EVERY) % len(valid_ops)]
                 await self.valid(op, self.args(op))
+
+
+class BucketRef:
+    """An object-store handle as push_weights sends it: its id in hex."""
+
+    def __init__(self, h):
+        self.h = h
+
+    def hex(self):
+        return self.h
 
 
 def report(rid: str = "a", progress=()) -> Report:

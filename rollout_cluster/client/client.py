@@ -123,6 +123,18 @@ class RolloutClient:
         within `timeout_s`: the router refuses a second load beside it."""
         return fleet_ops.update_weights(self, path, version, timeout_s)
 
+    def push_weights(self, named_tensors, version: Optional[int] = None, timeout_s: float = 600.0,
+                     bucket_bytes: int = 256 << 20) -> int:
+        """Load the trainer's tensors into every replica without a checkpoint: `named_tensors`
+        ((name, tensor) pairs in the served checkpoint's names and shapes, e.g.
+        `model.named_parameters()` or `model.state_dict().items()` of the same architecture) go to
+        Ray's object store in buckets of about `bucket_bytes`, and every replica loads them in place,
+        between batches. Returns once every replica holds `version` (default: current + 1), raising
+        with each replica's error as update_weights does; a replica that joins later loads them
+        before it takes work. The tensors live in this process's object store: keep the process up
+        while the fleet may still need them (until the next push)."""
+        return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, timeout_s)
+
     def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
         """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs
         gets their memory: level 1 moves the weights to host memory and drops the KV cache; level 2

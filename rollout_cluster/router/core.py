@@ -219,9 +219,10 @@ class RouterCore:
         self.batches.release(batch_id)
 
     # ---- the fleet's weights and sleep (control.py), between batches ---------------------------------
-    def update_weights(self, path: str, version: Optional[int] = None) -> int:
-        """Point every replica at the checkpoint in `path` as `version` (default: current + 1)."""
-        return self.control.update_weights(path, version)
+    def update_weights(self, path: str, version: Optional[int] = None, buckets: Optional[tuple] = None) -> int:
+        """Point every replica at the checkpoint in `path` as `version` (default: current + 1);
+        with `buckets`, at a push's tensors (push_weights), `path` naming the push."""
+        return self.control.update_weights(path, version, buckets)
 
     def sleep_fleet(self, level: int = 1) -> int:
         """Put every engine to sleep at vLLM's `level`; a batch submitted before wake() is refused."""

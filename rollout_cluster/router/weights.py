@@ -46,7 +46,10 @@ class BrokenLoad:
 class FleetWeights:
     def __init__(self):
         self.version = 0  # the version batches run on (0: the config's model)
-        self.path: Optional[str] = None  # where it comes from (None: the config's model)
+        self.path: Optional[str] = None  # where it comes from (None: the config's model; "push://<id>": pushed)
+        # A pushed version's tensors (push_weights): their buckets' object-store handles, sent with
+        # every order of it, to joiners too. None for a checkpoint, and for a push a restarted router learned.
+        self.buckets: Optional[tuple] = None
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
         self.held_back: set[str] = set()  # replicas not ordered the current version because it broke (in errors)
@@ -68,10 +71,10 @@ class FleetWeights:
             raise InputError("version", version, f"must be an integer above the current version {self.version}")
         return version
 
-    def update(self, path: str, version: int) -> None:
-        """Point the fleet at `path` as `version` (checked). The caller made sure that no batch runs
-        and no load is under way."""
-        self.version, self.path, self.learning = version, path, False
+    def update(self, path: str, version: int, buckets: Optional[tuple] = None) -> None:
+        """Point the fleet at `path` as `version` (checked), pushed as `buckets` if given. The caller
+        made sure that no batch runs and no load is under way."""
+        self.version, self.path, self.learning, self.buckets = version, path, False, buckets
         self.errors.clear()
         self.held_back.clear()
 
@@ -104,7 +107,7 @@ class FleetWeights:
             return
         for version, path in ((w.version, w.path), (w.noted, w.noted_path)):
             if version > self.version and path:
-                self.version, self.path = version, path
+                self.version, self.path, self.buckets = version, path, None
                 self.errors.clear()  # they were for an older version
                 self.held_back.clear()
 
@@ -168,9 +171,9 @@ class FleetWeights:
             if rep.weights_noted == v:
                 return None
             rep.weights_noted = v
-            return NoteWeights(self.path, v)
+            return NoteWeights(self.path, v, self.buckets)
         rep.weights_ordered = v
-        return LoadWeights(self.path, v)
+        return LoadWeights(self.path, v, self.buckets)
 
     def forget(self, replica_id: str) -> None:
         self.errors.pop(replica_id, None)

@@ -27,7 +27,8 @@ from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
-from ..protocol import LimitExceeded, Orders, Report
+from ..protocol import InputError, LimitExceeded, Orders, Report
+from ..transfer.push import PUSH_SCHEME
 from ..security.paths import check_under_roots
 from ..security.secrets import read_keys
 from ..security.signing import OrderRefused, OrderVerifier
@@ -267,6 +268,25 @@ class Router:
             await asyncio.to_thread(check_checkpoint, path, sec.require_manifest, verify_sha256=False)
         v = self.core.update_weights(path, args.get("version"))
         self._wake_all()  # idle replicas are long-polling: give them the order now
+        return v
+
+    async def push_weights(self, order, buckets: list) -> int:
+        """Order every replica to load the pushed tensors in `buckets` (object-store handles of
+        transfer/buckets.py's buckets, the trainer's, in order) as `version`, between batches;
+        returns the version. The signed order names the buckets' object ids: others are refused."""
+        args = self._order(order, "push_weights")
+        source, ids = args.get("source"), args.get("buckets")
+        if not isinstance(source, str) or not source.startswith(PUSH_SCHEME):
+            raise InputError("source", source, f"must name the push ({PUSH_SCHEME}<id>)")
+        if not isinstance(buckets, list) or not buckets or [getattr(b, "hex", lambda: None)() for b in buckets] != ids:
+            self.verifier.refusals["malformed"] += 1
+            self.metrics.refused("malformed")
+            raise InputError("buckets", f"<{len(buckets) if isinstance(buckets, list) else buckets!r}>",
+                             "must be the object refs whose ids the signed order names, in order")
+        v = self.core.update_weights(source, args.get("version"), tuple(buckets))
+        log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
+                 args.get("bytes"), len(buckets))
+        self._wake_all()
         return v
 
     async def sleep(self, order) -> int:

@@ -25,9 +25,9 @@ def finished_by_replica() -> dict:
     """rollout_sequences_finished_total by replica (Prometheus, the router's)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
     out = {}
-    for m in re.finditer(r'^rollout_sequences_finished_total\{replica="([^"]+)",reason="[^"]+"\} ([0-9.e+]+)$',
-                         text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for m in re.finditer(r'^rollout_sequences_finished_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        replica = re.search(r'replica="([^"]+)"', m.group(1)).group(1)
+        out[replica] = out.get(replica, 0.0) + float(m.group(2))
     return out
 
 
