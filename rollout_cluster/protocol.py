@@ -252,6 +252,10 @@ class Completion:
     # A resumed Partial: its first `resumed_tokens` tokens (and logprobs) came with the request,
     # generated in an earlier batch, maybe on older weights; `weights_version` is the rest's.
     resumed_tokens: int = 0
+    # Which weights made which tokens: [offset, version] at each change, from its first generated
+    # token on (after `resumed_tokens`). One entry unless the weights were updated while it ran
+    # (update_weights / push_weights with running="recompute" or "keep").
+    weight_versions: list = field(default_factory=list)
 
     def with_lists(self) -> "Completion":
         """This completion with plain lists: the router keeps finished tokens in compact arrays
@@ -271,6 +275,7 @@ class Completion:
             "finish_time_s": round(self.finish_time_s, 4),
             "weights_version": self.weights_version,
             "resumed_tokens": self.resumed_tokens,
+            "weight_versions": [list(v) for v in self.weight_versions],
         }
 
 

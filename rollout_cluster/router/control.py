@@ -29,14 +29,16 @@ class FleetControl:
         self.cache_resets = 0  # reset_prefix_cache orders so far (numbers them)
 
     # ---- a driver's orders ---------------------------------------------------------------------
-    def update_weights(self, path: str, version: Optional[int], buckets: Optional[tuple] = None) -> int:
+    def update_weights(self, path: str, version: Optional[int], buckets: Optional[tuple] = None,
+                       in_flight: bool = False) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
         nodes; or, with `buckets`, a push's tensors: push_weights) as `version` (default: the
         current one + 1). Between batches only, so that a batch never mixes versions. Replicas load
         at their next pull; returns the version."""
         version = self.weights.checked(path, version)
         what = "push_weights" if buckets is not None else "update_weights"
-        self._refuse_while_running(what, "weights change between batches")
+        if not in_flight:  # (in flight: RouterCore gives the running sequences up)
+            self._refuse_while_running(what, "weights change between batches (or pass running=recompute / abort)")
         self._refuse_while_loading(what)
         self.weights.update(path, version, buckets)
         for rep in self.fleet.replicas.values():

@@ -76,6 +76,9 @@ def _append_bounded(values: list, value, keep: int) -> None:
         del values[:-keep]
 
 
+RUNNING_MODES = ("finish", "keep", "recompute", "abort")  # update_weights(running=...)
+
+
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
@@ -219,10 +222,32 @@ class RouterCore:
         self.batches.release(batch_id)
 
     # ---- the fleet's weights and sleep (control.py), between batches ---------------------------------
-    def update_weights(self, path: str, version: Optional[int] = None, buckets: Optional[tuple] = None) -> int:
+    def update_weights(self, path: str, version: Optional[int] = None, buckets: Optional[tuple] = None,
+                       running: str = "finish") -> int:
         """Point every replica at the checkpoint in `path` as `version` (default: current + 1);
-        with `buckets`, at a push's tensors (push_weights), `path` naming the push."""
-        return self.control.update_weights(path, version, buckets)
+        with `buckets`, at a push's tensors (push_weights), `path` naming the push. `running` says
+        what becomes of the sequences that run now (RUNNING_MODES): "finish" refuses while any is
+        unfinished (the driver waits first); "recompute" gives the running ones up and continues
+        them on the new weights by re-prefill (exact: the tokens after the swap are the new
+        weights' continuation); "abort" ends them as "abort" with their tokens (partial rollouts).
+        Queued sequences run on the new weights in every mode."""
+        if running not in RUNNING_MODES:
+            raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
+        if running == "keep":
+            raise InputError("running", running, "not supported yet: use recompute (exact) or abort")
+        in_flight = running != "finish"
+        v = self.control.update_weights(path, version, buckets, in_flight=in_flight)
+        if in_flight:
+            for seq in self.seqs.values():
+                if seq.status is SeqStatus.RUNNING:
+                    if running == "abort":
+                        seq.cancelled = True  # its final "abort" ends it, tokens and all
+                    else:
+                        seq.give_up_cause = "weights_update"
+                    self._order_give_up(seq)
+                elif seq.status is SeqStatus.GIVING_UP and running == "abort":
+                    seq.cancelled = True
+        return v
 
     def sleep_fleet(self, level: int = 1) -> int:
         """Put every engine to sleep at vLLM's `level`; a batch submitted before wake() is refused."""
@@ -458,7 +483,8 @@ class RouterCore:
             self._finish(seq, "error", now, rep.replica_id)
         elif reason == "abort" or self._segment_cut(seq, reason):
             # An abort nobody ordered is a replica handing its work back before it stops.
-            self._requeue_after_segment(seq, rep.replica_id, now, "replica_left" if reason == "abort" else None)
+            cause = seq.give_up_cause or ("replica_left" if reason == "abort" else None)
+            self._requeue_after_segment(seq, rep.replica_id, now, cause)
         else:
             self._finish(seq, reason, now, rep.replica_id)
 
@@ -531,6 +557,10 @@ class RouterCore:
         seq.attempt += 1
         seq.status, seq.replica = SeqStatus.RUNNING, replica_id
         seq.segment_cap, seq.segment_start = segment_cap, seq.generated
+        seq.give_up_cause = None
+        held = self.fleet.replicas[replica_id].weights_version
+        if not seq.weight_versions or seq.weight_versions[-1][1] != held:
+            seq.weight_versions.append((seq.generated, held))
         # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
         # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
         seq.give_up_pull = seq.delivered_pull = -1
@@ -574,7 +604,9 @@ class RouterCore:
         destination = None
         if ordered is None and cause is not None:
             seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
-            if cause == "replica_left":
+            if cause == "weights_update":
+                self.counters.weights_recomputed += 1
+            elif cause == "replica_left":
                 self.counters.handed_back += 1
             else:
                 self.counters.recovered += 1
@@ -604,10 +636,11 @@ class RouterCore:
         wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
         # (an invalid request may have no spec; one that asked but ended before its first token gets [])
         logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
+        version = (seq.weight_versions[-1][1] if seq.weight_versions
+                   else batch.weights_version if batch else self.weights.version)
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
-                          now - seq.submitted_t, batch.weights_version if batch else self.weights.version,
-                          seq.resumed)
+                          now - seq.submitted_t, version, seq.resumed, list(seq.weight_versions))
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
             _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)

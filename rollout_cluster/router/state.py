@@ -54,6 +54,10 @@ class SeqState:
     error: Optional[str] = None
     cancelled: bool = False  # the driver gave up on the batch: finish as "abort", never requeue
     home: Optional[str] = None  # the replica that ran its session's previous turn (sessions.py), when queued
+    # (token offset, weights version) at each change of the weights its tokens come from: a segment
+    # starts on its replica's version; an in-flight update (update_weights running=...) moves it
+    weight_versions: list = field(default_factory=list)
+    give_up_cause: Optional[str] = None  # why the router gave up its running segment, besides a move (a weights update)
     delivered_pull: int = -1  # the replica's pull whose reply carried the current attempt's Work
     give_up_pull: int = -1  # the replica's pull whose reply carried the give-up of the current attempt
 

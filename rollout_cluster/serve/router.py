@@ -266,7 +266,7 @@ class Router:
         if self.cfg.engine.kind != "sim" and root_is_here(path, sec.checkpoint_roots):
             # Sizes only (each engine hashes before it loads), in a thread: pulls go on meanwhile.
             await asyncio.to_thread(check_checkpoint, path, sec.require_manifest, verify_sha256=False)
-        v = self.core.update_weights(path, args.get("version"))
+        v = self.core.update_weights(path, args.get("version"), running=args.get("running") or "finish")
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
 
@@ -283,7 +283,7 @@ class Router:
             self.metrics.refused("malformed")
             raise InputError("buckets", f"<{len(buckets) if isinstance(buckets, list) else buckets!r}>",
                              "must be the object refs whose ids the signed order names, in order")
-        v = self.core.update_weights(source, args.get("version"), tuple(buckets))
+        v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish")
         log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
                  args.get("bytes"), len(buckets))
         self._wake_all()

@@ -34,12 +34,12 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 
 
 def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
-         call_timeout_s: float) -> tuple:
+         call_timeout_s: float, running: str = "finish") -> tuple:
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
     `refs` until every replica holds the version (its process owns them anyway)."""
     refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes)
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
     order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
-                                         "tensors": tensors, "bytes": nbytes})
+                                         "tensors": tensors, "bytes": nbytes, "running": running})
     v = router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
     return v, source, refs
