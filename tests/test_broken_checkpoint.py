@@ -53,7 +53,7 @@ def test_an_update_to_a_broken_path_is_refused_and_a_new_path_reaches_every_repl
     with pytest.raises(NoLiveReplicaError, match="no replica holds weights version 1"):
         batch(core, now=0.3)
     with pytest.raises(InputError, match=r"path='/ckpt/1': its load as version 1 failed on replica a \(replica a: "
-                                         r"load_weights.*a broken checkpoint is not ordered again: write it under a new path"):
+                                         r"load_weights.*not ordered again: write it under a new path"):
         core.update_weights("/ckpt/1")
     assert core.update_weights("/ckpt/1-again") == 2  # versions go on; the break stays listed
     assert loads(report(core, "a", 0.4, error=BOOM, error_version=1)) == [LoadWeights("/ckpt/1-again", 2)]

@@ -96,7 +96,7 @@ def root_is_here(path: str, roots: list) -> bool:
 def _listing(root: Path) -> list[str]:
     """Every file under `root` as a relative path with '/', but the manifest and hidden ones."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root):  # (a linked folder is not entered: no cycles)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if name == MANIFEST or name.startswith("."):
