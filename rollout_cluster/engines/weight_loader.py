@@ -24,11 +24,13 @@ once. Tensors of one layer may lie in different buckets.
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 
 EXTENSION = f"{__name__}.TensorLoader"  # the engine arg worker_extension_cls
 SHM_DIR = "/dev/shm"
+ALIGN = 64  # bytes: where each tensor starts in a packed bucket
 
 
 def checkpoint_spec(path: str) -> dict | None:
@@ -115,6 +117,7 @@ def pack_bucket(bucket: list) -> tuple[dict, "torch.Tensor"]:
     for name, t in bucket:
         t = as_tensor(name, t).detach()
         flat = t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        total = -(-total // ALIGN) * ALIGN  # a view as the tensor's dtype needs an aligned offset
         names.append(name)
         dtypes.append(str(t.dtype).removeprefix("torch."))
         shapes.append(list(t.shape))
@@ -132,10 +135,10 @@ def unpack_bucket(header: dict, buf) -> list:
     import torch
 
     out = []
-    ends = header["offsets"][1:] + [header["nbytes"]]
-    for name, dtype, shape, off, end in zip(header["names"], header["dtypes"], header["shapes"],
-                                            header["offsets"], ends):
-        out.append((name, buf[off:end].view(getattr(torch, dtype)).view(shape)))
+    for name, dtype, shape, off in zip(header["names"], header["dtypes"], header["shapes"], header["offsets"]):
+        dt = getattr(torch, dtype)
+        n = math.prod(shape) * dt.itemsize
+        out.append((name, buf[off:off + n].view(dt).view(shape)))
     return out
 
 
