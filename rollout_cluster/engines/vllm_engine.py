@@ -17,6 +17,7 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
+from . import weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 from .checkpoint import check_checkpoint
 
@@ -38,8 +39,11 @@ def engine_args(cfg: EngineConfig, model: str):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     extra = {}
-    if "stream_interval" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:  # not in every vLLM
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    if "stream_interval" in fields:  # not in every vLLM
         extra["stream_interval"] = cfg.stream_interval
+    if "worker_extension_cls" in fields:  # load_tensors' methods, mixed into vLLM's worker
+        extra["worker_extension_cls"] = weight_loader.EXTENSION
     if cfg.tensor_parallel_size > 1 and not is_cpu_build():
         # The ranks run on the replica actor's own GPUs (serve/app.py, replica_gpus). Said
         # explicitly: in a placement group vLLM would pick its Ray executor instead.
@@ -106,6 +110,7 @@ class VllmEngine(EngineAdapter):
         self.capacity = cfg.max_num_seqs
         self.on_cpu = on_cpu
         self.engine = None
+        self.weights_path = model  # the checkpoint whose tensors load_tensors checks names and shapes against
         self.tasks: dict = {}  # (seq_id, attempt) -> asyncio.Task
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.aborted: set = set()
@@ -313,9 +318,20 @@ class VllmEngine(EngineAdapter):
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
         except Exception as e:
             raise WeightsLoadBroken(f"vLLM failed reloading {path!r}, its weights are now unknown: {e}") from e
+        self.weights_path = path
         # The prefix cache's KV blocks were computed with the old weights.
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
+
+    async def load_tensors(self, buckets) -> int:
+        if self.tasks:  # as in load_weights: orphans of a restarted router
+            log.warning("aborting %d requests left from before the tensors load", len(self.tasks))
+            await self.give_up(list(self.tasks))
+        spec = weight_loader.checkpoint_spec(self.weights_path)
+        n = await weight_loader.load_into(self.engine, buckets, spec)
+        if not await self.engine.reset_prefix_cache():
+            raise WeightsLoadBroken(f"{n} tensors loaded, but the prefix cache could not be reset")
+        return n
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine.reset_prefix_cache())
