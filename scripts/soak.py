@@ -11,7 +11,9 @@ prompts x `--samples` samples (64 sequences by default) of long-tailed lengths u
 run with RolloutClient.generate and then checked: every sequence back once, at its full length. After each batch it samples, with psutil,
 the RSS and USS of each process it tracks: the Router's Serve replica, the Gateway's, and each
 EngineReplica's actor process plus its child processes (vLLM's engine core), found through Ray's
-state API by the actors' class names. The baseline is the sample after the last warm-up batch;
+state API by the actors' class names. Each child process gets its own rows too
+(replica-0/VLLM::EngineCore, replica-0/VLLM::Worker), to tell where a replica grows; the verdict
+counts each process with its children. The baseline is the sample after the last warm-up batch;
 growth is (last sample - baseline) / baseline. It prints one line per process and PASS or FAIL
 against --limit-pct, and writes rss.csv (every sample) and summary.json to --out.
 """
@@ -47,21 +49,26 @@ def serve_processes(app_name: str) -> dict:
 
 
 def memory(pid: int) -> dict:
-    """RSS and USS (bytes) of `pid` alone and of `pid` with all its descendants."""
+    """{label suffix: sample} for `pid` and each of its descendants: RSS, USS and the process's
+    name. The suffix is "" for `pid` itself (with its descendants' memory added in "tree_*"), and
+    "/<name>" for a descendant (vLLM's VLLM::EngineCore and VLLM::Worker under a replica)."""
     import psutil
 
     proc = psutil.Process(pid)
-    procs = [proc] + proc.children(recursive=True)
-    out = {"rss": 0, "uss": 0, "self_rss": 0, "self_uss": 0, "children": len(procs) - 1}
-    for p in procs:
+    out, tree_rss, tree_uss = {}, 0, 0
+    for p in [proc] + proc.children(recursive=True):
         try:
-            info = p.memory_full_info()
+            info, name = p.memory_full_info(), p.name()
         except psutil.NoSuchProcess:
             continue
-        out["rss"] += info.rss
-        out["uss"] += info.uss
-        if p.pid == pid:
-            out["self_rss"], out["self_uss"] = info.rss, info.uss
+        tree_rss, tree_uss = tree_rss + info.rss, tree_uss + info.uss
+        suffix = "" if p.pid == pid else f"/{name}"
+        while suffix in out:  # two children of one name
+            suffix += "+"
+        out[suffix] = {"pid": p.pid, "self_rss": info.rss, "self_uss": info.uss}
+    for sample in out.values():
+        sample["rss"], sample["uss"] = sample["self_rss"], sample["self_uss"]
+    out[""].update(rss=tree_rss, uss=tree_uss)
     return out
 
 
@@ -89,7 +96,9 @@ def save_csv(rows: list, path: Path) -> None:
 def growth(rows: list, label: str, key: str, warmup: int) -> dict:
     """Growth of `key` for process `label` from the sample after batch `warmup` to the last one."""
     series = [(r["batch"], r[key]) for r in rows if r["process"] == label]
-    base = next(v for b, v in series if b == warmup)
+    base = next((v for b, v in series if b == warmup), None)
+    if base is None:  # a process that was not there after the warm-up
+        return {"baseline_mib": None, "end_mib": round(series[-1][1] / 2**20, 1), "growth_pct": None}
     end = series[-1][1]
     peak = max(v for b, v in series if b >= warmup)
     return {"baseline_mib": round(base / 2**20, 1), "end_mib": round(end / 2**20, 1),
@@ -142,9 +151,11 @@ def main() -> int:
             moved = sum(len(r.migrations) for r in results)
             procs = serve_processes(cfg.app_name)
             for label, pid in sorted(procs.items()):
-                rows.append({"batch": b, "seconds": round(took, 2), "migrations": moved, "process": label, "pid": pid, **memory(pid)})
+                for suffix, sample in memory(pid).items():
+                    rows.append({"batch": b, "seconds": round(took, 2), "migrations": moved,
+                                 "process": label + suffix, **sample})
             save_csv(rows, out / "rss.csv")  # every batch: a run cut short keeps its samples
-            mine = {r["process"]: r for r in rows if r["batch"] == b}
+            mine = {r["process"]: r for r in rows if r["batch"] == b and "/" not in r["process"]}
             print(f"batch {b:3d}  {took:5.1f} s  {moved:3d} moves  " + "  ".join(
                 f"{k} {v['rss'] / 2**20:.0f}M" for k, v in sorted(mine.items())), flush=True)
     finally:
@@ -154,7 +165,8 @@ def main() -> int:
     pids = {lb: {r["pid"] for r in rows if r["process"] == lb} for lb in labels}
     restarted = [lb for lb, p in pids.items() if len(p) > 1]  # a new process is no growth: flag it
     report = {lb: {k: growth(rows, lb, k, a.warmup) for k in ("rss", "uss", "self_rss")} for lb in labels}
-    worst = max(report[lb]["rss"]["growth_pct"] for lb in labels)
+    tops = [lb for lb in labels if "/" not in lb]  # the verdict: each process with its children
+    worst = max(report[lb]["rss"]["growth_pct"] or 0.0 for lb in tops)
     verdict = "PASS" if worst < a.limit_pct and not restarted else "FAIL"
     summary = {"args": vars(a), "sequences_per_batch": a.prompts * a.samples,
                "batch_seconds_mean": round(sum(r["seconds"] for r in rows if r["process"] == "router")
@@ -164,7 +176,10 @@ def main() -> int:
     print(f"\nRSS growth from after batch {a.warmup} (warm-up) to after batch {a.batches}, limit {a.limit_pct:g} %:")
     for lb in labels:
         g = report[lb]["rss"]
-        print(f"  {lb:10s} {g['baseline_mib']:8.1f} -> {g['end_mib']:8.1f} MiB  {g['growth_pct']:+6.2f} %  "
+        if g["baseline_mib"] is None:
+            print(f"  {lb:28s} (no sample after the warm-up)")
+            continue
+        print(f"  {lb:28s} {g['baseline_mib']:8.1f} -> {g['end_mib']:8.1f} MiB  {g['growth_pct']:+6.2f} %  "
               f"(peak {g['peak_growth_pct']:+.2f} %; USS {report[lb]['uss']['growth_pct']:+.2f} %)")
     if restarted:
         print(f"  restarted during the soak (pid changed): {restarted}")
