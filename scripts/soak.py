@@ -5,17 +5,18 @@ every batch, and how much it grew from the end of the warm-up to the end.
     flock /tmp/rollout-e2e.lock env RAY_AUTH_MODE=token PYTHONPATH=$PWD \\
         .venv/bin/python scripts/soak.py [--config configs/local-cpu.yaml] [--batches 50] [--warmup 5] \\
         [--prompts 16] [--samples 4] [--max-tokens 256] [--limit-pct 10] [--out experiments/soak/results]
+        [--env KEY=VALUE ...]
 
 It starts a local Ray of its own (stop any other first). Each batch is `--prompts` fresh random
 prompts x `--samples` samples (64 sequences by default) of long-tailed lengths up to --max-tokens,
-run with RolloutClient.generate and then checked: every sequence back once, at its full length. After each batch it samples, with psutil,
-the RSS and USS of each process it tracks: the Router's Serve replica, the Gateway's, and each
-EngineReplica's actor process plus its child processes (vLLM's engine core), found through Ray's
-state API by the actors' class names. Each child process gets its own rows too
-(replica-0/VLLM::EngineCore, replica-0/VLLM::Worker), to tell where a replica grows; the verdict
-counts each process with its children. The baseline is the sample after the last warm-up batch;
-growth is (last sample - baseline) / baseline. It prints one line per process and PASS or FAIL
-against --limit-pct, and writes rss.csv (every sample) and summary.json to --out.
+run with RolloutClient.generate and then checked: every sequence back once, at its full length.
+After each batch it samples, with psutil, the RSS and USS of each process it tracks: the Router's
+Serve replica, the Gateway's, and each EngineReplica's actor process plus its child processes
+(vLLM's engine core), found through Ray's state API by the actors' class names. Each child process
+gets its own rows too (replica-0/VLLM::EngineCore, replica-0/VLLM::Worker), to tell where a replica
+grows; the verdict counts each process with its children. The baseline is the sample after the
+last warm-up batch; growth is (last sample - baseline) / baseline. It prints one line per process
+and PASS or FAIL against --limit-pct, and writes rss.csv (every sample) and summary.json to --out.
 """
 from __future__ import annotations
 
@@ -116,8 +117,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256, help="the longest a sequence may be")
     ap.add_argument("--limit-pct", type=float, default=10.0, help="PASS when every process grew less than this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for every Ray worker and the processes they start, e.g. "
+                         "LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 (vLLM-CPU's advice)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "soak" / "results"))
     a = ap.parse_args()
+    if any("=" not in kv for kv in a.env):
+        ap.error(f"--env={a.env}: each must be KEY=VALUE")
     if not 1 <= a.warmup < a.batches:
         ap.error(f"--warmup={a.warmup}: must be at least 1 and below --batches={a.batches}")
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -132,7 +138,9 @@ def main() -> int:
     if cfg.engine.kind == "vllm" and not Path(cfg.model_path()).exists():
         make_model(str(Path(cfg.model_path())))
     ensure_local_secrets(cfg)
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}}
+    extra = dict(kv.split("=", 1) for kv in a.env)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {"env_vars": {"PYTHONPATH": path, **extra}}
     ray.init(runtime_env=env, log_to_driver=False)
     t_start = time.monotonic()
     client = RolloutClient.start(cfg)

@@ -522,7 +522,8 @@ def test_no_secret_values_in_manifests_or_config():
 def test_a_planted_secret_is_found(plant):
     """A token in serveConfigV2, the app's runtime_env, a container's env (even from a
     secretKeyRef: ours are files) or the RayJob's entrypoint is reported."""
-    token, key = "Zt8mQ2vX9kPd-Lr4Wn7Hs_Jc3Bf6Ya1E", "0a1b2c3d4e5f60718293a4b5c6d7e8f9"  # fixed: the test must not flake
+    # fixed values (a random one could lack digits): the test must not flake
+    token, key = "Zt8mQ2vX9kPd-Lr4Wn7Hs_Jc3Bf6Ya1E", "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
     svc, job = _service(), copy.deepcopy(by_kind("RayJob")[0])
     conf = yaml.safe_load(svc["spec"]["serveConfigV2"])
     worker = cluster_spec(svc)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
@@ -533,7 +534,8 @@ def test_a_planted_secret_is_found(plant):
     elif plant == "env_literal":
         worker["env"].append({"name": "HF_TOKEN", "value": "see-the-hub"})
     elif plant == "env_secret_ref":
-        worker["env"].append({"name": "ROLLOUT_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": "token"}}})
+        ref = {"secretKeyRef": {"name": SECRET_NAME, "key": "token"}}
+        worker["env"].append({"name": "ROLLOUT_TOKEN", "valueFrom": ref})
     else:
         job["spec"]["entrypoint"] += f" --token {token}"
     svc["spec"]["serveConfigV2"] = yaml.safe_dump(conf)
