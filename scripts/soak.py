@@ -74,8 +74,8 @@ def memory(pid: int) -> dict:
 
 
 def batch(rng: random.Random, prompts: int, samples: int, max_tokens: int):
-    """Fresh prompts of 8-48 tokens; each prompt's length drawn long-tailed (16..max_tokens, as the
-    demo's), shared by its samples, so that the steal policy has stragglers to move."""
+    """Fresh prompts of 8-48 tokens; each prompt's length drawn long-tailed (lognormal, median 55,
+    clipped to 16..max_tokens) and shared by its samples."""
     from rollout_cluster.protocol import SamplingSpec
 
     ids, specs = [], []
