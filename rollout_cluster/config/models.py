@@ -48,6 +48,9 @@ class EngineConfig(Section):
         "GPUs per replica's engine; > 1: one worker process per rank, on the replica's GPUs (one node)"))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
         "fraction of GPU memory vLLM may take (weights + KV cache)"))
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field("raw_logprobs", description=(
+        "which logprobs the engines return: of the model's logits (vLLM's default), or after temperature and "
+        "top-k/top-p (the sampling distribution: what an importance-sampling correction needs)"))
     enable_prefix_caching: bool = Field(True, description=(
         "vLLM prefix caching; makes a migrated sequence's re-prefill cheaper for its siblings"))
     enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")

@@ -58,6 +58,7 @@ def engine_args(cfg: EngineConfig, model: str):
         tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode=cfg.logprobs_mode,
         enforce_eager=cfg.enforce_eager,
         enable_sleep_mode=cfg.enable_sleep_mode and not is_cpu_build(),  # the CPU build refuses it
         seed=cfg.seed,

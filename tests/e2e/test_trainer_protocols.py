@@ -78,6 +78,8 @@ def test_trl_client_generates_from_token_ids_on_both_replicas(client, trl_client
     done = worked(before, finished_by_replica())
     assert len(done) == 2 and sum(done.values()) == 32  # one batch of 32, balanced over both replicas
     assert trl_client.get_world_size() == 2
+    # GRPOTrainer reads it for its importance-sampling correction
+    assert trl_client.get_server_info()["model_config"]["logprobs_mode"] == client.config.engine.logprobs_mode
 
 
 def test_trl_client_generates_from_strings_and_chats(trl_client):
