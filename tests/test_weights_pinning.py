@@ -151,9 +151,9 @@ def test_update_weights_waits_for_a_load_in_progress_before_it_orders_another():
 
     def status(held: dict, version: int = 1) -> dict:
         return {"weights": {"version": version, "path": f"/ckpt/{version}", "replicas": held, "errors": {}},
-                "sleep": {"level": 0}, "expected_replicas": 2}
+                "sleep": {"level": 0}, "expected_replicas": 2, "live_sequences": 0}
 
-    statuses = [status({"a": 1, "b": 0})] * 3 + [status({"a": 1, "b": 1})] + [status({"a": 2, "b": 2}, 2)] * 5
+    statuses = [status({"a": 1, "b": 0})] * 3 + [status({"a": 1, "b": 1})] * 2 + [status({"a": 2, "b": 2}, 2)] * 5
 
     class Handle:
         def __getattr__(self, name):
@@ -166,4 +166,5 @@ def test_update_weights_waits_for_a_load_in_progress_before_it_orders_another():
     client = object.__new__(RolloutClient)
     client.router, client.call_timeout_s, client.config = Handle(), 5.0, None
     assert client.update_weights("/ckpt/2", timeout_s=30) == 2
-    assert calls.index("update_weights") == 4  # after the fourth status: b held version 1 by then
+    # after the fourth status (b held version 1 by then) and a fifth (no sequence runs: running="finish")
+    assert calls.index("update_weights") == 5
