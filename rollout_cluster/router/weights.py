@@ -15,9 +15,9 @@ failed (`errors` names the break): the driver's update_weights raises, queued wo
 replica can run it, and the replicas that hold the version keep serving it. An update to a broken
 path is refused. A replica that loads the version after the break (one ordered before it, or a
 level-2 wake's reload) shows the failure was its replica's, not the checkpoint's: the break is
-forgotten and the replicas held back get their order (replicas that held the version before the
-break say nothing of it: a replacement may break where the first load worked). The router keeps the last BROKEN_KEPT
-breaks (a restarted router starts without them).
+forgotten and the replicas held back get their order. (Replicas that held the version before the
+break say nothing of it: a replacement may break where the first load worked.) The router keeps
+the last BROKEN_KEPT breaks; a restarted router starts without them.
 
 Plain state, no clock, no I/O: RouterCore passes the reports in and sends the orders out.
 """
@@ -35,7 +35,7 @@ BROKEN_KEPT = 64  # a long-lived router remembers this many breaks, the latest
 
 @dataclass(frozen=True)
 class BrokenLoad:
-    """A checkpoint whose load failed on a replica: never ordered again."""
+    """A checkpoint whose load failed on a replica: not ordered again (until a replica loads it)."""
 
     path: str  # the checkpoint directory (resolved)
     version: int  # the version it was ordered as
