@@ -112,7 +112,7 @@ class RouterConfig(Section):
     # 0 makes decisions prompt where engines keep every core busy, at the price of engine time
     # (2-core CPU cluster, experiments/cpu-two-replicas: steal's decision p99 43 -> 2.2 ms, no makespan gain).
     niceness: Optional[int] = Field(None, ge=-20, le=19, description=(
-        "the router's threads run at this niceness (null: keep Ray's 15)"))
+        "the router's, the Gateway's and Serve's HTTP proxy's threads run at this niceness (null: keep Ray's 15)"))
     call_timeout_s: float = Field(120.0, gt=0, description="bound on every driver -> router call")
     abandoned_batch_s: float = Field(900.0, description=(
         "a batch no driver fetched from for this long (its driver died) is cancelled and dropped; 0: never"),
