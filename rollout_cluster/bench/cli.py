@@ -85,9 +85,9 @@ def cmd_weights_sync(a) -> int:
 def add_commands(sub) -> None:
     p = sub.add_parser("weights-sync", help="save_pretrained + update_weights against push_weights, side by side")
     p.add_argument("--config", default="configs/local-cpu.yaml")
-    p.add_argument("--model-dir", default="models/llama-124m", help="made here if missing")
+    p.add_argument("--model-dir", default="models/llama-111m", help="made here if missing")
     p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, default=18, help="768 x 18 layers: 111M parameters")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--checkpoints", default="checkpoints/weights-sync", help="where the checkpoint way saves")
     p.add_argument("--rounds", type=int, default=4)

@@ -6,7 +6,7 @@ side by side on one running cluster.
 - push: `push_weights` of the same tensors from the trainer's memory (Ray's object store, then
   every replica loads in place; no file).
 
-The model is made locally (`--hidden`, `--layers`: 768 x 12 is a 124M-parameter Llama) and served
+The model is made locally (`--hidden`, `--layers`: 768 x 18 is a 111M-parameter Llama) and served
 by a copy of the config pointing at it. Rounds alternate the order; each sync sends the weights
 of a model with another seed, so every load changes the weights. The answer is the median of each
 way and the median of the paired ratios checkpoint / push.
