@@ -61,7 +61,7 @@ async def run(a) -> dict:
     from transformers import LlamaForCausalLM
 
     from rollout_cluster.config.models import EngineConfig
-    from rollout_cluster.engines import weight_loader
+    from rollout_cluster.engines import weight_checks, weight_loader
     from rollout_cluster.engines.vllm_engine import VllmEngine
     from rollout_cluster.model_maker import make_model
 
@@ -112,7 +112,7 @@ async def run(a) -> dict:
                     await eng.load_tensors(buckets_of(items_b, a.bucket_mb))  # the API, as the replica calls it
                 else:  # the same steps with the other transport
                     await weight_loader.load_into(eng.engine, buckets_of(items_b, a.bucket_mb),
-                                                  weight_loader.checkpoint_spec(eng.weights_path), transport="bytes")
+                                                  weight_checks.checkpoint_spec(eng.weights_path), transport="bytes")
                     await eng.engine.reset_prefix_cache()
                 rows[kind].append(time.monotonic() - t0)
                 assert await greedy(eng, prompts) == reference, (kind, r)
