@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_cluster.engines.weight_loader import (BucketCheck, checkpoint_spec, map_shm, pack_bucket,
-                                                   unpack_bucket, write_shm)
+from rollout_cluster.engines.weight_checks import BucketCheck, checkpoint_spec
+from rollout_cluster.engines.weight_loader import map_shm, pack_bucket, unpack_bucket, write_bucket
 from rollout_cluster.model_maker import make_model
 
 
@@ -64,13 +64,14 @@ def test_without_a_spec_only_names_and_dtypes_are_checked():
     assert BucketCheck(None).bucket([("x", torch.zeros(1))]) is None
 
 
-def test_a_packed_bucket_unpacks_to_the_same_tensors_through_a_shm_file():
+def test_a_packed_bucket_unpacks_to_the_same_tensors_from_memory_and_from_a_shm_file():
     bucket = [("w", torch.randn(3, 5)), ("h", torch.randn(7).to(torch.bfloat16)), ("s", torch.tensor(2.5)),
               ("t", torch.randn(4, 6).t()), ("e", torch.zeros(0, 3)), ("n", np.arange(6, dtype=np.float16).reshape(2, 3))]
     header, buf = pack_bucket(bucket)
     assert header["nbytes"] == buf.numel() == 5 * 64 + 6 * 2  # each tensor starts at a multiple of 64 bytes
     assert all(off % 64 == 0 for off in header["offsets"])
-    path = write_shm(buf)
+    header_of_file, path = write_bucket(bucket)
+    assert header_of_file == header
     try:
         for got in (unpack_bucket(header, buf), unpack_bucket(header, map_shm(path, header["nbytes"]))):
             assert [n for n, _ in got] == [n for n, _ in bucket]

