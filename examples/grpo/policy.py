@@ -17,7 +17,9 @@ from task import EOS, Task, prompt_ids, target_ids
 def make_policy(model_dir: str, seed: int = 0) -> torch.nn.Module:
     """A LlamaForCausalLM with `model_dir`'s config.json and random weights drawn from `seed`."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # a save_pretrained a step: no bars
     cfg = AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -23,7 +23,7 @@ VOCAB_USED = 21  # ids the task uses; the model's other ids must learn never to 
 @dataclass(frozen=True)
 class Task:
     min_digits: int = 2  # shortest digit string in a prompt
-    max_digits: int = 12  # longest digit string in a prompt
+    max_digits: int = 8  # longest digit string in a prompt
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:

@@ -51,10 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--updates", type=int, default=2, help="optimizer steps a batch (minibatches)")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")
-    p.add_argument("--warm-steps", type=int, default=120, help="supervised warm-start steps (batch 64)")
+    p.add_argument("--warm-steps", type=int, default=80, help="supervised warm-start steps (batch 64)")
     p.add_argument("--warm-lr", type=float, default=3e-3)
     p.add_argument("--min-digits", type=int, default=2)
-    p.add_argument("--max-digits", type=int, default=10)
+    p.add_argument("--max-digits", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer")
     p.add_argument("--time-limit-s", type=float, default=None, help="stop stepping once the run is this old")
@@ -163,6 +163,7 @@ def run(client, args, cfg) -> dict:
             version = synced.version
     compared = compare(client, model, ckpt, args.compare_sync) if args.compare_sync else None
     summary = summarize(args, metrics, warm_losses, warm_s, first, compared, time.perf_counter() - t_start)
+    summary["partials"]["carried_at_end"] = buffer.pending()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(plot_run(metrics, out / "grpo.png", f"GRPO, reverse digits: {len(metrics)} steps, "
                    f"{args.prompts} prompts x {args.n} samples, weight sync by {args.sync}"))
