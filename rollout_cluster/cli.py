@@ -1,4 +1,5 @@
-"""rollout-cluster: serve | generate | update-weights | sleep | wake | scale | make-model | demo | bench | simulate | calibrate."""
+"""rollout-cluster: serve | generate | update-weights | sleep | wake | scale | make-model | write-manifest | demo |
+bench | simulate | calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,16 @@ def cmd_make_model(a) -> int:
     path = make_model(a.dir, hidden=a.hidden, layers=a.layers, heads=a.heads, vocab=a.vocab,
                       intermediate=a.intermediate, seed=a.seed, dtype=a.dtype)
     print(f"model written to {path}")
+    return 0
+
+
+def cmd_write_manifest(a) -> int:
+    from .engines.checkpoint import check_checkpoint, write_manifest
+
+    path = write_manifest(a.dir, sha256=a.sha256)
+    manifest = check_checkpoint(a.dir, require_manifest=True)
+    print(f"{path}: {len(manifest['files'])} files, {sum(manifest['files'].values())} bytes"
+          + (", with sha256" if a.sha256 else ""))
     return 0
 
 
@@ -127,6 +138,12 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default=None, help="write only the config.json of a public architecture "
                    "(qwen2.5-7b, qwen2.5-1.5b) for dummy weights")
     p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("write-manifest", help="seal a finished checkpoint: write DIR/rollout-manifest.json last "
+                       "(every file's size; docs/checkpoints.md)")
+    p.add_argument("dir")
+    p.add_argument("--sha256", action="store_true", help="record each file's sha256 too (the engines check it)")
+    p.set_defaults(fn=cmd_write_manifest)
 
     p = sub.add_parser("serve", help="start a long-lived app (local Ray unless --address)")
     p.add_argument("config")

@@ -252,6 +252,10 @@ class Completion:
     # A resumed Partial: its first `resumed_tokens` tokens (and logprobs) came with the request,
     # generated in an earlier batch, maybe on older weights; `weights_version` is the rest's.
     resumed_tokens: int = 0
+    # Which weights made which tokens: [offset, version] at each change, from its first generated
+    # token on (after `resumed_tokens`). One entry unless the weights were updated while it ran
+    # (update_weights / push_weights with running="recompute" or "keep").
+    weight_versions: list = field(default_factory=list)
 
     def with_lists(self) -> "Completion":
         """This completion with plain lists: the router keeps finished tokens in compact arrays
@@ -271,6 +275,7 @@ class Completion:
             "finish_time_s": round(self.finish_time_s, 4),
             "weights_version": self.weights_version,
             "resumed_tokens": self.resumed_tokens,
+            "weight_versions": [list(v) for v in self.weight_versions],
         }
 
 
@@ -425,10 +430,13 @@ class Report:
 
 @dataclass(frozen=True)
 class LoadWeights:
-    """Load the checkpoint at `path` into the running engine as `version` (update_weights)."""
+    """Load the checkpoint at `path` into the running engine as `version` (update_weights), or the
+    pushed tensors in `buckets` (push_weights; `path` then names the push, "push://<id>")."""
 
     path: str
     version: int
+    # push_weights: the tensors' buckets (transfer/buckets.py) as object-store handles, in order
+    buckets: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -437,6 +445,7 @@ class NoteWeights:
 
     path: str
     version: int
+    buckets: Optional[tuple] = None  # pushed weights: as LoadWeights.buckets
 
 
 @dataclass(frozen=True)
@@ -452,6 +461,7 @@ class Wake:
 
     path: Optional[str]
     version: int
+    buckets: Optional[tuple] = None  # pushed weights: as LoadWeights.buckets
 
 
 @dataclass(frozen=True)
@@ -484,6 +494,10 @@ class Orders:
     # The router does not know the report's credential (it restarted, or the replica never
     # registered): nothing of the report was applied; register, then send it again.
     register: bool = False
+    # Non-empty (why): the router declared this replica stalled (its running sequences made no
+    # progress for router.stall_timeout_s) and continues its work elsewhere; the replica stops
+    # pulling, hands nothing back, and fails its health check, so that Serve replaces it.
+    stop: str = ""
 
     def __bool__(self) -> bool:
-        return bool(self.start or self.give_up or self.control or self.report_whole)
+        return bool(self.start or self.give_up or self.control or self.report_whole or self.stop)

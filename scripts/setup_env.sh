@@ -21,6 +21,8 @@ if [ "$(cat .venv/.rollout-stamp 2>/dev/null)" != "$stamp_src" ]; then
   .venv/bin/python -c "import vllm, ray, torch" 2>/dev/null
   echo "$stamp_src" > .venv/.rollout-stamp
 fi
-if [ ! -f models/tiny-llama/config.json ]; then
+# A model folder of an older make-model (no tokenizer, no manifest) is made again; make-model
+# itself keeps a complete one of the same spec.
+if [ ! -f models/tiny-llama/tokenizer.json ] || [ ! -f models/tiny-llama/rollout-manifest.json ]; then
   .venv/bin/rollout-cluster make-model models/tiny-llama
 fi

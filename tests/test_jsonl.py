@@ -34,7 +34,7 @@ def test_lines_expand_to_samples_and_bad_lines_name_the_field():
         (0, 0, "length"), (0, 1, "length"), (1, 0, "error"), (2, 0, "error")]
     assert len(out) == 11 and out[-1]["prompt_index"] == 9
     assert set(out[0]) == {"prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "error",
-                           "replicas", "migrations", "finish_time_s", "weights_version", "resumed_tokens"}
+                           "replicas", "migrations", "finish_time_s", "weights_version", "resumed_tokens", "weight_versions"}
 
 
 def test_the_configs_sampling_section_fills_what_a_line_leaves_out():

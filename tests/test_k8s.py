@@ -5,7 +5,9 @@ kinds from the KubeRay CRDs in tests/data/k8s-crds/ (its README names their comm
 a small schema below. Unknown fields are refused, as `kubectl apply` (strict field validation)
 does. Then the contents are checked: serveConfigV2 loads with `load_config`, mirrors
 configs/a100x32.yaml and imports `rollout_cluster.serve.app.build`; the RayJob's entrypoint names
-a real module and config; the worker groups hold enough GPUs and CPUs; token auth is on.
+a real module and config; the worker groups hold enough GPUs and CPUs; token auth is on; the
+Secret `rollout-secrets` is mounted as files in every Ray container and no secret value sits in a
+manifest; the NetworkPolicy lets each kind of peer reach only its ports (tests/k8s_security.py).
 The CRDs missing is a failure, never a skip.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from k8s_security import NETWORK_POLICY_SCHEMA, Endpoint, allows, containers, env_errors, secret_looking, strings
 
 from rollout_cluster.config import ConfigError, load_config, to_dict
 
@@ -47,7 +50,8 @@ PVC_SCHEMA = {
                              "properties": {"storage": {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$"}}}}}}},
     },
 }
-CORE_SCHEMAS = {("v1", "PersistentVolumeClaim"): PVC_SCHEMA}
+CORE_SCHEMAS = {("v1", "PersistentVolumeClaim"): PVC_SCHEMA,
+                ("networking.k8s.io/v1", "NetworkPolicy"): NETWORK_POLICY_SCHEMA}
 
 
 # ---- schema loading -----------------------------------------------------------------------------
@@ -407,3 +411,223 @@ def test_every_engine_pod_reads_the_checkpoints_claim():
             claim = vol["persistentVolumeClaim"]["claimName"]
             assert claim in claims, f"no PersistentVolumeClaim {claim!r} in k8s/"
             assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+# ---- tests: secrets --------------------------------------------------------------------------------
+SECRET_NAME = "rollout-secrets"  # k8s/README.md: kubectl create secret generic rollout-secrets ...
+SECRET_KEYS = {"token": "token_file", "control-keys": "control_keys_file"}  # Secret key -> security field
+RAY_POD_LABEL = {"app.kubernetes.io/name": "rollout-cluster"}
+
+
+def doc_config(doc: dict):
+    """The cluster config the processes of this RayService or RayJob load."""
+    if doc["kind"] == "RayService":
+        (app,) = serve_apps(doc)
+        return load_config(app["args"])
+    return load_config(job_config_path(doc))
+
+
+def ray_pods(doc: dict) -> list:
+    """(name, pod template) of the head and of every worker group."""
+    spec = cluster_spec(doc)
+    return [("head", spec["headGroupSpec"]["template"])] + [
+        (g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs", [])]
+
+
+def secret_mount_errors(doc: dict, cfg) -> list:
+    """What keeps a Ray container (the Router, the Gateway or a replica may run in any) from
+    reading the token and the control keys where cfg.security names them."""
+    errs, sec = [], cfg.security
+    folders = {str(Path(getattr(sec, f)).parent) for f in SECRET_KEYS.values()}
+    if len(folders) != 1 or "" in {getattr(sec, f) for f in SECRET_KEYS.values()}:
+        return [f"security.token_file / control_keys_file must name two files of one mounted folder: {sorted(folders)}"]
+    (folder,) = folders
+    for name, template in ray_pods(doc):
+        where, pod = f"{doc['metadata']['name']}/{name}", template["spec"]
+        ray_c = pod["containers"][0]  # KubeRay's Ray container is the first one
+        mounts = [m for m in ray_c.get("volumeMounts", []) if m["mountPath"] == folder]
+        if len(mounts) != 1:
+            errs.append(f"{where}: the Ray container mounts nothing at {folder}")
+            continue
+        (mount,) = mounts
+        if mount.get("readOnly") is not True or "subPath" in mount:  # a subPath mount never sees a rotation
+            errs.append(f"{where}: {folder} must be mounted readOnly, without subPath")
+        vol = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
+        secret = vol.get("secret", {})
+        if secret.get("secretName") != SECRET_NAME:
+            errs.append(f"{where}: {folder} is not the Secret {SECRET_NAME!r}")
+            continue
+        if secret.get("defaultMode") != 0o400 or secret.get("optional"):
+            errs.append(f"{where}: the Secret volume needs defaultMode 0400 and must not be optional")
+        items = {i["key"]: i["path"] for i in secret.get("items", [])}
+        want = {key: Path(getattr(sec, f)).name for key, f in SECRET_KEYS.items()}
+        if items != want:
+            errs.append(f"{where}: Secret items {items} != {want} (the files security names)")
+        if not pod.get("securityContext", {}).get("fsGroup"):
+            errs.append(f"{where}: no fsGroup: files mode 0400 owned by root are unreadable to the image's `ray` user")
+    return errs
+
+
+@pytest.mark.parametrize("doc_id, doc", RAY_DOCS, ids=[i for i, _ in RAY_DOCS])
+def test_secret_is_mounted_in_every_ray_container(doc_id, doc):
+    assert secret_mount_errors(doc, doc_config(doc)) == []
+
+
+def test_a_missing_secret_mount_fails():
+    doc = _service()
+    worker = cluster_spec(doc)["workerGroupSpecs"][0]["template"]["spec"]
+    worker["containers"][0]["volumeMounts"] = [m for m in worker["containers"][0]["volumeMounts"]
+                                               if m["name"] != "rollout-secrets"]
+    head = cluster_spec(doc)["headGroupSpec"]["template"]["spec"]
+    next(v for v in head["volumes"] if v["name"] == "rollout-secrets")["secret"]["defaultMode"] = 0o644
+    errs = secret_mount_errors(doc, doc_config(doc))
+    assert any("rollout/a100x8: the Ray container mounts nothing at /etc/rollout-secrets" in e for e in errs), errs
+    assert any("rollout/head: the Secret volume needs defaultMode 0400" in e for e in errs), errs
+
+
+@pytest.mark.parametrize("doc_id, doc", RAY_DOCS, ids=[i for i, _ in RAY_DOCS])
+def test_security_config_names_files_and_the_checkpoint_claim(doc_id, doc):
+    """Secrets are files, nothing is left open, and update_weights loads only from the claim that
+    every Ray pod mounts read-only (the Router checks the path with realpath where it runs)."""
+    sec = doc_config(doc).security
+    assert not sec.allow_unauthenticated and not sec.allow_unsigned_control and sec.require_manifest
+    assert sec.checkpoint_roots == ["/checkpoints"]
+    for name, template in ray_pods(doc):
+        mounts = {m["mountPath"]: m for m in template["spec"]["containers"][0].get("volumeMounts", [])}
+        assert mounts.get("/checkpoints", {}).get("readOnly") is True, f"{doc_id}/{name}: no read-only /checkpoints"
+
+
+def manifest_secret_errors(docs: list) -> list:
+    """Secret-looking strings anywhere in the manifests (serveConfigV2, runtimeEnvYAML, args,
+    entrypoint, env), and our secrets or secret-named literals in any container's env."""
+    errs = []
+    secret_vars = {f.default for f in
+                   (type(load_config(ROOT / "configs" / "a100x32.yaml").security).model_fields[n]
+                    for n in ("token_env", "control_keys_env"))}
+    for doc_id, doc in docs:
+        errs += [f"{doc_id}: {s!r} looks like a secret" for text in strings(doc) for s in secret_looking(text)]
+        if doc.get("apiVersion") == "ray.io/v1":
+            for name, template in ray_pods(doc):
+                for c in containers(template["spec"]):
+                    errs += env_errors(f"{doc_id}/{name}/{c['name']}", c, secret_vars)
+    return errs
+
+
+def test_no_secret_values_in_manifests_or_config():
+    docs = DOCS + [("configs/a100x32.yaml", yaml.safe_load((ROOT / "configs" / "a100x32.yaml").read_text()))]
+    assert manifest_secret_errors(docs) == []
+
+
+@pytest.mark.parametrize("plant", ["serve_args", "runtime_env", "env_literal", "env_secret_ref", "rayjob_entrypoint"])
+def test_a_planted_secret_is_found(plant):
+    """A token in serveConfigV2, the app's runtime_env, a container's env (even from a
+    secretKeyRef: ours are files) or the RayJob's entrypoint is reported."""
+    # fixed values (a random one could lack digits): the test must not flake
+    token, key = "Zt8mQ2vX9kPd-Lr4Wn7Hs_Jc3Bf6Ya1E", "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
+    svc, job = _service(), copy.deepcopy(by_kind("RayJob")[0])
+    conf = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    worker = cluster_spec(svc)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    if plant == "serve_args":
+        conf["applications"][0]["args"]["security"]["token_env"] = token
+    elif plant == "runtime_env":
+        conf["applications"][0]["runtime_env"] = {"env_vars": {"ROLLOUT_CONTROL_KEYS": f"k1 {key}"}}
+    elif plant == "env_literal":
+        worker["env"].append({"name": "HF_TOKEN", "value": "see-the-hub"})
+    elif plant == "env_secret_ref":
+        ref = {"secretKeyRef": {"name": SECRET_NAME, "key": "token"}}
+        worker["env"].append({"name": "ROLLOUT_TOKEN", "valueFrom": ref})
+    else:
+        job["spec"]["entrypoint"] += f" --token {token}"
+    svc["spec"]["serveConfigV2"] = yaml.safe_dump(conf)
+    errs = manifest_secret_errors([("svc", svc), ("job", job)])
+    expected = {"serve_args": token, "runtime_env": key, "env_literal": "env HF_TOKEN holds a literal value",
+                "env_secret_ref": "env ROLLOUT_TOKEN: our secrets are mounted files", "rayjob_entrypoint": token}[plant]
+    assert any(expected in e for e in errs), errs
+
+
+# ---- tests: network policy ------------------------------------------------------------------------
+def network_policy() -> dict:
+    (policy,) = [d for _, d in DOCS if d.get("kind") == "NetworkPolicy"]
+    return policy
+
+
+OPERATOR_NS = {"kubernetes.io/metadata.name": "default"}  # KubeRay's Helm chart default (networkpolicy.yaml: EDIT)
+ALL_PORTS = (6379, 8000, 8080, 8265, 9464, 10001, 52365, 40123, 10002, 19999)  # GCS ... random raylet, workers
+TRAINER, TRAINERS_NS = {"rollout-cluster/trainer": "true"}, {"rollout-cluster/trainers": "true"}
+OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
+SUBMITTER = {"ray.io/originated-from-crd": "RayJob", "ray.io/originated-from-cr-name": "rollout-batch",
+             "app.kubernetes.io/created-by": "kuberay-operator"}  # KubeRay's labels on the RayJob's submitter pod
+PEERS = [  # who, and the ingress ports the policy must open to it (all others closed)
+    (Endpoint("ray pod", {**RAY_POD_LABEL, "ray.io/node-type": "worker"}), set(ALL_PORTS)),
+    (Endpoint("trainer", TRAINER), {8000}),
+    (Endpoint("trainer, labelled namespace", TRAINER, TRAINERS_NS, same_ns=False), {8000}),
+    (Endpoint("trainer, unlabelled namespace", TRAINER, {}, same_ns=False), set()),
+    (Endpoint("unlabelled pod in the namespace", {"app": "other-team"}), set()),
+    (Endpoint("unlabelled pod, labelled namespace", {"app": "x"}, TRAINERS_NS, same_ns=False), set()),
+    (Endpoint("admin", {"rollout-cluster/admin": "true"}), {8265}),
+    (Endpoint("RayJob submitter", SUBMITTER), {8265}),
+    (Endpoint("KubeRay operator", OPERATOR, OPERATOR_NS, same_ns=False), {8000, 8265}),
+    (Endpoint("operator label, another namespace", OPERATOR, {"kubernetes.io/metadata.name": "team-b"},
+              same_ns=False), set()),
+    (Endpoint("prometheus", {"app.kubernetes.io/name": "prometheus"}, {"kubernetes.io/metadata.name": "monitoring"},
+              same_ns=False), {8080, 9464}),
+    (Endpoint("internet", None, ip="203.0.113.7"), set()),
+]
+
+
+def policy_errors(policy: dict) -> list:
+    """Every (peer, port) the policy opens or closes against PEERS, plus: it selects every Ray
+    pod of both manifests, and isolates both directions."""
+    errs = []
+    spec = policy["spec"]
+    for doc in by_kind("RayService") + by_kind("RayJob"):
+        for name, template in ray_pods(doc):
+            if not selects_pod(spec["podSelector"], template["metadata"].get("labels", {})):
+                errs.append(f"{doc['metadata']['name']}/{name}: its pods are not selected by the policy")
+    if set(spec.get("policyTypes", [])) != {"Ingress", "Egress"}:
+        errs.append(f"policyTypes {spec.get('policyTypes')}: must isolate Ingress and Egress")
+    for peer, open_ports in PEERS:
+        for port in ALL_PORTS:
+            if allows(policy, "ingress", peer, port) != (port in open_ports):
+                errs.append(f"ingress from {peer.name} to {port}: {'open' if port not in open_ports else 'closed'}")
+    return errs
+
+
+def selects_pod(selector: dict, labels: dict) -> bool:
+    return allows({"spec": {"policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": selector}]}]}},
+                  "ingress", Endpoint("pod", labels), 1)
+
+
+def test_network_policy_opens_each_port_to_its_peers_only():
+    assert policy_errors(network_policy()) == []
+
+
+def test_network_policy_egress():
+    policy = network_policy()
+    dns = Endpoint("kube-dns", {"k8s-app": "kube-dns"}, {"kubernetes.io/metadata.name": "kube-system"}, same_ns=False)
+    assert allows(policy, "egress", dns, 53, "UDP") and allows(policy, "egress", dns, 53, "TCP")
+    assert allows(policy, "egress", Endpoint("ray pod", dict(RAY_POD_LABEL)), 6379)
+    assert allows(policy, "egress", Endpoint("hub", None, ip="18.244.28.10"), 443)  # huggingface.co
+    assert not allows(policy, "egress", Endpoint("hub", None, ip="18.244.28.10"), 80)
+    assert not allows(policy, "egress", Endpoint("in-cluster service", None, ip="10.96.0.1"), 443)
+    assert not allows(policy, "egress", Endpoint("other pod", {"app": "db"}), 5432)
+    assert not allows(policy, "egress", dns, 8080)
+
+
+@pytest.mark.parametrize("breach", ["allow_all_rule", "any_namespace_on_8000", "no_ingress_type", "unselected_pods",
+                                    "ray_ports_to_trainers"])
+def test_a_loosened_network_policy_fails(breach):
+    policy = copy.deepcopy(network_policy())
+    spec = policy["spec"]
+    if breach == "allow_all_rule":
+        spec["ingress"].append({})
+    elif breach == "any_namespace_on_8000":
+        spec["ingress"].append({"from": [{"namespaceSelector": {}}], "ports": [{"port": 8000}]})
+    elif breach == "no_ingress_type":
+        spec["policyTypes"] = ["Egress"]
+    elif breach == "unselected_pods":
+        spec["podSelector"] = {"matchLabels": {"app.kubernetes.io/name": "rollout"}}
+    else:
+        spec["ingress"][1]["ports"] = []  # the trainers' rule without ports: every port
+    assert policy_errors(policy) != []
+

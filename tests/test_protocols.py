@@ -277,6 +277,13 @@ def test_trl_bad_fields_are_422_naming_them(http, body, field):
     assert field in json.dumps(answer.json()["detail"])
 
 
+def test_server_info_answers_what_trl_reads(http):
+    info = http.get("/server_info", params={"config_format": "json"}, headers=AUTH).json()["vllm_config"]
+    assert info["model_config"]["logprobs_mode"] == "raw_logprobs" and info["model_config"]["max_model_len"] == 4096
+    assert info["weight_transfer_config"] is None
+    assert http.get("/server_info").status_code == 401
+
+
 def test_trl_health_world_size_and_prefix_cache(http, router):
     assert http.get("/health/").json() == {"status": "ok"}
     assert http.get("/get_world_size/", headers=AUTH).json() == {"world_size": 2}

@@ -75,7 +75,24 @@ def cmd_multiturn(a) -> int:
     return 0
 
 
+def cmd_weights_sync(a) -> int:
+    from .weights_sync import weights_sync
+
+    weights_sync(a)
+    return 0
+
+
 def add_commands(sub) -> None:
+    p = sub.add_parser("weights-sync", help="save_pretrained + update_weights against push_weights, side by side")
+    p.add_argument("--config", default="configs/local-cpu.yaml")
+    p.add_argument("--model-dir", default="models/llama-124m", help="made here if missing")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--checkpoints", default="checkpoints/weights-sync", help="where the checkpoint way saves")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--out", required=True, help="output directory: weights_sync.json, weights_sync.md")
+    p.set_defaults(fn=cmd_weights_sync)
     p = sub.add_parser("protocol-overhead", help="one batch via TRL's /generate/, OpenAI's /v1/completions and "
                                                  "RolloutClient.generate, in rotating rounds")
     p.add_argument("--config", default="configs/local-cpu.yaml")
@@ -91,8 +108,8 @@ def add_commands(sub) -> None:
     p.add_argument("--config", default="configs/local-cpu.yaml")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--user-tokens", type=int, default=32, help="new tokens each turn adds (turn 1: the prompt)")
-    p.add_argument("--response-tokens", type=int, default=48, help="every response's length (ignore_eos)")
+    p.add_argument("--user-tokens", type=int, default=64, help="new tokens each turn adds (turn 1: the prompt)")
+    p.add_argument("--response-tokens", type=int, default=128, help="every response's length (ignore_eos)")
     p.add_argument("--rounds", type=int, default=2, help="runs per mode; the modes alternate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0)

@@ -7,7 +7,8 @@ prompt + its response + `--user-tokens` new ones, as an agent's conversation gro
 its session id; without, none does. The hit rate of a turn is the prompt tokens the engines found
 in their prefix cache over the prompt tokens they were given (vLLM's num_cached_tokens, summed by
 the router: status()["counters"]); the best a turn can do is its previous context over its prompt
-(less vLLM's partial last block). Runs alternate between the two modes with fresh token ids
+(less vLLM's partial last block: 16 tokens on GPUs, 128 on vLLM-CPU). The sessions come back in
+a shuffled order every turn, as agents do. Runs alternate between the two modes with fresh token ids
 each, and every engine drops its prefix cache before each run.
 """
 from __future__ import annotations
@@ -39,10 +40,18 @@ def run_sessions(client, mode: str, rng: random.Random, vocab: int, args, run: i
     spec = SamplingSpec(max_tokens=args.response_tokens, ignore_eos=True)
     turns = []
     for t in range(args.turns):
+        # Agents come back in another order every turn (their tools and rewards take different
+        # times): without affinity, where a turn lands is then up to the queue, not the session.
+        order = list(range(args.sessions))
+        rng.shuffle(order)
         before = counters(client)
         t0 = time.monotonic()
-        done = client.generate(prompts, spec, sessions=ids, timeout_s=args.timeout_s)
+        shuffled = client.generate([prompts[i] for i in order], spec,
+                                   sessions=None if ids is None else [ids[i] for i in order], timeout_s=args.timeout_s)
         seconds = time.monotonic() - t0
+        done = [None] * args.sessions
+        for i, c in zip(order, shuffled):
+            done[i] = c
         measured, cached = (a - b for a, b in zip(counters(client), before))
         total = sum(len(p) for p in prompts)
         best = 0 if t == 0 else sum(len(p) - args.user_tokens for p in prompts)

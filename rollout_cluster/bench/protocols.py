@@ -73,7 +73,7 @@ def protocol_overhead(args) -> dict:
     cfg = load_config(args.config)
     client = RolloutClient.start(cfg)
     try:
-        gateway = Gateway(cfg)
+        gateway = Gateway(client.config)  # (start made the token and points its config at it)
         vocab = int(client.status()["model"]["vocab_size"])
         rng = random.Random(args.seed)
         for path in PATHS:  # warm-up: each path's first call pays imports and connection setup

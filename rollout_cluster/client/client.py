@@ -111,7 +111,8 @@ class RolloutClient:
     def default_sampling(self) -> SamplingSpec:
         return SamplingSpec(**self.sampling_defaults())
 
-    def update_weights(self, path: str, version: Optional[int] = None, timeout_s: float = 600.0) -> int:
+    def update_weights(self, path: str, version: Optional[int] = None, timeout_s: float = 600.0,
+                       running: str = "finish") -> int:
         """Load the checkpoint in `path` (a directory every replica's node can read, same
         architecture as the served model) into every replica, between batches; returns once all of
         them hold it. `version` (default: current + 1) tags every Completion generated with these
@@ -120,8 +121,25 @@ class RolloutClient:
         succeeds; one that vLLM left half loaded also restarts (Serve's health check) and loads again.
         While the engines sleep it returns at once: they load at wake(), which waits for it. A load
         still running (a replacement replica loading the current weights) is waited for first,
-        within `timeout_s`: the router refuses a second load beside it."""
-        return fleet_ops.update_weights(self, path, version, timeout_s)
+        within `timeout_s`: the router refuses a second load beside it.
+
+        `running`, for sequences that run now (asynchronous RL): "finish" waits until they end (within
+        `timeout_s`); "recompute" gives them up and continues them on the new weights by re-prefill
+        (exact); "abort" ends them as "abort" with their tokens (partial rollouts to resume). Each
+        Completion's `weight_versions` says which version made which of its tokens."""
+        return fleet_ops.update_weights(self, path, version, timeout_s, running)
+
+    def push_weights(self, named_tensors, version: Optional[int] = None, timeout_s: float = 600.0,
+                     bucket_bytes: int = 256 << 20, running: str = "finish") -> int:
+        """Load the trainer's tensors into every replica without a checkpoint: `named_tensors`
+        ((name, tensor) pairs in the served checkpoint's names and shapes, e.g.
+        `model.named_parameters()` or `model.state_dict().items()` of the same architecture) go to
+        Ray's object store in buckets of about `bucket_bytes`, and every replica loads them in place,
+        between batches. Returns once every replica holds `version` (default: current + 1), raising
+        with each replica's error as update_weights does; a replica that joins later loads them
+        before it takes work. The tensors live in this process's object store: keep the process up
+        while the fleet may still need them (until the next push). `running`: as update_weights'."""
+        return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, timeout_s, running)
 
     def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
         """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs

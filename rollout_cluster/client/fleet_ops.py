@@ -48,13 +48,36 @@ def wait_ready(client, replicas: int, timeout_s: float) -> dict:
                                               f"{timeout_s:.0f} s"))
 
 
-def update_weights(client, path: str, version: Optional[int], timeout_s: float) -> int:
-    # A load still running (a replacement replica loading the current weights) first: the router
-    # refuses a second load beside it. Past the deadline the router's refusal names the loads.
-    wait_until(client.status, _loads_settled, time.monotonic() + timeout_s, 0.2, lambda st: None)
+def before_update(client, running: str, deadline: float) -> None:
+    """A load still running (a replacement replica loading the current weights) first: the router
+    refuses a second load beside it. With running="finish", the sequences that run now end first.
+    Past the deadline the router's refusal names what is left."""
+    wait_until(client.status, _loads_settled, deadline, 0.2, lambda st: None)
+    if running == "finish":
+        wait_until(client.status, lambda st: True if st["live_sequences"] == 0 else None, deadline, 0.2,
+                   lambda st: None)
+
+
+def update_weights(client, path: str, version: Optional[int], timeout_s: float, running: str = "finish") -> int:
+    before_update(client, running, time.monotonic() + timeout_s)
     # absolute: the router checks it against security.checkpoint_roots, the replicas load it
     path = os.path.abspath(path) if isinstance(path, str) and path else path
-    v = client.router.update_weights.remote(path, version).result(timeout_s=client.call_timeout_s)
+    v = client.router.update_weights.remote(path, version, running).result(timeout_s=client.call_timeout_s)
+    return wait_for_version(client, v, repr(path), "update_weights", timeout_s)
+
+
+def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: int, timeout_s: float,
+                 running: str = "finish") -> int:
+    from ..transfer.push import push
+
+    before_update(client, running, time.monotonic() + timeout_s)
+    v, source, _ = push(client.router.handle, client.router.signer, named_tensors, version, bucket_bytes,
+                        client.call_timeout_s, running)
+    return wait_for_version(client, v, source, "push_weights", timeout_s)
+
+
+def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> int:
+    """Wait until every replica holds version `v` or failed loading it (update_weights, push_weights)."""
     if client.status()["sleep"]["level"]:
         return v  # asleep: the engines load it when they wake (wake() waits for it)
     expected = client.status().get("expected_replicas") or (client.config.replicas if client.config else 1)
@@ -65,16 +88,16 @@ def update_weights(client, path: str, version: Optional[int], timeout_s: float) 
     def settled(st: dict):
         w = st["weights"]
         if w["version"] != v:
-            raise RuntimeError(f"update_weights: version {v} was replaced by {w['version']} meanwhile")
+            raise RuntimeError(f"{op}: version {v} was replaced by {w['version']} meanwhile")
         if len(held(st)) + len(w["errors"]) < max(expected, len(w["replicas"])):
             return None
         if w["errors"]:
-            raise RuntimeError(f"update_weights to version {v} ({path!r}) failed on {len(w['errors'])} "
+            raise RuntimeError(f"{op} to version {v} ({path}) failed on {len(w['errors'])} "
                                f"replica(s): {'; '.join(sorted(w['errors'].values()))}")
         return v
 
     return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, lambda st: TimeoutError(
-        f"update_weights: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
+        f"{op}: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
         f"version {v} after {timeout_s:.0f} s"))
 
 

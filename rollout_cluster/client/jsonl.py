@@ -8,7 +8,7 @@ the session's previous turn while it has room (router/sessions.py). A line may r
 logprobs are asked for) are the tokens an earlier batch cut off; such a line is one sample (n 1).
 Output, one line per (line, sample) in input order: {"prompt_index",
 "sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
-"finish_time_s", "weights_version", "resumed_tokens"}; an output line with finish_reason "abort"
+"finish_time_s", "weights_version", "resumed_tokens", "weight_versions"}; an output line with finish_reason "abort"
 (`--finish-fraction`) resumes as an input line with its token_ids and logprobs as the output_ fields. The app's HTTP route POST /<app>/generate takes and returns the same.
 A bad line yields one output line with finish_reason "error" naming the field and the value
 (`temperature=-1: must be a finite number >= 0`, or `line 3=...` when it is no JSON object); the

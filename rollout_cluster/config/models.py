@@ -48,6 +48,9 @@ class EngineConfig(Section):
         "GPUs per replica's engine; > 1: one worker process per rank, on the replica's GPUs (one node)"))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
         "fraction of GPU memory vLLM may take (weights + KV cache)"))
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field("raw_logprobs", description=(
+        "which logprobs the engines return: of the model's logits (vLLM's default), or after temperature and "
+        "top-k/top-p (the sampling distribution: what an importance-sampling correction needs)"))
     enable_prefix_caching: bool = Field(True, description=(
         "vLLM prefix caching; makes a migrated sequence's re-prefill cheaper for its siblings"))
     enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")
@@ -94,9 +97,12 @@ class RouterConfig(Section):
         "periodic reports and idle long-polls stay near this many a second: their interval grows with the fleet"))
     replica_timeout_s: float = Field(60.0, gt=0, description=(
         "no pull for this long: the replica is dead, requeue its work"))
+    # A healthy busy replica reports a token at least every report interval (at most min(5,
+    # replica_timeout_s / 4)): twice that is the least timeout that cannot take one for stalled.
     stall_timeout_s: float = Field(120.0, ge=0, description=(
         "a replica that holds running sequences and reports no new token for this long has stalled: its work "
-        "continues elsewhere and it fails its health check (Serve replaces it); 0: never"))
+        "continues elsewhere and it fails its health check (Serve replaces it); 0: never"),
+        **_also("0 (never) or >= twice the longest report interval, 2 x min(5, router.replica_timeout_s / 4)"))
     max_sessions: int = Field(65536, ge=0, description=(
         "multi-turn sessions whose last replica the router remembers (session affinity; least recently used "
         "forgotten first; 0: no affinity)"))
@@ -118,6 +124,8 @@ class RouterConfig(Section):
         self._require("idle_pull_wait_s", self.idle_pull_wait_s <= ceiling, f" = {ceiling:g}")
         self._require("report_interval_s", self.report_interval_s <= ceiling, f" = {ceiling:g}")
         self._require("abandoned_batch_s", self.abandoned_batch_s == 0 or self.abandoned_batch_s >= 10)
+        self._require("stall_timeout_s", self.stall_timeout_s == 0 or self.stall_timeout_s >= 2 * ceiling,
+                      f" = {2 * ceiling:g}")
         return self
 
     def report_interval_for(self, replicas: int) -> float:

@@ -80,6 +80,19 @@ class EngineAdapter(ABC):
         between batches: nothing may be running. Cached KV of the old weights is dropped."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights")
 
+    async def load_tensors(self, buckets) -> int:
+        """Replace the model's weights in place with named tensors from memory (no checkpoint),
+        between batches: nothing may be running. `buckets`: a list, iterator or async iterator of
+        buckets, each a list of (name, tensor) pairs in the checkpoint's format (the trainer's
+        HF state_dict names and shapes; torch tensors or numpy arrays, any floating dtype, on any
+        device). Every weight of the model must come, once, in some bucket; a layer's tensors may
+        be split over buckets. Returns the number of tensors loaded. Cached KV is dropped.
+        Failure modes: a list whose tensors do not fit the served checkpoint (unknown name, wrong
+        shape, missing or repeated tensor) raises ValueError naming the tensor before anything
+        is touched, and the old weights stay. A failure after the first bucket went in raises
+        WeightsLoadBroken: the weights are a mix of old and new, restart the engine."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load tensors")
+
     async def reset_prefix_cache(self) -> bool:
         """Drop the cached KV blocks no running sequence holds. Returns whether the engine says it
         did (vLLM refuses while requests hold blocks). Outputs never change, only prefill work."""

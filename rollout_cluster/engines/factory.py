@@ -15,4 +15,4 @@ def make_engine(cfg: ClusterConfig, rank: int = 0) -> EngineAdapter:
                          e.sim_time_scale)
     from .vllm_engine import VllmEngine
 
-    return VllmEngine(e, cfg.model_path(), rank)
+    return VllmEngine(e, cfg.model_path(), rank, require_manifest=cfg.security.require_manifest)

@@ -73,6 +73,19 @@ class SimEngine(EngineAdapter):
         """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""
         self.weights_path = path
 
+    async def load_tensors(self, buckets) -> int:
+        """No weights here either: it counts the tensors (iterating the buckets, as vLLM would)
+        and drops its cache as a load does."""
+        n = 0
+        if hasattr(buckets, "__aiter__"):
+            async for bucket in buckets:
+                n += len(bucket)
+        else:
+            n = sum(len(bucket) for bucket in buckets)
+        self.tensors_loaded = n
+        self.core.prefix_cache.drop_free()
+        return n
+
     async def reset_prefix_cache(self) -> bool:
         self.core.prefix_cache.drop_free()
         return True

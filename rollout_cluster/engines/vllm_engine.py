@@ -17,7 +17,9 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
+from . import weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
+from .checkpoint import check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,11 @@ def engine_args(cfg: EngineConfig, model: str):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     extra = {}
-    if "stream_interval" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:  # not in every vLLM
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    if "stream_interval" in fields:  # not in every vLLM
         extra["stream_interval"] = cfg.stream_interval
+    if "worker_extension_cls" in fields:  # load_tensors' methods, mixed into vLLM's worker
+        extra["worker_extension_cls"] = weight_loader.EXTENSION
     if cfg.tensor_parallel_size > 1 and not is_cpu_build():
         # The ranks run on the replica actor's own GPUs (serve/app.py, replica_gpus). Said
         # explicitly: in a placement group vLLM would pick its Ray executor instead.
@@ -53,34 +58,13 @@ def engine_args(cfg: EngineConfig, model: str):
         tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode=cfg.logprobs_mode,
         enforce_eager=cfg.enforce_eager,
         enable_sleep_mode=cfg.enable_sleep_mode and not is_cpu_build(),  # the CPU build refuses it
         seed=cfg.seed,
         skip_tokenizer_init=True,
         disable_log_stats=True,
     )
-
-
-def check_checkpoint(path: str) -> None:
-    """Refuse a directory that cannot be a complete checkpoint, before the engine touches its weights
-    (vLLM empties a layer before it reads its new tensors, and only warns about missing ones)."""
-    import json
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"path={path!r}: no such checkpoint directory on this replica's node")
-    files = set(os.listdir(path))
-    if "config.json" not in files:
-        raise FileNotFoundError(f"path={path!r}: no config.json (write the checkpoint with save_pretrained)")
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if index in files:
-            with open(os.path.join(path, index)) as f:
-                shards = set(json.load(f).get("weight_map", {}).values())
-            missing = sorted(shards - files)
-            if missing:
-                raise FileNotFoundError(f"path={path!r}: {index} names shards that are not there: {missing[:3]}")
-            return
-    if not any(f.endswith((".safetensors", ".bin", ".pt")) for f in files):
-        raise FileNotFoundError(f"path={path!r}: no weight files (*.safetensors, *.bin)")
 
 
 def sampling_params(work: Work):
@@ -118,13 +102,16 @@ def sampled_logprobs(token_ids: list, logprobs) -> list | None:
 
 
 class VllmEngine(EngineAdapter):
-    def __init__(self, cfg: EngineConfig, model: str, rank: int = 0, on_cpu: bool | None = None):
+    def __init__(self, cfg: EngineConfig, model: str, rank: int = 0, on_cpu: bool | None = None,
+                 require_manifest: bool = True):
         self.cfg = cfg
         self.model = model
+        self.require_manifest = require_manifest  # security.require_manifest: load only a sealed checkpoint
         self.rank = rank
         self.capacity = cfg.max_num_seqs
         self.on_cpu = on_cpu
         self.engine = None
+        self.weights_path = model  # the checkpoint whose tensors load_tensors checks names and shapes against
         self.tasks: dict = {}  # (seq_id, attempt) -> asyncio.Task
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.aborted: set = set()
@@ -319,7 +306,10 @@ class VllmEngine(EngineAdapter):
                            seq_tokens_per_s=self._rate_ema)
 
     async def load_weights(self, path: str) -> None:
-        check_checkpoint(path)  # before vLLM touches the model: a bad path leaves the old weights
+        # Before vLLM touches the model (it empties a layer before it reads its new tensors, and only
+        # warns about missing ones): an incomplete checkpoint leaves the old weights. In a thread:
+        # it may hash every file (the manifest's sha256).
+        await asyncio.to_thread(check_checkpoint, path, self.require_manifest)
         if self.tasks:  # the router orders a load only between batches: these are orphans of a
             log.warning("aborting %d requests left from before the weights load", len(self.tasks))
             await self.give_up(list(self.tasks))
@@ -329,9 +319,20 @@ class VllmEngine(EngineAdapter):
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
         except Exception as e:
             raise WeightsLoadBroken(f"vLLM failed reloading {path!r}, its weights are now unknown: {e}") from e
+        self.weights_path = path
         # The prefix cache's KV blocks were computed with the old weights.
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
+
+    async def load_tensors(self, buckets) -> int:
+        if self.tasks:  # as in load_weights: orphans of a restarted router
+            log.warning("aborting %d requests left from before the tensors load", len(self.tasks))
+            await self.give_up(list(self.tasks))
+        spec = weight_loader.checkpoint_spec(self.weights_path)
+        n = await weight_loader.load_into(self.engine, buckets, spec)
+        if not await self.engine.reset_prefix_cache():
+            raise WeightsLoadBroken(f"{n} tensors loaded, but the prefix cache could not be reset")
+        return n
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine.reset_prefix_cache())

@@ -29,14 +29,18 @@ class FleetControl:
         self.cache_resets = 0  # reset_prefix_cache orders so far (numbers them)
 
     # ---- a driver's orders ---------------------------------------------------------------------
-    def update_weights(self, path: str, version: Optional[int]) -> int:
+    def update_weights(self, path: str, version: Optional[int], buckets: Optional[tuple] = None,
+                       in_flight: bool = False) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
-        nodes) as `version` (default: the current one + 1). Between batches only, so that a batch
-        never mixes versions. Replicas load at their next pull; returns the version."""
+        nodes; or, with `buckets`, a push's tensors: push_weights) as `version` (default: the
+        current one + 1). Between batches only, so that a batch never mixes versions. Replicas load
+        at their next pull; returns the version."""
         version = self.weights.checked(path, version)
-        self._refuse_while_running("update_weights", "weights change between batches")
-        self._refuse_while_loading("update_weights")
-        self.weights.update(path, version)
+        what = "push_weights" if buckets is not None else "update_weights"
+        if not in_flight:  # (in flight: RouterCore gives the running sequences up)
+            self._refuse_while_running(what, "weights change between batches (or pass running=recompute / abort)")
+        self._refuse_while_loading(what)
+        self.weights.update(path, version, buckets)
         for rep in self.fleet.replicas.values():
             self.order_weights(rep)
         return version
@@ -138,4 +142,5 @@ class FleetControl:
 
     def order_sleep(self, replica_id: str) -> None:
         """Replace any sleep or wake order still waiting for the replica with the fleet's level."""
-        self.outbox.replace_control(replica_id, (Sleep, Wake), self.sleep.order(self.weights.path, self.weights.version))
+        self.outbox.replace_control(replica_id, (Sleep, Wake), self.sleep.order(self.weights.path, self.weights.version,
+                                                                                self.weights.buckets))

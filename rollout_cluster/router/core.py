@@ -6,7 +6,10 @@ tests call it directly. A replica's pull is two calls, as vLLM v1's scheduler sp
     applied = core.apply(report, now)       # register, take its state, its tokens, its listing
     orders = core.decide(replica_id, now)   # the policy's decision, and what waits for it
 (`on_report` does both.) Drivers call `submit`, `fetch` and `cancel`; a periodic `expire` declares
-silent replicas dead and drops abandoned batches. Migration semantics: docs/semantics.md.
+silent replicas dead and drops abandoned batches, and a periodic `check_stalls` (also run at each
+report) declares stalled those that pull on while their sequences make no progress: their work
+continues elsewhere as a dead replica's does, and their further pulls are answered with an order
+to stop. Migration semantics: docs/semantics.md.
 
 The state a sequence moves through is here (submit, dispatch, apply progress, give up, requeue,
 finish); the parts with state of their own are components it holds and calls: `batches`
@@ -41,6 +44,9 @@ from .weights import FleetWeights
 STEP_SAMPLES_KEPT = 100_000
 DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
+# Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
+STALLED = ("stalled: no new token for router.stall_timeout_s while holding running sequences; "
+           "they continue elsewhere from their last reported tokens")
 
 
 class NoLiveReplicaError(RuntimeError):
@@ -55,6 +61,7 @@ class Applied:
     finished: bool = False  # sequences finished: their drivers' fetches have news
     requeued: bool = False  # work went back to the queue: held pulls can take it
     left: bool = False  # the replica said goodbye; its work is back in the queue
+    stalled: bool = False  # the replica was declared stalled (now or before): answer with Orders.stop
 
 
 def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
@@ -69,12 +76,17 @@ def _append_bounded(values: list, value, keep: int) -> None:
         del values[:-keep]
 
 
+RUNNING_MODES = ("finish", "keep", "recompute", "abort")  # update_weights(running=...)
+
+
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
-                 max_sessions: int = 65536):
+                 max_sessions: int = 65536, stall_timeout_s: float = 0.0):
         self.policy = policy
+        # A replica holding running sequences with no new token for this long is stalled (0: never).
+        self.stall_timeout_s = stall_timeout_s
         self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
@@ -210,9 +222,32 @@ class RouterCore:
         self.batches.release(batch_id)
 
     # ---- the fleet's weights and sleep (control.py), between batches ---------------------------------
-    def update_weights(self, path: str, version: Optional[int] = None) -> int:
-        """Point every replica at the checkpoint in `path` as `version` (default: current + 1)."""
-        return self.control.update_weights(path, version)
+    def update_weights(self, path: str, version: Optional[int] = None, buckets: Optional[tuple] = None,
+                       running: str = "finish") -> int:
+        """Point every replica at the checkpoint in `path` as `version` (default: current + 1);
+        with `buckets`, at a push's tensors (push_weights), `path` naming the push. `running` says
+        what becomes of the sequences that run now (RUNNING_MODES): "finish" refuses while any is
+        unfinished (the driver waits first); "recompute" gives the running ones up and continues
+        them on the new weights by re-prefill (exact: the tokens after the swap are the new
+        weights' continuation); "abort" ends them as "abort" with their tokens (partial rollouts).
+        Queued sequences run on the new weights in every mode."""
+        if running not in RUNNING_MODES:
+            raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
+        if running == "keep":
+            raise InputError("running", running, "not supported yet: use recompute (exact) or abort")
+        in_flight = running != "finish"
+        v = self.control.update_weights(path, version, buckets, in_flight=in_flight)
+        if in_flight:
+            for seq in self.seqs.values():
+                if seq.status is SeqStatus.RUNNING:
+                    if running == "abort":
+                        seq.cancelled = True  # its final "abort" ends it, tokens and all
+                    else:
+                        seq.give_up_cause = "weights_update"
+                    self._order_give_up(seq)
+                elif seq.status is SeqStatus.GIVING_UP and running == "abort":
+                    seq.cancelled = True
+        return v
 
     def sleep_fleet(self, level: int = 1) -> int:
         """Put every engine to sleep at vLLM's `level`; a batch submitted before wake() is refused."""
@@ -255,6 +290,8 @@ class RouterCore:
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         """A replica's pull: apply its report, then decide; returns its orders."""
         applied = self.apply(report, now)
+        if applied.stalled:
+            return Orders(stop=STALLED)
         if applied.replica_id is None or applied.left:
             return Orders()
         orders = self.decide(applied.replica_id, now, timer)
@@ -268,17 +305,22 @@ class RouterCore:
 
     def apply(self, report: Report, now: float) -> Applied:
         """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
-        if self.fleet.gone(report):
-            return Applied(None)
+        if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
+            return Applied(None, stalled=self.fleet.was_stalled(report))
         finished, requeues = self.finished_count, self.requeues
         rep = self._register(report, now)
         self._apply_engine_state(rep, report, now)
         self._apply_progress(rep, report, now)
+        stalled = False
         if report.leaving:
             self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
+        elif self.stall_timeout_s > 0 and rep.stalled(now, self.stall_timeout_s):
+            self.remove_replica(rep.replica_id, now, stalled=True)
+            stalled = True
         elif report.listing is not None:
             self._reconcile(rep, report.listing.held, report.listing.aborting, now)
-        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving)
+        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving,
+                       stalled)
 
     def decide(self, replica_id: str, now: float, timer=None) -> Orders:
         """The policy's decision at this replica's pull; returns the orders waiting for it."""
@@ -331,17 +373,34 @@ class RouterCore:
         self.adoption.expire(now)
         return dead
 
-    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False) -> None:
+    def check_stalls(self, now: float) -> list:
+        """Declare stalled the replicas that hold running sequences and reported no new token for
+        stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
+        continue elsewhere from their last reported tokens, and their further pulls are answered
+        with Orders.stop (the replica then fails its health check). Returns their ids."""
+        if self.stall_timeout_s <= 0:
+            return []
+        stalled = self.fleet.stalled(now, self.stall_timeout_s)
+        for rid in stalled:
+            self.remove_replica(rid, now, stalled=True)
+        return stalled
+
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
+                       stalled: bool = False) -> None:
         """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
         it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a
-        graceful shutdown, or its engine died), and a late pull of it is not a new replica."""
+        graceful shutdown, or its engine died), and a late pull of it is not a new replica.
+        `stalled`: the router declared it stalled; a late pull of it is told to stop."""
         rep = self.fleet.pop(replica_id)
         if rep is None:
             return
         self.adoption.note_listing(rep, frozenset())  # what it ran of a predecessor's runs nowhere now
-        self.fleet.removed(rep, now, leaving, goodbye)
+        self.fleet.removed(rep, now, leaving, goodbye, stalled)
         if leaving:
             self.counters.replica_leaves += 1
+        elif stalled:
+            self.counters.replica_stalls += 1
+            self.metrics.replica_stalled(replica_id)
         else:
             self.counters.replica_deaths += 1
         self.outbox.drop(replica_id)
@@ -405,6 +464,7 @@ class RouterCore:
             self.counters.prompt_tokens_measured += seq.request.prompt_len
             self.counters.prompt_cached_tokens += min(p.cached_tokens, seq.request.prompt_len)
         if p.num_tokens:
+            rep.progress_t = now  # (check_stalls)
             seq.generated += p.num_tokens
             rep.seqs.progressed(seq)
             self.counters.generated_tokens += p.num_tokens
@@ -423,7 +483,8 @@ class RouterCore:
             self._finish(seq, "error", now, rep.replica_id)
         elif reason == "abort" or self._segment_cut(seq, reason):
             # An abort nobody ordered is a replica handing its work back before it stops.
-            self._requeue_after_segment(seq, rep.replica_id, now, "replica_left" if reason == "abort" else None)
+            cause = seq.give_up_cause or ("replica_left" if reason == "abort" else None)
+            self._requeue_after_segment(seq, rep.replica_id, now, cause)
         else:
             self._finish(seq, reason, now, rep.replica_id)
 
@@ -480,6 +541,8 @@ class RouterCore:
                 self.counters.policy_errors += 1
                 continue
             self.queue.remove(seq)
+            if not rep.seqs:  # its first running sequence: its progress is measured from now
+                rep.progress_t = now
             self._dispatch(seq, a.replica_id, a.segment_cap)
         for g in decision.give_up:
             seq = g.seq
@@ -494,6 +557,10 @@ class RouterCore:
         seq.attempt += 1
         seq.status, seq.replica = SeqStatus.RUNNING, replica_id
         seq.segment_cap, seq.segment_start = segment_cap, seq.generated
+        seq.give_up_cause = None
+        held = self.fleet.replicas[replica_id].weights_version
+        if not seq.weight_versions or seq.weight_versions[-1][1] != held:
+            seq.weight_versions.append((seq.generated, held))
         # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
         # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
         seq.give_up_pull = seq.delivered_pull = -1
@@ -537,7 +604,9 @@ class RouterCore:
         destination = None
         if ordered is None and cause is not None:
             seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
-            if cause == "replica_left":
+            if cause == "weights_update":
+                self.counters.weights_recomputed += 1
+            elif cause == "replica_left":
                 self.counters.handed_back += 1
             else:
                 self.counters.recovered += 1
@@ -567,10 +636,11 @@ class RouterCore:
         wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
         # (an invalid request may have no spec; one that asked but ended before its first token gets [])
         logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
+        version = (seq.weight_versions[-1][1] if seq.weight_versions
+                   else batch.weights_version if batch else self.weights.version)
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
-                          now - seq.submitted_t, batch.weights_version if batch else self.weights.version,
-                          seq.resumed)
+                          now - seq.submitted_t, version, seq.resumed, list(seq.weight_versions))
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
             _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)

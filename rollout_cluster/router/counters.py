@@ -30,8 +30,12 @@ class RouterCounters:
     policy_errors: int = 0  # assignments or give-ups the policy made of sequences no longer eligible
     replica_deaths: int = 0  # replicas that stopped pulling, restarted, or whose engine died
     replica_leaves: int = 0  # replicas that Serve stopped on purpose (they handed their work back)
+    # replicas that pulled on while their running sequences made no progress for router.stall_timeout_s:
+    # their work continued elsewhere (counted in `recovered`), and they were told to stop
+    replica_stalls: int = 0
     lost_orders: int = 0  # work or give-ups sent in a reply the replica never received (sent again)
     handed_back: int = 0  # sequences a leaving replica handed back with every token
+    weights_recomputed: int = 0  # running sequences given up by an in-flight weights update, continued on the new weights
     recovered: int = 0  # sequences continued from their last reported tokens after their replica was lost
     orphans_given_up: int = 0  # attempts a replica ran that this router did not know (a predecessor's)
     orphan_outputs_kept: int = 0  # whole outputs of such attempts kept for their resubmission
@@ -62,6 +66,9 @@ class RouterMetrics:
 
     def gauges(self, core) -> None:
         """A periodic look at the router's state (a RouterCore: queue, fleet, weights, sleep)."""
+
+    def replica_stalled(self, replica_id: str) -> None:
+        """The router declared `replica_id` stalled (RouterCore.check_stalls)."""
 
     def batches_abandoned(self, n: int) -> None:
         """`n` batches were dropped because no driver fetched from them."""

@@ -1,7 +1,8 @@
 """The engine fleet as the router knows it: who pulls, and how many replicas there should be.
 
 Replicas join by pulling, and leave by saying goodbye (Serve stopped them), by restarting (a new
-incarnation), or by going silent for `replica_timeout_s`. The expected count is what static's
+incarnation), by going silent for `replica_timeout_s`, or by stalling: pulling on while holding
+running sequences that make no progress for the router's stall timeout (`stalled`). The expected count is what static's
 shares, chunked's first round and update_weights wait for. It starts at the config's count,
 follows a driver's `scale` (set_target), and corrects itself from what it sees:
 - a join above the count raises it (a scale-up, or a replacement that came before its dead
@@ -35,6 +36,9 @@ class Fleet:
         # (replica_id, incarnation) of replicas that said goodbye, in order (bounded): a late pull
         # of one is not a new replica
         self.departed: dict[tuple[str, str], None] = {}
+        # Of those, the ones the router declared stalled (bounded, in order): a late pull of one is
+        # answered with an order to stop, its reports are not applied.
+        self.stalled_out: dict[tuple[str, str], None] = {}
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -46,6 +50,10 @@ class Fleet:
         if report.leaving and (known is None or known.incarnation != report.incarnation):
             return True
         return (report.replica_id, report.incarnation) in self.departed
+
+    def was_stalled(self, report: Report) -> bool:
+        """The report comes from a replica (this incarnation) the router declared stalled."""
+        return (report.replica_id, report.incarnation) in self.stalled_out
 
     def restarted(self, report: Report) -> bool:
         """The replica pulls under a new incarnation: its old state (and work) is gone."""
@@ -75,14 +83,16 @@ class Fleet:
         """Take a replica out of the live fleet; returns its state (None: not live). Then `removed`."""
         return self.replicas.pop(replica_id, None)
 
-    def removed(self, rep: ReplicaState, now: float, leaving: bool, goodbye: bool) -> None:
+    def removed(self, rep: ReplicaState, now: float, leaving: bool, goodbye: bool, stalled: bool = False) -> None:
         """Count a replica taken out. `leaving`: Serve stopped it on purpose. `goodbye`: it said so
-        itself (a graceful stop, or its engine died)."""
+        itself (a graceful stop, or its engine died). `stalled`: the router declared it stalled; it
+        is told to stop and Serve replaces it, as after an engine's death with a goodbye."""
         replica_id = rep.replica_id
+        goodbye = goodbye or stalled
+        if stalled:
+            _remember(self.stalled_out, (replica_id, rep.incarnation))
         if leaving or goodbye:
-            self.departed[(replica_id, rep.incarnation)] = None
-            while len(self.departed) > DEPARTED_KEPT:
-                self.departed.pop(next(iter(self.departed)))
+            _remember(self.departed, (replica_id, rep.incarnation))
         if leaving:
             # Serve stopped it on purpose (scale-down, update): expect one fewer. (Not when the
             # count is already at or under the fleet left: a driver's target said so first.)
@@ -101,6 +111,11 @@ class Fleet:
                 # replacement already joined (and raised the count), the count is one too high now.
                 self.surplus_joins -= 1
                 self.expected = max(1, self.expected - 1)
+
+    def stalled(self, now: float, timeout_s: float) -> list[str]:
+        """Replicas that hold running sequences and made no progress (ReplicaState.progress_t) for
+        longer than `timeout_s`: stalled (an engine paused or hung while its replica still pulls)."""
+        return [rid for rid, r in self.replicas.items() if r.stalled(now, timeout_s)]
 
     def silent(self, now: float) -> list[str]:
         """Replicas that have not pulled for a replica timeout: dead."""
@@ -126,3 +141,10 @@ class Fleet:
         self.expected = max(1, int(replicas))
         self.surplus_joins = self.unfilled_leaves = 0
         self.last_change_t = now
+
+
+def _remember(kept: dict, key: tuple) -> None:
+    """Add `key` to an ordered set bounded at DEPARTED_KEPT (the oldest go first)."""
+    kept[key] = None
+    while len(kept) > DEPARTED_KEPT:
+        kept.pop(next(iter(kept)))

@@ -34,10 +34,10 @@ class FleetSleep:
             raise InputError("level", level, "must be 1 (offload the weights to host memory, drop the KV cache) "
                              "or 2 (drop both; waking reloads the latest checkpoint)")
 
-    def order(self, weights_path: Optional[str], weights_version: int) -> Sleep | Wake:
+    def order(self, weights_path: Optional[str], weights_version: int, buckets=None) -> Sleep | Wake:
         """The order that takes a replica to the fleet's level: a level-2 sleeper reloads the
-        fleet's current weights when it wakes."""
-        return Sleep(self.level) if self.level else Wake(weights_path, weights_version)
+        fleet's current weights (pushed: from `buckets`) when it wakes."""
+        return Sleep(self.level) if self.level else Wake(weights_path, weights_version, buckets)
 
     def refusal(self, replica_ids) -> Optional[str]:
         """Why a batch cannot run now (None: it can): the fleet sleeps, or no live engine woke."""

@@ -54,6 +54,10 @@ class SeqState:
     error: Optional[str] = None
     cancelled: bool = False  # the driver gave up on the batch: finish as "abort", never requeue
     home: Optional[str] = None  # the replica that ran its session's previous turn (sessions.py), when queued
+    # (token offset, weights version) at each change of the weights its tokens come from: a segment
+    # starts on its replica's version; an in-flight update (update_weights running=...) moves it
+    weight_versions: list = field(default_factory=list)
+    give_up_cause: Optional[str] = None  # why the router gave up its running segment, besides a move (a weights update)
     delivered_pull: int = -1  # the replica's pull whose reply carried the current attempt's Work
     give_up_pull: int = -1  # the replica's pull whose reply carried the give-up of the current attempt
 
@@ -114,6 +118,14 @@ class ReplicaState:
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
     listed: bool = False  # it sent this router a listing of what it holds (Report.held)
     orphan_ids: frozenset = frozenset()  # seq ids of the attempts it held at that listing the router did not know
+    # When it last showed progress: a report that carried a new token or a sequence's end, or the
+    # dispatch of its first running sequence. Holding sequences with no progress for
+    # router.stall_timeout_s is a stall (`stalled`).
+    progress_t: float = 0.0
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        """It holds running sequences and made no progress for longer than `timeout_s` (> 0)."""
+        return bool(self.seqs) and now - self.progress_t > timeout_s
 
     @property
     def load(self) -> int:

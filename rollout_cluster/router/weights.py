@@ -8,21 +8,51 @@ restarted during the sleep still knows the update. A fresh router (a restart) le
 from the replicas' reports until a driver first submits or updates: the highest any replica holds
 or noted is the latest update.
 
+A (path, version) whose load failed on a replica is broken: no replica is ordered it again, not
+the failed one's replacement (a load that broke an engine would break the next, in a loop of
+restarts), not a replica that joins later, not one whose order was lost. Such a replica counts as
+failed (`errors` names the break): the driver's update_weights raises, queued work fails once no
+replica can run it, and the replicas that hold the version keep serving it. An update to a broken
+path is refused. A replica that loads the version after the break (one ordered before it, or a
+level-2 wake's reload) shows the failure was its replica's, not the checkpoint's: the break is
+forgotten and the replicas held back get their order (replicas that held the version before the
+break say nothing of it: a replacement may break where the first load worked). The router keeps the last BROKEN_KEPT
+breaks (a restarted router starts without them).
+
 Plain state, no clock, no I/O: RouterCore passes the reports in and sends the orders out.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..protocol import InputError, LoadWeights, NoteWeights, WeightsState, WeightsVersionError, is_int
 from .state import ReplicaState
 
 
+BROKEN_KEPT = 64  # a long-lived router remembers this many breaks, the latest
+
+
+@dataclass(frozen=True)
+class BrokenLoad:
+    """A checkpoint whose load failed on a replica: never ordered again."""
+
+    path: str  # the checkpoint directory (resolved)
+    version: int  # the version it was ordered as
+    replica: str  # the replica whose load failed first
+    error: str  # what that replica reported
+
+
 class FleetWeights:
     def __init__(self):
         self.version = 0  # the version batches run on (0: the config's model)
-        self.path: Optional[str] = None  # where it comes from (None: the config's model)
-        self.errors: dict[str, str] = {}  # replica_id -> why its load of `version` failed
+        self.path: Optional[str] = None  # where it comes from (None: the config's model; "push://<id>": pushed)
+        # A pushed version's tensors (push_weights): their buckets' object-store handles, sent with
+        # every order of it, to joiners too. None for a checkpoint, and for a push a restarted router learned.
+        self.buckets: Optional[tuple] = None
+        self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
+        self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
+        self.held_back: set[str] = set()  # replicas not ordered the current version because it broke (in errors)
         # A fresh router learns the version from the replicas until a driver submits or updates.
         self.learning = True
 
@@ -31,17 +61,22 @@ class FleetWeights:
         """The version an update to `path` would make (default: the current one + 1), or InputError."""
         if not isinstance(path, str) or not path.strip():
             raise InputError("path", path, "must be the path of a checkpoint directory")
+        broke = next((b for (p, _), b in self.broken.items() if p == path), None)
+        if broke is not None:
+            raise InputError("path", path, f"its load as version {broke.version} failed on replica {broke.replica} "
+                             f"({broke.error}); a broken checkpoint is not ordered again: write it under a new path")
         if version is None:
             version = self.version + 1
         if not is_int(version) or version <= self.version:
             raise InputError("version", version, f"must be an integer above the current version {self.version}")
         return version
 
-    def update(self, path: str, version: int) -> None:
-        """Point the fleet at `path` as `version` (checked). The caller made sure that no batch runs
-        and no load is under way."""
-        self.version, self.path, self.learning = version, path, False
+    def update(self, path: str, version: int, buckets: Optional[tuple] = None) -> None:
+        """Point the fleet at `path` as `version` (checked), pushed as `buckets` if given. The caller
+        made sure that no batch runs and no load is under way."""
+        self.version, self.path, self.learning, self.buckets = version, path, False, buckets
         self.errors.clear()
+        self.held_back.clear()
 
     def check_batch(self, version, replicas: int) -> None:
         """A batch that names its weights version runs on it or is refused: a trainer that updated
@@ -72,42 +107,77 @@ class FleetWeights:
             return
         for version, path in ((w.version, w.path), (w.noted, w.noted_path)):
             if version > self.version and path:
-                self.version, self.path = version, path
+                self.version, self.path, self.buckets = version, path, None
                 self.errors.clear()  # they were for an older version
+                self.held_back.clear()
 
     def record(self, rep: ReplicaState, w: WeightsState, load_pending: bool, note_pending: bool) -> bool:
         """What the replica reports holding. `load_pending`/`note_pending`: an order of that kind
-        waits in its outbox. Returns whether its load of the current version just failed."""
+        waits in its outbox. Returns whether it just became unable to hold the current version: its
+        load failed, or the version broke another replica's load and it is held back."""
         v = self.version
+        just_loaded = rep.weights_version != v and w.version == v
         rep.weights_version, rep.weights_loading = w.version, w.loading
         if rep.weights_noted == v and w.noted != v and w.version != v and not note_pending:
             rep.weights_noted = None  # the note was sent and the replica never saw it: again
         if rep.weights_version == v:
             self.errors.pop(rep.replica_id, None)
+            if just_loaded:
+                self._loaded()
         elif w.error and w.error_version == v:
-            if rep.replica_id not in self.errors:
+            if rep.replica_id not in self.errors or rep.replica_id in self.held_back:
+                self.held_back.discard(rep.replica_id)
                 self.errors[rep.replica_id] = w.error
+                self._broke(rep.replica_id, w.error)
                 return True
         elif rep.weights_ordered == v and w.loading != v and not load_pending:
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
+        if self.holds_back(rep) and rep.replica_id not in self.errors:
+            b = self.broken[(self.path, v)]
+            self.held_back.add(rep.replica_id)
+            self.errors[rep.replica_id] = (f"replica {rep.replica_id}: not ordered {self.path!r} (version {v}): "
+                                           f"its load failed on replica {b.replica}: {b.error}")
+            return True
         return False
+
+    def holds_back(self, rep: ReplicaState) -> bool:
+        """It lacks the current version, which broke a load, and was not ordered it before the break."""
+        v = self.version
+        return ((self.path, v) in self.broken and rep.weights_version != v and rep.weights_ordered != v
+                and rep.weights_loading != v and rep.weights_noted != v)
+
+    def _broke(self, replica_id: str, error: str) -> None:
+        key = (self.path, self.version)
+        if self.path is not None and key not in self.broken:
+            self.broken[key] = BrokenLoad(self.path, self.version, replica_id, error)
+            while len(self.broken) > BROKEN_KEPT:
+                self.broken.pop(next(iter(self.broken)))
+
+    def _loaded(self) -> None:
+        """A replica just loaded the current version: if it broke a load before, it loads after all
+        (the failure was that replica's), and the replicas held back get their order."""
+        if self.broken.pop((self.path, self.version), None) is not None:
+            for rid in self.held_back:
+                self.errors.pop(rid, None)
+            self.held_back.clear()
 
     def order_for(self, rep: ReplicaState, awake: bool) -> Optional[LoadWeights | NoteWeights]:
         """The order `rep` needs now, once: a load if it does not hold the version, or a note of it
         while its engine sleeps (or moves to or from sleep). None: nothing to send."""
         v = self.version
-        if self.path is None or rep.weights_version == v or rep.weights_ordered == v:
+        if self.path is None or rep.weights_version == v or rep.weights_ordered == v or self.holds_back(rep):
             return None
         if not awake:
             if rep.weights_noted == v:
                 return None
             rep.weights_noted = v
-            return NoteWeights(self.path, v)
+            return NoteWeights(self.path, v, self.buckets)
         rep.weights_ordered = v
-        return LoadWeights(self.path, v)
+        return LoadWeights(self.path, v, self.buckets)
 
     def forget(self, replica_id: str) -> None:
         self.errors.pop(replica_id, None)
+        self.held_back.discard(replica_id)
 
     # ---- what the fleet can do -----------------------------------------------------------------
     def held_by(self, rep: ReplicaState) -> bool:
@@ -132,4 +202,4 @@ class FleetWeights:
     def status(self, replicas: dict) -> dict:
         return {"version": self.version, "path": self.path,
                 "replicas": {rid: r.weights_version for rid, r in replicas.items()},
-                "errors": dict(self.errors)}
+                "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()]}

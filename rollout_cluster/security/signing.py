@@ -22,7 +22,10 @@ from typing import Optional
 
 # Each operation and the names of its arguments, in the order the Router's methods take them.
 CONTROL_OPS: dict[str, tuple[str, ...]] = {
-    "update_weights": ("path", "version"),
+    "update_weights": ("path", "version", "running"),
+    # push_weights: the object ids of the buckets sent beside the order (signed here, so that no
+    # one can swap the tensors), their tensor and byte counts, and the push's name ("push://<id>")
+    "push_weights": ("source", "version", "buckets", "tensors", "bytes", "running"),
     "sleep": ("level",),
     "wake": (),
     "set_fleet_target": ("replicas",),

@@ -19,9 +19,29 @@ from typing import Optional
 
 from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
+from ..transfer.buckets import unpack
+from ..transfer.push import PUSH_SCHEME
 from ..protocol import ControlOrder, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake, WeightsState
 
 log = logging.getLogger("ray.serve")
+
+
+async def fetched(buckets: tuple):
+    """The pushed buckets' (name, tensor) lists, fetched from the object store one ahead of the
+    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)"""
+    async def get(item):
+        return item if isinstance(item, dict) else await item
+
+    ahead = asyncio.ensure_future(get(buckets[0])) if buckets else None
+    for i in range(len(buckets)):
+        current, ahead = ahead, asyncio.ensure_future(get(buckets[i + 1])) if i + 1 < len(buckets) else None
+        try:
+            bucket = await current
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+            raise
+        yield unpack(bucket)
 
 
 class EngineMoves:
@@ -29,6 +49,7 @@ class EngineMoves:
         self.engine, self.cfg, self.replica_id = engine, cfg, replica_id
         # the weights the engine holds (0, "": the config's model), and why the last load failed
         self.weights_version, self.weights_path = 0, ""
+        self.weights_buckets: Optional[tuple] = None  # a pushed version's buckets (a level-2 wake reloads them)
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.loading = None  # (version, asyncio.Task) of a load in progress
@@ -83,6 +104,8 @@ class EngineMoves:
         if eng.kind == "sim":
             return ""
         if self.weights_path:
+            if self.weights_buckets is not None:  # pushed: reloaded from the buckets it came in
+                return self.weights_path
             return self.weights_path if os.path.isdir(self.weights_path) else None
         model = self.cfg.model_path()
         return model if os.path.isdir(model) and eng.load_format != "dummy" else None
@@ -92,7 +115,8 @@ class EngineMoves:
         if order.version in (self.weights_version, self.loading and self.loading[0]):
             return  # a resent order of what is done or under way
         before = self.in_progress()
-        task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before))
+        task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before,
+                                                                         order.buckets))
         self.loading = (order.version, task)
 
     def _note(self, order: NoteWeights) -> None:
@@ -171,19 +195,26 @@ class EngineMoves:
     async def _reload_after_deep_sleep(self, order: Wake) -> None:
         version = order.version
         path = order.path or self.reload_source()
+        buckets = order.buckets if order.path else self.weights_buckets
         if version == 0 and not order.path:  # the config's model: no checkpoint version to report
             if path:
                 await self.engine.load_weights(path)
             return
-        await self._load_weights(path, version)
+        await self._load_weights(path, version, buckets=buckets)
         if self.weights_error and self.weights_error_version == version:
             raise RuntimeError(self.weights_error)
 
-    async def _load_weights(self, path: str, version: int, before=()) -> None:
+    async def _load_weights(self, path: str, version: int, before=(), buckets: Optional[tuple] = None) -> None:
         try:
             if before:
                 await asyncio.gather(*before, return_exceptions=True)
-            await self.engine.load_weights(path)
+            if buckets is not None:  # pushed tensors: fetched bucket by bucket while the engine loads
+                await self.engine.load_tensors(fetched(buckets))
+            elif path.startswith(PUSH_SCHEME):
+                raise RuntimeError(f"the tensors of {path!r} are gone with the router that took them (it "
+                                   "restarted): push the weights again")
+            else:
+                await self.engine.load_weights(path)
         except Exception as e:
             log.exception("replica %s: load_weights %r failed", self.replica_id, path)
             self.weights_error = f"replica {self.replica_id}: load_weights({path!r}): {e}"
@@ -192,6 +223,7 @@ class EngineMoves:
                 self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
+            self.weights_buckets = buckets
             if self.noted[0] <= version:
                 self.noted = (0, "")
         finally:

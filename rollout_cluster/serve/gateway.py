@@ -207,6 +207,6 @@ class Gateway:
         cfg = self.cfg
         protocols = ProtocolContext(self.router, TextCodec.load(cfg.model_path()), cfg.limits, cfg.router.call_timeout_s,
                                     model_name=cfg.engine.model, model_root=cfg.model_path(),
-                                    world_size=cfg.engine.tensor_parallel_size)
+                                    world_size=cfg.engine.tensor_parallel_size, logprobs_mode=cfg.engine.logprobs_mode)
         return gateway_app(self.router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits,
                            protocols)

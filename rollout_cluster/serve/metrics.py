@@ -43,6 +43,9 @@ class PrometheusRouterMetrics(RouterMetrics):
                                 registry=r)
         self.busy_total = Counter("rollout_batches_refused_total", "Batches refused by a limit (limits.*)", ["limit"],
                                   registry=r)
+        self.stalls_total = Counter("rollout_replica_stalls_total", "Replicas declared stalled: they held running "
+                                    "sequences and reported no new token for router.stall_timeout_s (their sequences "
+                                    "continued elsewhere; Serve replaces them)", registry=r)
         self.port = port
         if port:
             start_http_server(port, registry=r)
@@ -62,6 +65,9 @@ class PrometheusRouterMetrics(RouterMetrics):
 
     def resumed(self, source: str, reason: str) -> None:
         self.resumed_total.labels(source, reason).inc()
+
+    def replica_stalled(self, replica_id: str) -> None:
+        self.stalls_total.inc()
 
     def batches_abandoned(self, n: int) -> None:
         self.abandoned_total.inc(n)

@@ -9,6 +9,9 @@ Invariants:
   (router_adoption.py). The engine keeps a final's whole output until its answer is applied.
 - Work never starts beside a weights load or a sleep move (EngineMoves.ready_for_work).
 - An engine that died says goodbye at once (Report.engine_dead) and the loop ends.
+- A replica the router declared stalled (Orders.stop: its sequences made no progress for
+  router.stall_timeout_s) ends its loop at once and reports nothing more: the router continues
+  its work elsewhere, so nothing it holds may be sent or handed back (`stalled`).
 
 The router call is injected (`pull(report) -> awaitable Orders`) and so is the clock: the loop
 runs against a fake router without Ray, and on any event loop.
@@ -51,6 +54,7 @@ class PullLoop:
         self.held_t = -float("inf")  # when the last listing was taken
         self.stopping = False
         self.error: Optional[BaseException] = None  # why the loop ended early
+        self.stalled = False  # the router declared this replica stalled: its work runs elsewhere now
 
     async def run(self) -> None:
         """Step until stopped, or until the engine died (after its goodbye)."""
@@ -78,6 +82,9 @@ class PullLoop:
         if orders is None:
             await asyncio.sleep(RETRY_S)
             return True
+        if orders.stop:
+            self.declared_stalled(orders.stop)
+            return False
         if marks is not None:
             marks.append(time.perf_counter())
         if not await self.apply(orders, report.progress):
@@ -188,6 +195,13 @@ class PullLoop:
                 or bool(self.engine.aborting()))
 
     # ---- leaving --------------------------------------------------------------------------------
+    def declared_stalled(self, why: str) -> None:
+        """The router took this replica's work away (Orders.stop): end the loop, keep nothing to
+        send. check_health fails from now on, and the shutdown hands nothing back."""
+        self.stalled, self.stopping, self.unsent = True, True, []
+        self.error = RuntimeError(f"the router declared this replica stalled ({why})")
+        log.error("replica %s: %s", self.replica_id, self.error)
+
     def goodbye(self, partials: list = (), engine_dead: bool = False) -> Report:
         """The last report: everything not yet sent and `partials` (drained since), marked leaving
         (the router requeues the rest)."""

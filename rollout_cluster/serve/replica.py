@@ -57,15 +57,21 @@ class EngineReplica:
         self.task = asyncio.get_running_loop().create_task(self.pull_loop.run())
 
     def check_health(self) -> None:
-        if self.task.done():
+        """Fails once the pull loop ended: the engine died, applying orders failed, or the router
+        declared the replica stalled (PullLoop.stalled); Serve then replaces the replica."""
+        if self.pull_loop.stalled or self.task.done():
             raise RuntimeError(f"pull loop stopped: {self.pull_loop.error or self.task.exception()}")
         if self.moves.broken is not None:
             raise RuntimeError(f"restart needed: {self.moves.broken}")
 
     async def __del__(self):
         """Serve calls this when it scales the deployment down or replaces the replica: hand the
-        work back (partial tokens included) so that it continues elsewhere at once, then stop."""
-        if getattr(self, "task", None) is not None:
+        work back (partial tokens included) so that it continues elsewhere at once, then stop. A
+        replica the router declared stalled hands nothing back: its work already runs elsewhere."""
+        if getattr(self, "task", None) is not None and self.pull_loop.stalled:
+            log.warning("replica %s was declared stalled: its work continued elsewhere, none is handed back",
+                        self.replica_id)
+        elif getattr(self, "task", None) is not None:
             self.pull_loop.stop()
             try:
                 await asyncio.wait_for(self._hand_back(), HAND_BACK_S)

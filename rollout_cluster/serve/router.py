@@ -19,13 +19,16 @@ import uuid
 from ray import serve
 
 from ..config import load_config
+from ..engines.checkpoint import check_checkpoint, root_is_here
 from ..engines.cost_model import load_profile
 from .metrics import PrometheusRouterMetrics
+from .stall_watch import StallWatch
 from ..niceness import set_niceness
 from ..policy import make_policy
-from ..router.core import NoLiveReplicaError, RouterCore
+from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
-from ..protocol import LimitExceeded, Orders, Report
+from ..protocol import InputError, LimitExceeded, Orders, Report
+from ..transfer.push import PUSH_SCHEME
 from ..security.paths import check_under_roots
 from ..security.secrets import read_keys
 from ..security.signing import OrderRefused, OrderVerifier
@@ -52,7 +55,9 @@ class Router:
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
         self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
                                id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits),
-                               id_salt=lambda: secrets.token_hex(8), max_sessions=cfg.router.max_sessions)  # a batch's id is its capability: unguessable
+                               id_salt=lambda: secrets.token_hex(8),  # a batch's id is its capability: unguessable
+                               stall_timeout_s=cfg.router.stall_timeout_s, max_sessions=cfg.router.max_sessions)
+        self.stalls = StallWatch(self.core)  # replicas that pull on while their engine makes no progress
         # Control orders are signed (security/signing.py); each replica reports with the credential
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
@@ -75,7 +80,11 @@ class Router:
         args = self._order(order, "register")
         rid = args.get("replica_id")
         if not isinstance(rid, str) or not rid:
-            raise OrderRefused("malformed", "register: replica_id must be a non-empty string")
+            refusal = OrderRefused("malformed", "register: replica_id must be a non-empty string")
+            self.verifier.refusals[refusal.reason] += 1  # counted as refused (and as accepted: its signature held)
+            self.metrics.refused(refusal.reason)
+            log.warning("%s", refusal)
+            raise refusal
         self.credentials[rid] = credential = secrets.token_hex(16)
         return credential
 
@@ -103,6 +112,11 @@ class Router:
                 for rid in dead:
                     self.work_ready.pop(rid, None)
                 self._wake_all()
+            stalled = self.stalls.tick(now)
+            if stalled:
+                self._wake_all()  # their work is queued: the others take it now (a held pull of theirs ends)
+                for rid in stalled:
+                    self.work_ready.pop(rid, None)
             dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
             for bid in dropped:
                 log.warning("batch %s: %s", bid, self.core.batches.dropped[bid])
@@ -126,6 +140,14 @@ class Router:
         now = time.monotonic()
         core = self.core
         applied = core.apply(report, now)
+        if applied.stalled:  # declared now or before: its work continues elsewhere; it stops
+            if applied.replica_id is not None:
+                self.stalls.note([report.replica_id])
+                self.work_ready.pop(report.replica_id, None)
+                self._wake_all()
+            # (one that missed this answer registers again, and hears it again)
+            self.credentials.pop(report.replica_id, None)
+            return Orders(stop=STALLED, router_id=self.router_id)
         if applied.finished:
             self._notify_batches()
         if applied.requeued:  # requeued work (give-up partials): held pulls take it now
@@ -230,16 +252,41 @@ class Router:
 
     async def update_weights(self, order) -> int:
         """Order every replica to load `path` as `version` (between batches); returns the version.
-        The path must resolve under one of security.checkpoint_roots."""
+        The path must resolve under one of security.checkpoint_roots and be a complete checkpoint
+        (docs/checkpoints.md), or the fleet keeps its weights and the caller gets why."""
         args = self._order(order, "update_weights")
+        sec = self.cfg.security
         try:
-            path = check_under_roots(args.get("path"), self.cfg.security.checkpoint_roots)
+            path = check_under_roots(args.get("path"), sec.checkpoint_roots)
         except PermissionError:
             self.verifier.refusals["path"] += 1
             self.metrics.refused("path")
             raise
-        v = self.core.update_weights(path, args.get("version"))
+        self.core.weights.checked(path, args.get("version"))  # a broken path is refused before any disk work
+        if self.cfg.engine.kind != "sim" and root_is_here(path, sec.checkpoint_roots):
+            # Sizes only (each engine hashes before it loads), in a thread: pulls go on meanwhile.
+            await asyncio.to_thread(check_checkpoint, path, sec.require_manifest, verify_sha256=False)
+        v = self.core.update_weights(path, args.get("version"), running=args.get("running") or "finish")
         self._wake_all()  # idle replicas are long-polling: give them the order now
+        return v
+
+    async def push_weights(self, order, buckets: list) -> int:
+        """Order every replica to load the pushed tensors in `buckets` (object-store handles of
+        transfer/buckets.py's buckets, the trainer's, in order) as `version`, between batches;
+        returns the version. The signed order names the buckets' object ids: others are refused."""
+        args = self._order(order, "push_weights")
+        source, ids = args.get("source"), args.get("buckets")
+        if not isinstance(source, str) or not source.startswith(PUSH_SCHEME):
+            raise InputError("source", source, f"must name the push ({PUSH_SCHEME}<id>)")
+        if not isinstance(buckets, list) or not buckets or [getattr(b, "hex", lambda: None)() for b in buckets] != ids:
+            self.verifier.refusals["malformed"] += 1
+            self.metrics.refused("malformed")
+            raise InputError("buckets", f"<{len(buckets) if isinstance(buckets, list) else buckets!r}>",
+                             "must be the object refs whose ids the signed order names, in order")
+        v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish")
+        log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
+                 args.get("bytes"), len(buckets))
+        self._wake_all()
         return v
 
     async def sleep(self, order) -> int:

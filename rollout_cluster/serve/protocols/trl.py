@@ -134,6 +134,17 @@ def trl_routes(ctx: ProtocolContext) -> APIRouter:
     async def world_size():
         return {"world_size": await _world_size(ctx)}
 
+    @api.get("/server_info", summary="vLLM's dev route, as TRL >= 1.11 reads it: the parts of the config it asks")
+    async def server_info():
+        model = await ctx.model_info()
+        return {"vllm_config": {"model_config": {
+            "model": ctx.model_name, "logprobs_mode": ctx.logprobs_mode,
+            "max_model_len": model.max_model_len if model else None,
+            "max_logprobs": model.max_logprobs if model else None},
+            "parallel_config": {"tensor_parallel_size": ctx.world_size},
+            # no NCCL weight-transfer engine (yet): TRL's init_communicator says so by name
+            "weight_transfer_config": None}}
+
     @api.post("/generate/", summary="TRL <= 1.10: prompts (strings or token ids) x n samples")
     async def generate(request: Request):
         try:

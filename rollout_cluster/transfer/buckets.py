@@ -1,0 +1,79 @@
+"""Tensors into buckets and back: the unit push_weights moves.
+
+A bucket is a plain dict (Ray serializes its numpy arrays out of band, so a reader on the same
+node maps them from the object store without a copy):
+  names:  the tensors' names, in the trainer's order (its state_dict names);
+  dtypes: torch dtype names ("bfloat16", "float32", ...);
+  shapes: each tensor's shape;
+  data:   one uint8 numpy array per tensor, its bytes (bfloat16 has no numpy type: bytes travel).
+Buckets hold about `bucket_bytes` each (a tensor larger than that is a bucket of its own), so a
+receiver loads one bucket while the next one travels, and no message holds a whole model.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict]:
+    """Buckets of (name, tensor) pairs, in order. Tensors are detached and copied to host memory
+    once (a CPU tensor that is contiguous already is viewed, not copied)."""
+    import torch
+
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be an integer >= 1")
+    bucket, size, seen = _empty(), 0, set()
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"named_tensors: expected (name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(tensor).__name__}")
+        if name in seen:
+            raise ValueError(f"named_tensors[{name!r}]: given twice")
+        seen.add(name)
+        t = tensor.detach().to("cpu").contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else _no_bytes()
+        if bucket["names"] and size + data.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = _empty(), 0
+        bucket["names"].append(name)
+        bucket["dtypes"].append(str(t.dtype).removeprefix("torch."))
+        bucket["shapes"].append(list(t.shape))
+        bucket["data"].append(data)
+        size += data.nbytes
+    if bucket["names"]:
+        yield bucket
+
+
+def unpack(bucket: dict) -> list:
+    """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only)."""
+    import warnings
+
+    import torch
+
+    out = []
+    for name, dtype, shape, data in zip(bucket["names"], bucket["dtypes"], bucket["shapes"], bucket["data"]):
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        with warnings.catch_warnings():  # arrays from Ray's object store are read only; loaders copy them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(data)
+        out.append((name, flat.view(torch_dtype).reshape(shape) if len(data) else torch.empty(shape, dtype=torch_dtype)))
+    return out
+
+
+def bucket_bytes_of(bucket: dict) -> int:
+    return sum(d.nbytes for d in bucket["data"])
+
+
+def _empty() -> dict:
+    return {"names": [], "dtypes": [], "shapes": [], "data": []}
+
+
+def _no_bytes():
+    import numpy as np
+
+    return np.zeros(0, dtype=np.uint8)

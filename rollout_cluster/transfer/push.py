@@ -1,0 +1,45 @@
+"""push_weights, the trainer's side: tensors into buckets in Ray's object store, one signed order
+to the router naming them, then the same wait as update_weights.
+
+The design (docs/architecture.md, "Weights without a filesystem"): the trainer `ray.put`s each
+bucket once; the router sends the buckets' handles with every LoadWeights of the version, to the
+replicas that hold the fleet now and to any that join later; each replica fetches the buckets
+(Ray's object manager moves each one to its node once, from any node that has it) and loads them
+in place, one bucket while the next travels (engines/weight_loader.py). The trainer holds no
+communicator of fixed size: the fleet may grow and shrink during a push. The trainer's process
+owns the objects (Ray's ownership): they live while it does and the router still names them.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Iterable, Optional
+
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, pack
+
+PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
+
+
+def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple:
+    """(object refs of the buckets, tensors, bytes): every bucket in the object store."""
+    import ray
+
+    refs, tensors, nbytes = [], 0, 0
+    for bucket in pack(named_tensors, bucket_bytes):
+        refs.append(ray.put(bucket))
+        tensors += len(bucket["names"])
+        nbytes += bucket_bytes_of(bucket)
+    if not refs:
+        raise ValueError("named_tensors: no tensors to push")
+    return refs, tensors, nbytes
+
+
+def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
+         call_timeout_s: float, running: str = "finish") -> tuple:
+    """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
+    `refs` until every replica holds the version (its process owns them anyway)."""
+    refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes)
+    source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
+    order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
+                                         "tensors": tensors, "bytes": nbytes, "running": running})
+    v = router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
+    return v, source, refs

@@ -1,0 +1,78 @@
+"""push_weights on the real cluster (2 vLLM-CPU replicas): a trainer's tensors reach both replicas
+through Ray's object store without a checkpoint, and the greedy outputs equal those of the same
+weights loaded from a checkpoint; a push while long sequences run (running="recompute") continues
+them exactly: old weights' tokens up to the swap, then the new weights' greedy continuation."""
+import pytest
+import torch
+
+from rollout_cluster.model_maker import make_model
+from rollout_cluster.protocol import SamplingSpec
+
+from e2e_support import ROOT
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = SamplingSpec(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, [11, 12, 13] * 7]
+
+
+def state_dict(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).state_dict()
+
+
+def greedy(client, prompts=PROMPTS, spec=GREEDY):
+    out = client.generate(prompts, spec, timeout_s=600)
+    seen = {}
+    for c in out:
+        assert c.finish_reason == "length" and len(c.token_ids) == spec.max_tokens
+        seen.setdefault(c.prompt_index, set()).add(tuple(c.token_ids))
+    assert all(len(v) == 1 for v in seen.values()), seen  # both samples (and replicas) agree
+    return [next(iter(seen[i])) for i in range(len(prompts))], out
+
+
+def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_continue_exactly(client, tmp_path):
+    original = ROOT / "models" / "tiny-llama"
+    other = make_model(str(tmp_path / "b"), seed=1)
+    base, _ = greedy(client)
+    try:
+        v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)  # several buckets
+        st = client.status()["weights"]
+        assert set(st["replicas"].values()) == {v1} and st["path"].startswith("push://")
+        pushed, out = greedy(client)
+        assert {c.weights_version for c in out} == {v1} and len({c.replicas[0] for c in out}) == 2
+        assert pushed != base
+        v2 = client.update_weights(str(other))
+        assert greedy(client)[0] == pushed  # the same tensors from a checkpoint: the same tokens
+
+        # In flight: long sequences on the checkpoint's weights, the original model pushed meanwhile.
+        import threading
+        import time
+
+        long = SamplingSpec(n=1, max_tokens=400, temperature=0.0, ignore_eos=True)
+        reference = [list(c.token_ids) for c in client.generate(PROMPTS, long, timeout_s=900)]  # all on v2
+        results = {}
+        made = client.status()["counters"]["generated_tokens"]
+        runner = threading.Thread(target=lambda: results.update(out=client.generate(PROMPTS, long, timeout_s=900)))
+        runner.start()
+        deadline = time.monotonic() + 300
+        while client.status()["counters"]["generated_tokens"] < made + 40 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        v3 = client.push_weights(state_dict(original).items(), running="recompute")
+        runner.join(900)
+        done = results["out"]
+        assert [len(c.token_ids) for c in done] == [400, 400]
+        for prompt, c in zip(PROMPTS, done):
+            (start, first), (swap, second) = c.weight_versions  # one swap, recorded
+            assert (start, first, second) == (0, v2, v3) and 0 < swap < 400 and c.weights_version == v3
+            assert list(c.token_ids[:swap]) == reference[c.prompt_index][:swap]
+            # the tokens before the swap are the checkpoint's greedy ones, those after the original's
+            # greedy continuation of prompt + tokens so far (re-prefilled: exact)
+            rest = client.generate([prompt + list(c.token_ids[:swap])],
+                                   SamplingSpec(max_tokens=400 - swap, temperature=0.0, ignore_eos=True))[0]
+            assert list(rest.token_ids) == list(c.token_ids[swap:])
+        assert client.status()["counters"]["weights_recomputed"] >= 1
+    finally:
+        client.update_weights(str(original))  # the next tests expect the served model
+    assert greedy(client)[0] == base

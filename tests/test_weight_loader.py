@@ -1,0 +1,103 @@
+"""The parts of load_tensors that need no engine: the checkpoint spec, the checks that refuse
+tensors by name, the packed form of a bucket, and the simulated engine's load_tensors.
+(The real engine's load: tests/e2e/test_load_tensors.py.)"""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_cluster.engines.weight_loader import (BucketCheck, checkpoint_spec, map_shm, pack_bucket,
+                                                   unpack_bucket, write_shm)
+from rollout_cluster.model_maker import make_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("m") / "tiny"))
+
+
+def test_the_spec_is_every_checkpoint_tensor_with_its_shape_read_from_the_headers(model, tmp_path):
+    from safetensors.torch import load_file
+
+    spec = checkpoint_spec(str(model))
+    assert spec == {n: tuple(t.shape) for n, t in load_file(str(model / "model.safetensors")).items()}
+    assert spec["model.layers.0.mlp.down_proj.weight"] == (128, 256)
+    assert checkpoint_spec(str(tmp_path)) is None  # no safetensors: nothing to check against
+    assert checkpoint_spec(str(tmp_path / "none")) is None
+
+
+def test_a_bucket_check_names_the_tensor_it_refuses():
+    spec = {"a": (2, 3), "b": (4,)}
+    ok = BucketCheck(spec)
+    ok.bucket([("a", torch.zeros(2, 3))])
+    ok.bucket([("b", np.zeros(4, dtype=np.float32))])
+    assert ok.finish() == 2
+    cases = [
+        ([("c", torch.zeros(1))], r"tensor 'c': the served model has no such weight"),
+        ([("a", torch.zeros(3, 2))], r"tensor 'a': shape \(3, 2\), the served model's is \(2, 3\)"),
+        ([("a", torch.zeros(2, 3)), ("a", torch.zeros(2, 3))], r"tensor 'a': given twice"),
+        ([("b", torch.zeros(4, dtype=torch.int32))], r"tensor 'b': dtype torch.int32 is not floating point"),
+    ]
+    for bucket, match in cases:
+        with pytest.raises(ValueError, match=match):
+            BucketCheck(spec).bucket(bucket)
+    with pytest.raises(TypeError, match=r"bucket 0: .*each item must be a \(name, tensor\) pair"):
+        BucketCheck(spec).bucket([torch.zeros(2)])
+    with pytest.raises(TypeError, match=r"bucket 0: dict: a bucket is a list"):
+        BucketCheck(spec).bucket({"a": torch.zeros(2, 3)})
+    with pytest.raises(TypeError, match=r"tensor 'a': str is not a tensor or an array"):
+        BucketCheck(spec).bucket([("a", "weights")])
+    partial = BucketCheck(spec)
+    partial.bucket([("a", torch.zeros(2, 3))])
+    with pytest.raises(ValueError, match=r"1 of the served model's 2 tensors are missing, e.g. \['b'\]"):
+        partial.finish()
+    with pytest.raises(ValueError, match="no tensor given"):
+        BucketCheck(None).finish()
+
+
+def test_without_a_spec_only_names_and_dtypes_are_checked():
+    check = BucketCheck(None)
+    check.bucket([("anything", torch.zeros(7))])
+    with pytest.raises(ValueError, match="given twice"):
+        check.bucket([("anything", torch.zeros(7))])
+    assert BucketCheck(None).bucket([("x", torch.zeros(1))]) is None
+
+
+def test_a_packed_bucket_unpacks_to_the_same_tensors_through_a_shm_file():
+    bucket = [("w", torch.randn(3, 5)), ("h", torch.randn(7).to(torch.bfloat16)), ("s", torch.tensor(2.5)),
+              ("t", torch.randn(4, 6).t()), ("e", torch.zeros(0, 3)), ("n", np.arange(6, dtype=np.float16).reshape(2, 3))]
+    header, buf = pack_bucket(bucket)
+    assert header["nbytes"] == buf.numel() == 5 * 64 + 6 * 2  # each tensor starts at a multiple of 64 bytes
+    assert all(off % 64 == 0 for off in header["offsets"])
+    path = write_shm(buf)
+    try:
+        for got in (unpack_bucket(header, buf), unpack_bucket(header, map_shm(path, header["nbytes"]))):
+            assert [n for n, _ in got] == [n for n, _ in bucket]
+            for (_, want), (_, t) in zip(bucket, got):
+                want = torch.as_tensor(want)
+                assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+    finally:
+        import os
+
+        os.unlink(path)
+
+
+def test_the_simulated_engine_takes_the_order_and_counts_the_tensors():
+    from rollout_cluster.engines.cost_model import CostModel
+    from rollout_cluster.engines.sim_engine import SimEngine
+
+    async def go():
+        eng = SimEngine(CostModel(name="t", a=1e-3, c=1e-6, e=0.0, prefill_tokens_per_s=1e5, kv_tokens=1000,
+                                  max_num_seqs=4))
+        await eng.start()
+        n = await eng.load_tensors([[("a", torch.zeros(1)), ("b", torch.zeros(1))], [("c", torch.zeros(1))]])
+
+        async def arriving():
+            yield [("a", torch.zeros(1))]
+
+        m = await eng.load_tensors(arriving())
+        await eng.shutdown()
+        return n, m, eng.tensors_loaded
+
+    assert asyncio.run(go()) == (3, 1, 1)

@@ -1,0 +1,97 @@
+"""Weights updated while sequences run (update_weights / push_weights running=...): "recompute"
+continues every running sequence on the new weights from its tokens so far, "abort" ends them as
+partial rollouts, "finish" refuses while any is unfinished; queued work runs on the new weights;
+each Completion's weight_versions says which version made which tokens; nothing lost or doubled."""
+import pytest
+
+from rollout_cluster.protocol import (EngineStats, InputError, LoadWeights, ModelInfo, Report, SamplingSpec,
+                                      SeqProgress, SequenceRequest, WeightsState)
+
+from test_fleet_sleep import core_with
+
+
+def report(core, rid, now, progress=(), version=0, path=""):
+    return core.on_report(Report(rid, "i1", progress=list(progress), stats=EngineStats(), capacity=8,
+                                 weights=WeightsState(version=version, path=path)), now)
+
+
+def started(core):
+    """A batch of 4 (max_tokens 10) on replicas a and b, each sequence 3 tokens in."""
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=10), i, 0) for i in range(4)], 0.0)
+    works = {}
+    for rid in ("a", "b"):
+        works[rid] = report(core, rid, 0.1).start
+        report(core, rid, 0.2, [SeqProgress(w.seq_id, w.attempt, [7, 7, 7], None, None) for w in works[rid]])
+    assert sum(len(w) for w in works.values()) == 4
+    return bid, works
+
+
+def test_recompute_continues_the_running_sequences_on_the_new_weights_from_their_tokens():
+    core = core_with(("a", "b"))
+    bid, works = started(core)
+    queued = core.submit([SequenceRequest([3], SamplingSpec(max_tokens=2), 0, 0)], 0.3)  # never started
+    assert core.update_weights("/ckpt/1", running="recompute") == 1
+    continuations = []
+    for rid in ("a", "b"):
+        orders = report(core, rid, 1.0)
+        assert [c for c in orders.control if isinstance(c, LoadWeights)] == [LoadWeights("/ckpt/1", 1)]
+        assert sorted(orders.give_up) == sorted((w.seq_id, w.attempt) for w in works[rid])
+        assert orders.start == []  # nothing starts on the old weights
+        # the engine aborts them before it loads: one more old-weights token made it
+        report(core, rid, 1.1, [SeqProgress(w.seq_id, w.attempt, [8], None, "abort") for w in works[rid]])
+        continuations += report(core, rid, 1.2, version=1, path="/ckpt/1").start
+    seqs = {w.seq_id for rid in works for w in works[rid]}
+    assert {w.seq_id for w in continuations} >= seqs
+    for w in continuations:
+        if w.seq_id in seqs:
+            assert w.prompt_token_ids == [1, 2, 7, 7, 7, 8] and w.sampling.max_tokens == 6
+    for rid in ("a", "b"):
+        report(core, rid, 2.0, [SeqProgress(w.seq_id, w.attempt, [9] * w.sampling.max_tokens, None, "length")
+                                for w in continuations], version=1, path="/ckpt/1")
+    done, _, finished = core.fetch(bid, 0, 2.0)
+    assert finished and len(done) == 4
+    for c in done:
+        assert list(c.token_ids) == [7, 7, 7, 8] + [9] * 6 and c.finish_reason == "length"
+        assert c.weight_versions == [(0, 0), (4, 1)] and c.weights_version == 1
+        assert c.to_json()["weight_versions"] == [[0, 0], [4, 1]]
+    (q,), _, _ = core.fetch(queued, 0, 2.0)
+    assert q.weight_versions == [(0, 1)] and len(q.token_ids) == 2  # queued work ran on the new weights only
+    assert core.counters.weights_recomputed == 4 and core.counters.migrations == 0
+
+
+def test_abort_hands_the_running_sequences_back_as_partial_rollouts():
+    core = core_with(("a", "b"))
+    bid, works = started(core)
+    core.update_weights("/ckpt/1", running="abort")
+    for rid in ("a", "b"):
+        orders = report(core, rid, 1.0)
+        report(core, rid, 1.1, [SeqProgress(w.seq_id, w.attempt, [], None, "abort") for w in works[rid]])
+    done, _, finished = core.fetch(bid, 0, 1.2)
+    assert finished and [list(c.token_ids) for c in done] == [[7, 7, 7]] * 4
+    assert all(c.finish_reason == "abort" and c.weight_versions == [(0, 0)] for c in done)
+    assert not core.seqs and not core.queue
+
+
+def test_finish_refuses_while_a_sequence_runs_and_keep_and_unknown_modes_are_named():
+    core = core_with(("a", "b"))
+    started(core)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        core.update_weights("/ckpt/1")
+    with pytest.raises(InputError, match="running='keep'"):
+        core.update_weights("/ckpt/1", running="keep")
+    with pytest.raises(InputError, match="running='later'"):
+        core.update_weights("/ckpt/1", running="later")
+    assert core.weights.version == 0
+
+
+def test_a_sequence_that_ends_before_the_give_up_lands_keeps_its_old_version():
+    core = core_with(("a", "b"))
+    bid, works = started(core)
+    core.update_weights("/ckpt/1", running="recompute")
+    for rid in ("a", "b"):
+        report(core, rid, 1.0)
+        # the engine finished them on its own before the abort reached it: natural finals stand
+        report(core, rid, 1.1, [SeqProgress(w.seq_id, w.attempt, [5] * 7, None, "length") for w in works[rid]])
+    done, _, finished = core.fetch(bid, 0, 1.2)
+    assert finished and all(len(c.token_ids) == 10 and c.weight_versions == [(0, 0)] for c in done)
+    assert core.counters.weights_recomputed == 0
