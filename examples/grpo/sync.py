@@ -1,11 +1,10 @@
 """Weight sync from the trainer to the engines, two ways, each timed.
 
+- push: `client.push_weights(named parameters)`: the tensors go through Ray's object store to
+  every replica, which loads them in place; no file in between.
 - checkpoint: save_pretrained into a fresh directory under one of the config's
-  security.checkpoint_roots, seal it with its manifest (engines/checkpoint.py's write_manifest,
-  where this version of rollout_cluster has it), then `client.update_weights(path)`: every replica
-  reloads from disk.
-- push: `client.push_weights(named parameters)`: the tensors go to the replicas directly, no
-  file in between (where this version of rollout_cluster has it).
+  security.checkpoint_roots, seal it with its manifest (write_manifest, written last), then
+  `client.update_weights(path)`: every replica reloads from disk.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-MODES = ("checkpoint", "push")
+MODES = ("push", "checkpoint")
 
 
 @dataclass
@@ -26,7 +25,7 @@ class SyncTiming:
 
 
 def write_manifest_if_known(directory: Path) -> bool:
-    """Seal the checkpoint where rollout_cluster has manifests; False where it has none yet."""
+    """Seal the checkpoint (its manifest, written last); False on a rollout_cluster without manifests."""
     try:
         from rollout_cluster.engines.checkpoint import write_manifest
     except ImportError:
@@ -42,8 +41,8 @@ class WeightSync:
         if mode not in MODES:
             raise ValueError(f"--sync={mode!r}: choose one of {', '.join(MODES)}")
         if mode == "push" and not hasattr(client, "push_weights"):
-            raise RuntimeError("--sync push: this rollout_cluster's RolloutClient has no push_weights "
-                               "(weights transfer not built yet); use --sync checkpoint")
+            raise RuntimeError("--sync push: this rollout_cluster's RolloutClient has no push_weights; "
+                               "use --sync checkpoint")
         self.client = client
         self.mode = mode
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -82,7 +81,7 @@ class WeightSync:
 def compare(client, model, checkpoint_dir: Path, repeats: int) -> dict:
     """Both ways on the same weights, alternating, `repeats` times each: {mode: [SyncTiming, ...]}.
     Push is left out (and said so) where the client has no push_weights."""
-    out = {"checkpoint": [], "push": [] if hasattr(client, "push_weights") else None}
+    out = {"push": [] if hasattr(client, "push_weights") else None, "checkpoint": []}
     syncs = {m: WeightSync(client, m, checkpoint_dir / "compare") for m in MODES if out[m] is not None}
     for _ in range(repeats):
         for mode, sync in syncs.items():

@@ -32,8 +32,9 @@ class Task:
 
     @property
     def max_response_tokens(self) -> int:
-        """The longest correct response (max_digits + EOS), plus slack for a wrong, longer one."""
-        return self.max_digits + 4
+        """Room for a wrong answer three times the longest: a policy that has not learnt to stop
+        rambles up to here (the long tail partial rollouts cut)."""
+        return 3 * self.max_digits
 
     def sample_digits(self, rng: random.Random, max_digits: int | None = None) -> list[int]:
         k = rng.randint(self.min_digits, max_digits or self.max_digits)

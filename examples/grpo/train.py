@@ -39,9 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder for metrics.jsonl, summary.json, grpo.png")
     p.add_argument("--app-name", default=None, help="attach to this running app instead of starting one")
     p.add_argument("--address", default=None, help="Ray address (with --app-name: default auto)")
-    p.add_argument("--sync", default="checkpoint", choices=MODES, help="how weights reach the engines")
+    p.add_argument("--sync", default="push", choices=MODES, help="how weights reach the engines")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="where checkpoints go; must lie under security.checkpoint_roots (default: <last root>/grpo)")
+                   help="where --sync checkpoint (and --compare-sync) write checkpoints; under "
+                        "security.checkpoint_roots (default: <last root>/grpo)")
     p.add_argument("--compare-sync", type=int, default=0, metavar="R",
                    help="at the end, time both syncs on the final weights, R times each")
     p.add_argument("--prompts", type=int, default=32, help="new prompts a step")

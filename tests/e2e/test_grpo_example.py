@@ -1,11 +1,11 @@
 """examples/grpo/train.py, three steps against the shared cluster: the mechanics of an RL loop.
 
 The example attaches to the running app (--app-name), trains a policy of the served model's
-architecture, and syncs it every step (checkpoint + update_weights). Checked: the weights version
-advances by one a sync and every step's rollouts ran on the version of the sync before; the
-engines then generate other tokens, and their logprobs are the trainer's on the same weights;
-every sample comes back once (in its step, or cut and finished in the next one). The shared
-cluster gets its original weights back at the end.
+architecture, and pushes it every step (push_weights; at the end once more, and once by checkpoint
++ update_weights). Checked: the weights version advances by one a sync and every step's rollouts
+ran on the version of the sync before; the engines then generate other tokens, and their logprobs
+are the trainer's on the same weights; every sample comes back once (in its step, or cut and
+finished in the next one). The shared cluster gets its original weights back at the end.
 """
 import json
 import subprocess
@@ -36,7 +36,7 @@ def test_grpo_example_three_steps(client, cluster_config, tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "grpo" / "train.py"), "--config", str(ROOT / "configs" / "local-cpu.yaml"),
            "--app-name", cluster_config.app_name, "--address", "auto", "--steps", str(STEPS), "--out", str(out),
            "--checkpoint-dir", str(tmp_path / "ckpt"), "--warm-steps", "30", "--prompts", str(PROMPTS), "--n", str(N),
-           "--finish-fraction", "0.8", "--finish-by", "sample", "--min-digits", "1", "--max-digits", "16"]
+           "--finish-fraction", "0.5", "--finish-by", "sample", "--sync", "push", "--compare-sync", "1"]
     run = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -49,7 +49,9 @@ def test_grpo_example_three_steps(client, cluster_config, tmp_path):
     assert [r["weights_version"] for r in rows] == [v0 + 1 + k for k in range(STEPS)]
     assert [r["next_version"] for r in rows] == [v0 + 2 + k for k in range(STEPS)]
     assert all(r["rollout_versions"] == [r["weights_version"]] for r in rows)
-    assert client.status()["weights"]["version"] == v0 + 1 + STEPS
+    # --compare-sync 1: the last weights once more by push, then by checkpoint + update_weights
+    assert [t["repeats"] for t in summary["sync_compare"].values()] == [1, 1]
+    assert client.status()["weights"]["version"] == v0 + 1 + STEPS + 2
     # the engines hold the trainer's weights: their sampling logprobs are the trainer's, every step
     assert all(r["samples"] > 0 and r["logprob_mismatch"] < 1e-3 for r in rows), [r["logprob_mismatch"] for r in rows]
     # generated tokens changed with the first push, and the cluster runs on the example's last weights
@@ -61,6 +63,7 @@ def test_grpo_example_three_steps(client, cluster_config, tmp_path):
     # finished samples plus those still carried make every prompt's n samples
     assert all(r["batch"]["returned"] == r["batch"]["sequences"] for r in rows)
     assert [r["batch"]["resumed"] for r in rows[1:]] == [r["batch"]["cut"] for r in rows[:-1]]
+    assert sum(r["batch"]["cut"] for r in rows) > 0  # cut at half the batch: partial rollouts ran
     assert rows[0]["batch"]["resumed"] == 0
     assert sum(r["batch"]["finished"] for r in rows) + summary["partials"]["carried_at_end"] == STEPS * PROMPTS * N
     assert sum(r["samples"] for r in rows) == N * sum(r["groups"] for r in rows)
