@@ -4,6 +4,16 @@ from __future__ import annotations
 from pathlib import Path
 
 PARTS = ("rollout", "reward", "train", "sync")
+SMOOTH = 20  # steps in the reward curves' running mean
+
+
+def smooth(values: list) -> list:
+    """Running mean of the last SMOOTH values (None for a step that trained no group)."""
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - SMOOTH + 1):i + 1] if v is not None]
+        out.append(sum(window) / len(window) if window else None)
+    return out
 
 
 def plot_run(metrics: list, path: Path, title: str) -> str:
@@ -19,12 +29,14 @@ def plot_run(metrics: list, path: Path, title: str) -> str:
 
     steps = [m["step"] for m in metrics]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    top.plot(steps, [m["reward"] for m in metrics], label="mean reward (per-digit credit)")
-    top.plot(steps, [m["exact"] for m in metrics], label="exact reversals", alpha=0.7)
+    for key, label, color in (("reward", "mean reward (per-digit credit)", "C0"), ("exact", "exact reversals", "C1")):
+        values = [m[key] for m in metrics]
+        top.plot(steps, values, color=color, alpha=0.35, linewidth=0.8)
+        top.plot(steps, smooth(values), color=color, label=f"{label}, {SMOOTH}-step mean")
     top.set_ylabel("reward")
     top.set_ylim(0, 1)
     top.grid(alpha=0.3)
-    top.legend(loc="lower right")
+    top.legend(loc="upper left")
     base = [0.0] * len(metrics)
     for part in PARTS:
         values = [m["time_s"][part] for m in metrics]

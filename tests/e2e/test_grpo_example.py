@@ -36,7 +36,7 @@ def test_grpo_example_three_steps(client, cluster_config, tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "grpo" / "train.py"), "--config", str(ROOT / "configs" / "local-cpu.yaml"),
            "--app-name", cluster_config.app_name, "--address", "auto", "--steps", str(STEPS), "--out", str(out),
            "--checkpoint-dir", str(tmp_path / "ckpt"), "--warm-steps", "30", "--prompts", str(PROMPTS), "--n", str(N),
-           "--finish-fraction", "0.5", "--finish-by", "sample", "--sync", "push", "--compare-sync", "1"]
+           "--finish-fraction", "0.5", "--finish-by", "sample", "--min-digits", "1", "--max-digits", "16", "--sync", "push", "--compare-sync", "1"]
     run = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
