@@ -55,6 +55,10 @@ class GroupBuffer:
         self.carry: list[tuple[Partial, int, int]] = []  # (partial, group, slot) for the next batch
         self.next_group = 0
         self.filled: set[tuple[int, int]] = set()  # every (group, slot) ever filled
+        # the batch in flight (batch() sets them, take() reads them):
+        self._origin: list[tuple[int, int]] = []  # (group, slot) of each carried Partial, in batch order
+        self._first_new = 0  # index of the first new prompt in the batch
+        self._new_groups: list[int] = []  # the group of each new prompt
 
     def batch(self, new_prompts: list, step: int) -> list:
         """The prompts for this step's generate: the carried Partials, then `new_prompts`."""
@@ -80,6 +84,11 @@ class GroupBuffer:
         bad = [c for c in results if c.finish_reason == "error"]
         if bad:
             raise RuntimeError(f"{len(bad)} samples failed, first: {bad[0].error}")
+        short = [c for c in results if len(c.logprobs or []) != len(c.token_ids)]
+        if short:  # the loss needs the behaviour logprob of every token
+            c = short[0]
+            raise RuntimeError(f"prompt {c.prompt_index} sample {c.sample_index}: {len(c.token_ids)} tokens but "
+                               f"{len(c.logprobs or [])} logprobs (sampling.logprobs must be 0)")
         cut = [c for c in results if c.finish_reason == "abort"]
         for partial, c in zip(partials(items, results), cut):  # partials() keeps the cut ones' order
             self.carry.append((partial, *self._slot(c)))

@@ -7,12 +7,15 @@ PARTS = ("rollout", "reward", "train", "sync")
 SMOOTH = 20  # steps in the reward curves' running mean
 
 
-def smooth(values: list) -> list:
-    """Running mean of the last SMOOTH values (None for a step that trained no group)."""
+def smooth(values: list, weights: list) -> list:
+    """Running mean of the last SMOOTH steps, each weighted by the samples it trained (a step that
+    trained one group says less than one that trained 32; one that trained none, nothing)."""
     out = []
     for i in range(len(values)):
-        window = [v for v in values[max(0, i - SMOOTH + 1):i + 1] if v is not None]
-        out.append(sum(window) / len(window) if window else None)
+        pairs = [(v, w) for v, w in zip(values[max(0, i - SMOOTH + 1):i + 1], weights[max(0, i - SMOOTH + 1):i + 1])
+                 if v is not None and w]
+        total = sum(w for _, w in pairs)
+        out.append(sum(v * w for v, w in pairs) / total if total else None)
     return out
 
 
@@ -32,7 +35,8 @@ def plot_run(metrics: list, path: Path, title: str) -> str:
     for key, label, color in (("reward", "mean reward (per-digit credit)", "C0"), ("exact", "exact reversals", "C1")):
         values = [m[key] for m in metrics]
         top.plot(steps, values, color=color, alpha=0.35, linewidth=0.8)
-        top.plot(steps, smooth(values), color=color, label=f"{label}, {SMOOTH}-step mean")
+        top.plot(steps, smooth(values, [m["samples"] for m in metrics]), color=color,
+                 label=f"{label}, {SMOOTH}-step mean")
     top.set_ylabel("reward")
     top.set_ylim(0, 1)
     top.grid(alpha=0.3)

@@ -166,8 +166,8 @@ def run(client, args, cfg) -> dict:
     summary = summarize(args, metrics, warm_losses, warm_s, first, compared, time.perf_counter() - t_start)
     summary["partials"]["carried_at_end"] = buffer.pending()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(plot_run(metrics, out / "grpo.png", f"GRPO, reverse digits: {len(metrics)} steps, "
-                   f"{args.prompts} prompts x {args.n} samples, weight sync by {args.sync}"))
+    print(plot_run(metrics, out / "grpo.png", f"GRPO, reverse digits: {len(metrics)} steps, {args.prompts} prompts x "
+                   f"{args.n} samples, cut at {args.finish_fraction} by {args.finish_by}, sync by {args.sync}"))
     return summary
 
 
