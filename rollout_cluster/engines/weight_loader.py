@@ -156,7 +156,9 @@ class TensorLoader:
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
-        self.model_runner.reset_mm_cache() if hasattr(self.model_runner, "reset_mm_cache") else None
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
         return sorted(getattr(self, "_rc_expected", set()) - getattr(self, "_rc_loaded", set()))
 
 
