@@ -102,3 +102,21 @@ def test_the_simulated_engine_takes_the_order_and_counts_the_tensors():
         return n, m, eng.tensors_loaded
 
     assert asyncio.run(go()) == (3, 1, 1)
+
+
+def test_a_bucket_packed_by_the_trainer_unpacks_from_read_only_bytes_without_a_copy():
+    """The relay's form: the trainer packs (bfloat16 survives as bytes), the replica gets a
+    read-only uint8 array (Ray's object store) and hands the views to load_tensors."""
+    import warnings
+
+    bucket = [("a", torch.randn(4, 4).to(torch.bfloat16)), ("b", torch.randn(3))]
+    header, buf = pack_bucket(bucket)
+    frozen = buf.numpy().copy()
+    frozen.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = unpack_bucket(header, frozen)
+        assert unpack_bucket(header, frozen.tobytes())[1][1].tolist() == bucket[1][1].tolist()
+    assert got[0][1].data_ptr() == frozen.ctypes.data  # a view, not a copy
+    assert all(torch.equal(t, want) for (_, t), (_, want) in zip(got, bucket))
+    assert unpack_bucket({"names": [], "dtypes": [], "shapes": [], "offsets": [], "nbytes": 0}, b"") == []

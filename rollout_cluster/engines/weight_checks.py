@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 
 def checkpoint_spec(path: str) -> dict | None:
@@ -77,6 +78,8 @@ def as_tensor(name: str, t):
     if isinstance(t, torch.Tensor):
         return t
     try:
-        return torch.as_tensor(t)  # a numpy array (Ray's object store hands those out zero-copy)
+        with warnings.catch_warnings():  # a read-only array (Ray's object store hands those out zero-copy)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.as_tensor(t)
     except Exception as e:
         raise TypeError(f"tensor {name!r}: {type(t).__name__} is not a tensor or an array") from e

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
+import warnings
 
 from .weight_checks import BucketCheck, as_tensor
 
@@ -85,9 +86,17 @@ def write_bucket(bucket: list, directory: str = SHM_DIR) -> tuple[dict, str]:
 
 
 def unpack_bucket(header: dict, buf) -> list:
-    """The (name, tensor) pairs of a packed bucket; the tensors are views of `buf`."""
+    """The (name, tensor) pairs of a packed bucket; the tensors are views of `buf` (a uint8
+    tensor, or anything with the buffer protocol: bytes, a numpy array from Ray's object store)."""
     import torch
 
+    if not isinstance(buf, torch.Tensor):
+        if not memoryview(buf).nbytes:
+            buf = torch.empty(0, dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # read-only memory: the tensors are only read
+                warnings.simplefilter("ignore", UserWarning)
+                buf = torch.frombuffer(buf, dtype=torch.uint8)
     out = []
     for name, dtype, shape, off in zip(header["names"], header["dtypes"], header["shapes"], header["offsets"]):
         dt = getattr(torch, dtype)
@@ -133,11 +142,7 @@ class TensorLoader:
         import torch
         from vllm.config import set_current_vllm_config
 
-        if path is not None:
-            buf = map_shm(path, header["nbytes"])
-        else:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        weights = unpack_bucket(header, buf)
+        weights = unpack_bucket(header, map_shm(path, header["nbytes"]) if path is not None else data)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             loaded = self._rc_model().load_weights(weights)
         self._rc_loaded |= set(loaded or ())
@@ -151,7 +156,9 @@ class TensorLoader:
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
-        self.model_runner.reset_mm_cache() if hasattr(self.model_runner, "reset_mm_cache") else None
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
         return sorted(getattr(self, "_rc_expected", set()) - getattr(self, "_rc_loaded", set()))
 
 
