@@ -23,6 +23,8 @@ import os
 import shutil
 import statistics
 import tempfile
+
+from rollout_cluster.engines.checkpoint import write_manifest
 import time
 from pathlib import Path
 
@@ -94,6 +96,7 @@ async def run(a) -> dict:
             d = tempfile.mkdtemp(prefix="ckpt-", dir=ckpt_parent)
             t0 = time.monotonic()
             trainer.save_pretrained(d, safe_serialization=True)
+            write_manifest(d)  # (docs/checkpoints.md: a trainer seals what it wrote)
             t1 = time.monotonic()
             await eng.load_weights(d)
             t2 = time.monotonic()
