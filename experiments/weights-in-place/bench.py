@@ -23,10 +23,9 @@ import os
 import shutil
 import statistics
 import tempfile
-
-from rollout_cluster.engines.checkpoint import write_manifest
 import time
 from pathlib import Path
+from rollout_cluster.engines.checkpoint import write_manifest
 
 
 def buckets_of(items: list, bucket_mb: float) -> list:
