@@ -226,8 +226,7 @@ class Gateway:
         self.replicas = replicas
         self.cfg = cfg
         # The HTTP path's processes run at the router's niceness: at Ray's 15 they answer late
-        # whenever the engines keep every core busy (a batch through HTTP took 13-16 % longer than
-        # through the driver on the 2-core CPU cluster).
+        # whenever the engines keep every core busy.
         for warning in (set_niceness(cfg.router.niceness, "router.niceness", all_threads=True),
                         renice_serve_proxies(cfg.router.niceness)):
             if warning:
