@@ -13,14 +13,13 @@ each, and every engine drops its prefix cache before each run.
 """
 from __future__ import annotations
 
-import json
 import random
 import time
-from pathlib import Path
 
 from ..config import load_config
 from ..protocol import SamplingSpec
 from .protocols import random_prompts
+from .report import save_result
 from .repeats import median
 
 MODES = ("affinity", "none")
@@ -99,9 +98,5 @@ def multiturn(args) -> dict:
     for mode in MODES:
         s = summary[mode]
         lines.append(f"| {mode} | {s['hit_rate']:.3f} | {s['best']:.3f} | {s['median_turn_s']:.2f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "multiturn.json").write_text(json.dumps(result, indent=1))
-    (out / "multiturn.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_result(args.out, "multiturn", result, lines)
     return result

@@ -15,10 +15,10 @@ import os
 import random
 import time
 import urllib.request
-from pathlib import Path
 
 from ..config import load_config
 from ..protocol import SamplingSpec
+from .report import save_result
 from .repeats import median
 
 PATHS = ("driver", "trl_generate", "openai_completions")
@@ -99,9 +99,5 @@ def protocol_overhead(args) -> dict:
     for p in PATHS:
         over = "-" if p == "driver" else f"{result['overhead_pct'][p]:+.2f} %"
         lines.append(f"| {p} | {result['median_s'][p]:.2f} | {over} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "protocols.json").write_text(json.dumps(result, indent=1))
-    (out / "protocols.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_result(args.out, "protocols", result, lines)
     return result

@@ -119,3 +119,12 @@ def write_reports(result: dict, traces: dict, out: Path) -> str:
     (out / "bench.md").write_text(markdown(result))
     plot(traces or {}, result, out / "bench.png")
     return results_table(result["results"])
+
+
+def save_result(out, name: str, result: dict, lines: list) -> None:
+    """`out`/`name`.json (the raw result) and `name`.md (its table, `lines`), and print the table."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

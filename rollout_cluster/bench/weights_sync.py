@@ -13,12 +13,12 @@ way and the median of the paired ratios checkpoint / push.
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from ..config import load_config
+from .report import save_result
 from .repeats import median
 
 
@@ -77,9 +77,5 @@ def weights_sync(args) -> dict:
              f"| save_pretrained + manifest + update_weights | {result['checkpoint_median_s']:.2f} |",
              f"| push_weights | {result['push_median_s']:.2f} |", "",
              f"Median paired speedup of push: {result['speedup_median']:.2f}x"]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "weights_sync.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "weights_sync.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_result(args.out, "weights_sync", result, lines)
     return result
