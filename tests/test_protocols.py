@@ -282,13 +282,87 @@ def test_server_info_answers_what_trl_reads(http):
     assert info["model_config"]["logprobs_mode"] == "raw_logprobs" and info["model_config"]["max_model_len"] == 4096
     assert info["weight_transfer_config"] is None
     assert http.get("/server_info").status_code == 401
+    # without security.http_weight_updates the Gateway has no relay, and no weight route
+    assert http.post("/init_communicator/", headers=AUTH, json={}).status_code == 404
+    assert http.post("/update_weights", headers=AUTH, json={}).status_code == 404
 
 
 def test_trl_health_world_size_and_prefix_cache(http, router):
     assert http.get("/health/").json() == {"status": "ok"}
-    assert http.get("/get_world_size/", headers=AUTH).json() == {"world_size": 2}
-    assert http.get("/get_world_size", headers=AUTH).json() == {"world_size": 2}
+    # the weight relay is the one rank a trainer's group needs, whatever the fleet's size (2 here)
+    assert http.get("/get_world_size/", headers=AUTH).json() == {"world_size": 1}
+    assert http.get("/get_world_size", headers=AUTH).json() == {"world_size": 1}
     assert http.post("/reset_prefix_cache", headers=AUTH).json() == {"success": True}
     assert "True" in http.post("/reset_prefix_cache/", headers=AUTH).json()["message"]
     assert router.resets == 2
     assert http.post("/reset_prefix_cache").status_code == 401
+
+
+class Commits:
+    def __init__(self):
+        self.named = []
+
+    def __call__(self, named: list) -> int:
+        self.named.append(dict(named))
+        return len(self.named)
+
+
+@pytest.fixture
+def relay_http(router, codec):
+    from rollout_cluster.serve.protocols.trl_weights import RelayRunner
+    from rollout_cluster.transfer.relay import WeightRelay
+
+    commits = Commits()
+    runner = RelayRunner(WeightRelay({"w.weight": (2, 3), "b.bias": (4,)}, commits, "cpu", timeout_s=20))
+    ctx = ProtocolContext(router, codec, LimitsConfig(), 5.0, model_name="models/tiny", model_root="/m/tiny",
+                          world_size=1)
+    return TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(), ctx, runner)), commits
+
+
+def test_trl_legacy_weight_routes_relay_an_update_before_the_prefix_cache_reset(relay_http, router):
+    import socket
+
+    import torch
+
+    from rollout_cluster.transfer.channels import CpuSender
+
+    http, commits = relay_http
+    info = http.get("/server_info", headers=AUTH).json()["vllm_config"]
+    assert info["weight_transfer_config"] == {"backend": "cpu"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = http.post("/init_communicator/", headers=AUTH,
+                  json={"host": "0.0.0.0", "port": port, "world_size": 2, "client_device_uuid": "cpu"})
+    assert r.status_code == 200, r.text
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=False, timeout_s=20)
+    new = {"w.weight": torch.randn(2, 3), "b.bias": torch.randn(4)}
+    for name, t in new.items():  # as TRL's update_named_param: the POST's answer, then the broadcast
+        r = http.post("/update_named_param/", headers=AUTH,
+                      json={"name": name, "dtype": str(t.dtype), "shape": list(t.shape)})
+        assert r.status_code == 200, r.text
+        sender.send(t)
+    assert "True" in http.post("/reset_prefix_cache/", headers=AUTH).json()["message"]
+    assert len(commits.named) == 1 and all(torch.equal(commits.named[0][k], v) for k, v in new.items())
+    assert router.resets == 1
+    assert http.post("/close_communicator/", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/init_communicator/", {"host": "0.0.0.0", "port": 5000, "world_size": 3}, "world_size"),
+    ("/init_communicator/", {"host": "0.0.0.0", "world_size": 2}, "port"),
+    ("/update_named_param/", {"name": "nope", "dtype": "torch.float32", "shape": [2, 3]}, "name"),
+    ("/update_named_param/", {"name": "w.weight", "dtype": "torch.int64", "shape": [2, 3]}, "dtype"),
+    ("/update_named_param/", {"name": "w.weight", "dtype": "torch.float32", "shape": [3, 2]}, "name"),
+    ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 5000,
+                                                    "rank_offset": 1, "world_size": 3}}, "init_info.world_size"),
+    ("/start_weight_update", {}, "communicator"),
+    ("/update_weights", {"update_info": {"names": ["w.weight"]}}, "communicator"),
+])
+def test_weight_routes_refuse_a_bad_field_with_422_naming_it(relay_http, route, body, field):
+    http, commits = relay_http
+    r = http.post(route, headers=AUTH, json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", field]
+    assert commits.named == []
+    assert http.post(route, json=body).status_code == 401  # the token, as every route

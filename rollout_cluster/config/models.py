@@ -195,6 +195,9 @@ class SecurityConfig(Section):
         "a signed order issued further than this from the router's clock is refused; nonces are kept this long"))
     checkpoint_roots: list[str] = Field(default_factory=list, description=(
         "update_weights paths must resolve (realpath) under one of these folders; empty: every update is refused"))
+    http_weight_updates: bool = Field(False, description=(
+        "true: the Gateway serves TRL's and vLLM's weight routes (/init_communicator/, /update_weights, ...): "
+        "whoever holds the bearer token may replace the served weights (docs/trainers.md)"))
     require_manifest: bool = Field(True, description=(
         "a checkpoint loads only with its rollout-manifest.json, every file present at its recorded size"))
 

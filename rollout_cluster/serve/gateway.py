@@ -51,6 +51,7 @@ from .http_body import read_bounded
 from .protocols.batch import ProtocolContext
 from .protocols.openai import openai_routes
 from .protocols.trl import trl_routes
+from .protocols.trl_weights import relay_runner, trl_weight_routes
 
 # What a query parameter that does not parse must be (400, naming it and the value)
 MUST_BE = {"timeout_s": "not a number", "weights_version": "must be an integer >= 0",
@@ -74,12 +75,12 @@ def _digest(text: str) -> bytes:
 
 def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s: float = 120.0,
                 token: Optional[str] = None, limits: Optional[LimitsConfig] = None,
-                protocols: Optional[ProtocolContext] = None) -> FastAPI:
+                protocols: Optional[ProtocolContext] = None, relay=None) -> FastAPI:
     """The routes over `router` (the Router's Serve handle, or anything with its methods).
     `sampling_defaults`: the config's `sampling`, what a line leaves out. `token`: what every
     route but /healthz asks for (None: no token; the Gateway deployment refuses that unless the
     config allows it). `limits`: the config's. `protocols`: with it, the OpenAI-compatible and
-    TRL routes too (protocols/)."""
+    TRL routes too (protocols/); `relay` (trl_weights.RelayRunner): with it, the weight routes."""
     defaults = sampling_defaults or {}
     limits = limits or LimitsConfig()
     want = _digest(token) if token is not None else None
@@ -105,7 +106,9 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
 
     if protocols is not None:
         app.include_router(openai_routes(protocols))
-        app.include_router(trl_routes(protocols))
+        app.include_router(trl_routes(protocols, relay))
+        if relay is not None:
+            app.include_router(trl_weight_routes(protocols, relay))
 
     @app.get("/", summary="the router's status")
     async def status():
@@ -237,5 +240,7 @@ class Gateway:
         protocols = ProtocolContext(self.router, TextCodec.load(cfg.model_path()), cfg.limits, cfg.router.call_timeout_s,
                                     model_name=cfg.engine.model, model_root=cfg.model_path(),
                                     world_size=cfg.engine.tensor_parallel_size, logprobs_mode=cfg.engine.logprobs_mode)
+        relay = (relay_runner(self.router, cfg.model_path(), cfg.router.call_timeout_s)
+                 if cfg.security.http_weight_updates else None)
         return gateway_app(self.router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits,
-                           protocols)
+                           protocols, relay)

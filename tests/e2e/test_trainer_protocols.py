@@ -77,7 +77,7 @@ def test_trl_client_generates_from_token_ids_on_both_replicas(client, trl_client
     assert result["prompt_ids"] == prompts
     done = worked(before, finished_by_replica())
     assert len(done) == 2 and sum(done.values()) == 32  # one batch of 32, balanced over both replicas
-    assert trl_client.get_world_size() == 2
+    assert trl_client.get_world_size() == 1  # the weight relay's one rank, whatever the fleet's size
     # GRPOTrainer reads it for its importance-sampling correction
     assert trl_client.get_server_info()["model_config"]["logprobs_mode"] == client.config.engine.logprobs_mode
 
@@ -151,7 +151,7 @@ def test_trl_legacy_routes_as_http_bodies(client):
         urllib.request.urlopen(bad, timeout=60)
     assert e.value.code == 422 and "top_p" in e.value.read().decode()
     assert json.loads(urllib.request.urlopen(http_request(cfg, "/get_world_size/"), timeout=60).read()) == {
-        "world_size": 2}
+        "world_size": 1}
 
 
 def test_session_turns_go_home_by_header(client, base_url):

@@ -7,8 +7,10 @@ vllm_mode="server") talks to the whole fleet as to one vLLM server.
   a bad field is FastAPI's 422 naming it, as TRL's own server answers.
 - TRL from 1.11 talks to vLLM's OpenAI server (openai.py) plus GET /health, GET /get_world_size
   and POST /reset_prefix_cache, served here.
-The weight routes (/init_communicator/, /update_named_param/, /close_communicator/ and
-1.11's weight-transfer routes) are not served yet: update weights with RolloutClient.update_weights.
+The weight routes (TRL <= 1.10's /init_communicator/, /update_named_param/, /close_communicator/
+and vLLM's weight-transfer routes that TRL >= 1.11 calls) are in trl_weights.py, over the weight
+relay: the trainer's group has two ranks, its own and the relay's, so the world size answered
+here is 1 whatever the fleet's size.
 
 TRL's client retries a POST answered 500, 502 or 503; a full router answers 503 with Retry-After
 (nothing of the request was registered, so the retry is safe), and a bad request never answers 500.
@@ -110,12 +112,14 @@ async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, includ
             "logprob_token_ids": [[[t] for t in o.token_ids] for o in outputs] if with_logprobs else None}
 
 
-async def _world_size(ctx: ProtocolContext) -> int:
-    st = await ctx.router.status.remote()
-    return max(1, int(st.get("expected_replicas") or len(st.get("replicas") or {}) or 1)) * ctx.world_size
+# The ranks a trainer's weight group needs besides its own: the relay's one (trl_weights.py). TRL
+# makes a group of this + 1 and takes the last rank (<= 1.10) or rank 0 (>= 1.11) for itself.
+RELAY_WORLD_SIZE = 1
 
 
-def trl_routes(ctx: ProtocolContext) -> APIRouter:
+def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
+    """`relay`: trl_weights.RelayRunner, whose update /reset_prefix_cache/ waits for, and whose
+    backend /server_info names (None: no weight routes, and /server_info says so)."""
     api = APIRouter()
 
     @api.get("/health/", summary="TRL <= 1.10: liveness (no token needed)")
@@ -126,13 +130,13 @@ def trl_routes(ctx: ProtocolContext) -> APIRouter:
     async def health():
         return Response(status_code=200)
 
-    @api.get("/get_world_size/", summary="TRL <= 1.10: GPUs of the engine fleet")
+    @api.get("/get_world_size/", summary="TRL <= 1.10: the ranks that join a trainer's weight group (the relay)")
     async def world_size_legacy():
-        return {"world_size": await _world_size(ctx)}
+        return {"world_size": RELAY_WORLD_SIZE}
 
-    @api.get("/get_world_size", summary="TRL >= 1.11: GPUs of the engine fleet")
+    @api.get("/get_world_size", summary="TRL >= 1.11: the ranks that join a trainer's weight group (the relay)")
     async def world_size():
-        return {"world_size": await _world_size(ctx)}
+        return {"world_size": RELAY_WORLD_SIZE}
 
     @api.get("/server_info", summary="vLLM's dev route, as TRL >= 1.11 reads it: the parts of the config it asks")
     async def server_info():
@@ -142,8 +146,8 @@ def trl_routes(ctx: ProtocolContext) -> APIRouter:
             "max_model_len": model.max_model_len if model else None,
             "max_logprobs": model.max_logprobs if model else None},
             "parallel_config": {"tensor_parallel_size": ctx.world_size},
-            # no NCCL weight-transfer engine (yet): TRL's init_communicator says so by name
-            "weight_transfer_config": None}}
+            # the relay's data plane (channels.py); TRL's init_communicator needs it set
+            "weight_transfer_config": {"backend": relay.relay.backend} if relay is not None else None}}
 
     @api.post("/generate/", summary="TRL <= 1.10: prompts (strings or token ids) x n samples")
     async def generate(request: Request):
@@ -173,14 +177,23 @@ def trl_routes(ctx: ProtocolContext) -> APIRouter:
             return refusal(e)
 
     async def reset() -> bool:
+        if relay is not None:  # TRL <= 1.10 calls it after an update: the fleet holds the update first
+            await relay.call("settle")
         return bool(await ctx.router.reset_prefix_cache.remote())
+
+    async def answer(body) -> JSONResponse:
+        try:
+            done = await reset()
+        except Exception as e:  # the relay's update failed: 409, which TRL's client does not retry
+            return JSONResponse({"detail": f"weight update failed: {e}"}, status_code=409)
+        return JSONResponse(body(done))
 
     @api.post("/reset_prefix_cache/", summary="TRL <= 1.10: every engine drops its prefix cache")
     async def reset_legacy():
-        return {"message": f"Request received, resetting prefix cache status: {await reset()}"}
+        return await answer(lambda done: {"message": f"Request received, resetting prefix cache status: {done}"})
 
     @api.post("/reset_prefix_cache", summary="TRL >= 1.11 / vLLM: every engine drops its prefix cache")
     async def reset_new():
-        return {"success": await reset()}
+        return await answer(lambda done: {"success": done})
 
     return api

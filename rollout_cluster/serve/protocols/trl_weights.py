@@ -1,0 +1,209 @@
+"""The weight routes of TRL and of vLLM's weight-transfer API, over the weight relay
+(transfer/relay.py): a trainer's unchanged client joins a group of two ranks with the relay, and
+the relay hands each update to the whole fleet as push_weights does.
+
+- TRL <= 1.10 (`trl vllm-serve`): POST /init_communicator/ {host, port, world_size},
+  POST /update_named_param/ {name, dtype, shape} (answered at once; the tensor follows over the
+  group), POST /close_communicator/. The update reaches the fleet once every tensor of the
+  served checkpoint arrived, or at the next /reset_prefix_cache/ (TRL calls it after an update),
+  which answers once every replica holds it.
+- vLLM's weight-transfer API (what TRL >= 1.11 calls): POST /init_weight_transfer_engine
+  {init_info}, /start_weight_update, /update_weights {update_info: {names, dtype_names, shapes,
+  packed}}, /finish_weight_update (answers once every replica holds the new weights, with their
+  version), /shutdown_weight_transfer_engine; GET /weight_info.
+A refused field answers 422 naming it (FastAPI's form, as both servers answer); a fleet that
+cannot load the update answers 409 with each replica's error (TRL retries a 500, and its retry
+would find nothing left to commit).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from ...transfer.relay import RelayError, WeightRelay, torch_dtype
+from .batch import ProtocolContext, ProtocolError, read_json
+
+log = logging.getLogger("ray.serve")
+
+
+class RelayRunner:
+    """The relay's blocking steps on one thread of their own, in the order the requests came."""
+
+    def __init__(self, relay: WeightRelay):
+        self.relay = relay
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-relay")
+
+    async def call(self, method: str, *args):
+        return await asyncio.wrap_future(self.pool.submit(getattr(self.relay, method), *args))
+
+    def background(self, method: str, *args) -> None:
+        """A step the client does not wait for (TRL <= 1.10's); its failure is raised by the next call."""
+        def done(f):
+            if f.exception() is not None:
+                self.relay.error = f"{method}: {f.exception()}"
+                log.warning("weight relay: %s failed: %s", method, f.exception())
+
+        self.pool.submit(getattr(self.relay, method), *args).add_done_callback(done)
+
+
+class FleetClient:
+    """What client/fleet_ops.push_weights asks of a client, over the Gateway's signed router
+    handle. Called on the relay's thread, never on the event loop."""
+
+    config = None  # the fleet's size comes from the router's status
+
+    def __init__(self, router, call_timeout_s: float):
+        self.router, self.call_timeout_s = router, call_timeout_s
+
+    def status(self) -> dict:
+        return self.router.status.remote().result(timeout_s=self.call_timeout_s)
+
+
+def fleet_commit(router, call_timeout_s: float, timeout_s: float = 600.0):
+    """The relay's commit: push_weights of what it received to every replica (running sequences
+    end first, as TRL's server updates between generate calls); returns the version."""
+    from ...client import fleet_ops
+    from ...transfer.buckets import DEFAULT_BUCKET_BYTES
+
+    client = FleetClient(router, call_timeout_s)
+
+    def commit(named_tensors: list) -> int:
+        return fleet_ops.push_weights(client, named_tensors, None, DEFAULT_BUCKET_BYTES, timeout_s, "finish")
+
+    return commit
+
+
+def relay_runner(router, model_root: str, call_timeout_s: float) -> RelayRunner:
+    from ...engines.weight_checks import checkpoint_spec
+    from ...transfer.channels import relay_backend
+
+    return RelayRunner(WeightRelay(checkpoint_spec(model_root), fleet_commit(router, call_timeout_s), relay_backend()))
+
+
+class InitCommunicator(BaseModel):
+    model_config = ConfigDict(extra="allow")  # TRL adds client_device_uuid, which the relay does not need
+    host: str
+    port: int
+    world_size: int
+
+
+class NamedParam(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+def unprocessable(field: str, message: str) -> JSONResponse:
+    return JSONResponse({"detail": [{"type": "value_error", "loc": ["body", field], "msg": message}]},
+                        status_code=422)
+
+
+def _refuse(e: Exception) -> JSONResponse:
+    if isinstance(e, RelayError):
+        return unprocessable(e.field, str(e))
+    if isinstance(e, ProtocolError):
+        return unprocessable(e.param or "body", e.message)
+    # 409, not 500: TRL's client retries a 500, and a retried finish would find nothing staged and succeed
+    return JSONResponse({"detail": f"weight update failed: {e}"}, status_code=409)
+
+
+async def _body(ctx: ProtocolContext, request: Request, model: Optional[type] = None):
+    body = await read_json(request, ctx.limits)
+    if model is None:
+        return body
+    try:
+        return model.model_validate(body)
+    except Exception as e:
+        first = e.errors()[0] if hasattr(e, "errors") else {"loc": ["body"], "msg": str(e)}
+        raise ProtocolError(400, first["msg"], ".".join(str(p) for p in first["loc"])) from None
+
+
+def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
+    api = APIRouter()
+    relay = runner.relay
+
+    @api.post("/init_communicator/", summary="TRL <= 1.10: join the trainer's group (the relay is rank 0)")
+    async def init_communicator(request: Request):
+        try:
+            req = await _body(ctx, request, InitCommunicator)
+            if req.world_size != 2:
+                raise RelayError("world_size", f"{req.world_size!r}: must be 2 (/get_world_size/ answers 1)")
+            runner.background("open_trl", req.host, req.port, req.world_size)  # the trainer joins after the answer
+            return {"message": "Request received, initializing communicator"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/update_named_param/", summary="TRL <= 1.10: one tensor, which follows over the group")
+    async def update_named_param(request: Request):
+        try:
+            req = await _body(ctx, request, NamedParam)
+            relay.check_tensor(req.name, req.shape, "name")
+            torch_dtype("dtype", req.dtype)
+            runner.background("receive_param", req.name, req.dtype, req.shape)
+            return {"message": "Request received, updating named parameter"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/close_communicator/", summary="TRL <= 1.10: what arrived goes to the fleet; leave the group")
+    async def close_communicator():
+        try:
+            await runner.call("close")
+            return {"message": "Request received, closing communicator"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/init_weight_transfer_engine", summary="vLLM / TRL >= 1.11: join the trainer's group (rank 1)")
+    async def init_weight_transfer_engine(request: Request):
+        try:
+            body = await _body(ctx, request)
+            await runner.call("open_vllm", body.get("init_info") if isinstance(body, dict) else body)
+            return {"message": "Weight transfer initialized"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/start_weight_update", summary="vLLM / TRL >= 1.11: an update begins")
+    async def start_weight_update():
+        try:
+            await runner.call("start")
+            return {"message": "Weight update started"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/update_weights", summary="vLLM / TRL >= 1.11: the announced tensors, broadcast in packed chunks")
+    async def update_weights(request: Request):
+        try:
+            body = await _body(ctx, request)
+            await runner.call("receive_packed", body.get("update_info") if isinstance(body, dict) else body)
+            return {"message": "Weights updated"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/finish_weight_update", summary="vLLM / TRL >= 1.11: every replica loads the update")
+    async def finish_weight_update():
+        try:
+            version = await runner.call("finish")
+            return {"message": "Weight update finished", "version": version}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.post("/shutdown_weight_transfer_engine", summary="vLLM: leave the trainer's group")
+    async def shutdown_weight_transfer_engine():
+        try:
+            await runner.call("close")
+            return {"message": "Weight transfer shut down"}
+        except Exception as e:
+            return _refuse(e)
+
+    @api.get("/weight_info", summary="vLLM: the weights version the fleet serves")
+    async def weight_info():
+        st = await ctx.router.status.remote()
+        return {"weight_version": str(st["weights"]["version"]), "relay": relay.describe()}
+
+    return api

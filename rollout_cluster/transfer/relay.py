@@ -1,0 +1,201 @@
+"""The weight relay: a trainer's communicator of fixed size on one side, the elastic fleet on the
+other (docs/architecture.md, "Weights without a filesystem").
+
+TRL's client (and vLLM's weight-transfer API) broadcast a model's tensors to the ranks of one
+group whose size the trainer fixes when it joins. The fleet's size is not fixed: replicas join,
+leave and die during a run. So the trainer's group has exactly two ranks, the trainer's and the
+relay's (the Gateway reports a world size of 1), and the relay hands what it received to the
+fleet as push_weights does (`commit`: buckets in Ray's object store, every replica, and later
+joiners, load them). A replica that dies mid-update leaves the trainer's group untouched.
+
+Two protocols fill the relay:
+- TRL <= 1.10: `open_trl` (/init_communicator/), then `receive_param` per tensor
+  (/update_named_param/, answered before the tensor arrives: the client broadcasts after the
+  answer). There is no "done" message, so the relay commits once it holds every tensor of the
+  served checkpoint, and at `settle` (/reset_prefix_cache/, which TRL calls after an update) or
+  `close` otherwise.
+- vLLM's weight-transfer API (TRL >= 1.11): `open_vllm` (/init_weight_transfer_engine),
+  `start` (/start_weight_update), `receive_packed` (/update_weights: packed chunks, cut where
+  vLLM's packed_nccl_broadcast_consumer cuts them), `finish` (/finish_weight_update commits).
+The methods block (rendezvous, receive, the fleet's load); the Gateway runs them one at a time
+on a thread of their own, in the order the requests came. No Ray and no HTTP here.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .channels import nbytes_of, open_channel
+
+DEFAULT_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+
+class RelayError(ValueError):
+    """A request the relay refuses; the message names the field and the value."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def torch_dtype(field: str, name):
+    """torch.float32 from "float32" (vLLM's spelling) or "torch.float32" (TRL <= 1.10's)."""
+    import torch
+
+    dtype = getattr(torch, str(name).removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise RelayError(field, f"{name!r} is not a floating-point torch dtype")
+    return dtype
+
+
+def packed_chunks(sizes: list, buffer_bytes: int) -> list:
+    """The tensors' indices per packed chunk, as vLLM's packer and its NCCL consumer cut them: a
+    chunk takes tensors until its size passes `buffer_bytes`."""
+    chunks, chunk, total = [], [], 0
+    for i, size in enumerate(sizes):
+        chunk.append(i)
+        total += size
+        if total > buffer_bytes:
+            chunks.append(chunk)
+            chunk, total = [], 0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+class WeightRelay:
+    def __init__(self, spec: Optional[dict], commit: Callable[[list], int], backend: str, timeout_s: float = 300.0):
+        self.spec = spec  # {name: shape} of the served checkpoint, or None (dummy weights): what may arrive
+        self.commit_fn = commit  # (name, tensor) pairs -> the version every replica now holds
+        self.backend = backend  # "cpu" or "nccl" (channels.py)
+        self.timeout_s = timeout_s  # how long a rendezvous or a tensor may take to arrive
+        self.channel = None  # the open group, or None
+        self.protocol: Optional[str] = None  # "trl" (<= 1.10) or "vllm" (weight-transfer API) while open
+        self.buffer_bytes = DEFAULT_PACKED_BUFFER_BYTES  # the vLLM protocol's packed chunk size
+        self.staged: dict = {}  # name -> host tensor received since the last commit
+        self.version: Optional[int] = None  # the version of the last commit
+        self.error: Optional[str] = None  # why a background step (TRL <= 1.10's) failed, for the next call
+
+    # -- TRL <= 1.10 --------------------------------------------------------------------------
+    def open_trl(self, host: str, port: int, world_size: int) -> None:
+        if world_size != 2:
+            raise RelayError("world_size", f"{world_size!r}: must be 2 (the relay's rank 0 and the trainer's "
+                                           "rank 1: /get_world_size/ answers 1)")
+        self._open("trl", host, port, rank=0, src=1)
+
+    def receive_param(self, name: str, dtype: str, shape: list) -> Optional[int]:
+        """One tensor from the trainer; commits (returning the version) once every checkpoint
+        tensor is here."""
+        self._expect("trl")
+        t = self.channel.receive(self.check_tensor(name, shape, "name"), torch_dtype("dtype", dtype))
+        self.channel.barrier()
+        self.staged[name] = t
+        if self.spec is not None and set(self.spec) <= set(self.staged):
+            return self.commit()
+        return None
+
+    def settle(self) -> Optional[int]:
+        """What TRL <= 1.10 sent is in the fleet before its next request (/reset_prefix_cache/)."""
+        self._raise_error()
+        return self.commit() if self.staged and self.protocol == "trl" else None
+
+    # -- vLLM's weight-transfer API (TRL >= 1.11) ----------------------------------------------
+    def open_vllm(self, info: dict) -> None:
+        if not isinstance(info, dict):
+            raise RelayError("init_info", f"{str(info)[:80]!r}: must be an object")
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            if key not in info:
+                raise RelayError(f"init_info.{key}", "missing (the relay joins by TCP rendezvous)")
+        if info["world_size"] != 2 or info["rank_offset"] != 1:
+            raise RelayError("init_info.world_size", f"{info['world_size']!r} with rank_offset "
+                             f"{info['rank_offset']!r}: must be 2 and 1 (the trainer's rank 0 and the relay's "
+                             "rank 1: /get_world_size answers 1)")
+        size = info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise RelayError("init_info.packed_buffer_size_bytes", f"{size!r}: must be an integer >= 1")
+        self._open("vllm", info["master_address"], info["master_port"], rank=1, src=0)
+        self.buffer_bytes = size
+
+    def start(self) -> None:
+        self._expect("vllm")
+        self.staged = {}
+
+    def receive_packed(self, info: dict) -> None:
+        """/update_weights: the announced tensors, in packed chunks (or one at a time)."""
+        self._expect("vllm")
+        if not isinstance(info, dict):
+            raise RelayError("update_info", f"{str(info)[:80]!r}: must be an object")
+        names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
+                len(names) == len(dtypes) == len(shapes)):
+            raise RelayError("update_info", "names, dtype_names and shapes must be lists of one length")
+        metas = [(self.check_tensor(n, s, f"update_info.names[{i}]"), torch_dtype(f"update_info.dtype_names[{i}]", d))
+                 for i, (n, d, s) in enumerate(zip(names, dtypes, shapes))]
+        if info.get("packed", True):
+            import torch
+
+            sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
+            for chunk in packed_chunks(sizes, self.buffer_bytes):
+                buf = self.channel.receive([sum(sizes[i] for i in chunk)], torch.uint8)
+                for i, part in zip(chunk, buf.split([sizes[i] for i in chunk])):
+                    self.staged[names[i]] = part.view(metas[i][1]).reshape(metas[i][0])
+        else:
+            for name, (shape, dtype) in zip(names, metas):
+                self.staged[name] = self.channel.receive(shape, dtype)
+
+    def finish(self) -> Optional[int]:
+        self._expect("vllm")
+        return self.commit() if self.staged else None
+
+    # -- both ----------------------------------------------------------------------------------
+    def commit(self) -> int:
+        staged, self.staged = self.staged, {}
+        self.version = self.commit_fn(list(staged.items()))
+        return self.version
+
+    def close(self) -> Optional[int]:
+        """Commits what TRL <= 1.10 left staged, and leaves the group."""
+        try:
+            return self.settle() if self.protocol == "trl" else None
+        finally:
+            if self.channel is not None:
+                self.channel.close()
+            self.channel, self.protocol, self.staged = None, None, {}
+
+    def describe(self) -> dict:
+        return {"backend": self.backend, "protocol": self.protocol, "staged_tensors": len(self.staged),
+                "version": self.version, "error": self.error}
+
+    def _open(self, protocol: str, host, port, rank: int, src: int) -> None:
+        if not isinstance(host, str) or not host:
+            raise RelayError("host", f"{host!r}: must be a host name or address")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise RelayError("port", f"{port!r}: must be a TCP port")
+        if self.channel is not None:
+            self.close()  # a trainer that restarted joins again: the old group is gone
+        self.error = None
+        self.channel = open_channel(self.backend, host, port, rank, 2, src, self.timeout_s)
+        self.protocol, self.staged = protocol, {}
+
+    def _expect(self, protocol: str) -> None:
+        self._raise_error()
+        if self.channel is None or self.protocol != protocol:
+            route = "/init_communicator/" if protocol == "trl" else "/init_weight_transfer_engine"
+            raise RelayError("communicator", f"none open for this protocol: call {route} first")
+
+    def _raise_error(self) -> None:
+        if self.error:
+            error, self.error = self.error, None
+            raise RelayError("update", f"an earlier step failed: {error}")
+
+    def check_tensor(self, name, shape, field: str) -> list:
+        if not isinstance(name, str) or not name:
+            raise RelayError(field, f"{name!r}: must be a tensor name")
+        if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                          for d in shape)):
+            raise RelayError(f"{field} shape", f"{shape!r}: must be a list of integers >= 0")
+        if self.spec is not None:
+            if name not in self.spec:
+                raise RelayError(field, f"{name!r}: the served model has no such weight")
+            if tuple(shape) != tuple(self.spec[name]):
+                raise RelayError(field, f"{name!r}: shape {list(shape)}, the served model's is {list(self.spec[name])}")
+        return list(shape)
