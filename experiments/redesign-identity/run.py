@@ -1,10 +1,10 @@
 """Issue 23's proof that nothing changed: the same simulator runs on two source trees, and the
 trees' shape and import circles side by side.
 
-    python experiments/redesign-identity/run.py --tree before=/path/to/old --tree after=. \
-        --seeds 0,1,2 --out experiments/redesign-identity/results
+    python experiments/redesign-identity/run.py --tree before=/path/to/old [--tree LABEL=/path ...] \
+        --tree after=. --seeds 0,1,2 --out experiments/redesign-identity/results
 
-Each tree runs its own `rollout-cluster simulate` (python -m rollout_cluster.cli) in a subprocess
+The first and the last tree each run their own `rollout-cluster simulate` (python -m rollout_cluster.cli) in a subprocess
 with PYTHONPATH set to that tree, one policy and seed at a time, niced. Raw JSON per run goes to
 OUT/<label>/<policy>-seed<S>.json; the tables go to OUT/tables.md and OUT/summary.json. The
 import circles reuse tests/test_import_circles.py of this repository, pointed at each tree.
@@ -37,6 +37,13 @@ def simulate(tree: Path, policy: str, seed: int, profile: str, replicas: int) ->
     return run
 
 
+def outcome(run: dict) -> dict:
+    """What a run computed: every field but the measured times (decision ms, wall seconds)."""
+    (policy, res), = run["results"].items()
+    top = {k: v for k, v in run.items() if k not in ("results", "wall_s")}
+    return {**top, policy: {k: v for k, v in res.items() if not k.startswith("decision_ms")}}
+
+
 def tree_shape(tree: Path) -> dict:
     """{folder under rollout_cluster: (python files, lines)} of a tree on disk."""
     shape = {}
@@ -59,7 +66,7 @@ def import_circles(tree: Path) -> list:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", action="append", required=True, help="LABEL=PATH; the first two are compared")
+    p.add_argument("--tree", action="append", required=True, help="LABEL=PATH, repeated; the simulator compares the first and the last")
     p.add_argument("--policies", default=POLICIES)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--profile", default="a100-80g-7b")
@@ -75,25 +82,28 @@ def main() -> int:
     md = []
 
     if not a.no_sim:
-        before, after = list(trees)[:2]
+        before, after = list(trees)[0], list(trees)[-1]
         md += [f"| seed | policy | makespan {before} (s) | makespan {after} (s) | migrations {before} | "
-               f"migrations {after} | identical |", "|---:|---|---:|---:|---:|---:|---|"]
+               f"migrations {after} | identical | every other field |", "|---:|---|---:|---:|---:|---:|---|---|"]
         for seed in [int(s) for s in a.seeds.split(",")]:
             for policy in a.policies.split(","):
-                row = {"seed": seed, "policy": policy}
+                row, outcomes = {"seed": seed, "policy": policy}, []
                 for label in (before, after):
                     run = simulate(trees[label], policy, seed, a.profile, a.replicas)
                     (out / label).mkdir(exist_ok=True)
                     (out / label / f"{policy}-seed{seed}.json").write_text(json.dumps(run, indent=1) + "\n")
                     res = run["results"][policy]
+                    outcomes.append(outcome(run))
                     row[label] = {"makespan_s": res["makespan_s"], "migrations": res["migrations"],
                                   "wall_s": run["wall_s"]}
                 same = (f"{row[before]['makespan_s']:.2f}" == f"{row[after]['makespan_s']:.2f}"
                         and row[before]["migrations"] == row[after]["migrations"])
                 row["identical"] = same
+                row["all_fields_equal"] = outcomes[0] == outcomes[1]
                 summary["runs"].append(row)
                 md.append(f"| {seed} | {policy} | {row[before]['makespan_s']:.2f} | {row[after]['makespan_s']:.2f} | "
-                          f"{row[before]['migrations']} | {row[after]['migrations']} | {'yes' if same else '**no**'} |")
+                          f"{row[before]['migrations']} | {row[after]['migrations']} | {'yes' if same else '**no**'} | "
+                          f"{'equal' if row['all_fields_equal'] else '**differ**'} |")
                 print(md[-1], flush=True)
         md.append("")
 
