@@ -4,10 +4,11 @@ trees' shape and import circles side by side.
     python experiments/redesign-identity/run.py --tree before=/path/to/old [--tree LABEL=/path ...] \
         --tree after=. --seeds 0,1,2 --out experiments/redesign-identity/results
 
-The first and the last tree each run their own `rollout-cluster simulate` (python -m rollout_cluster.cli) in a subprocess
-with PYTHONPATH set to that tree, one policy and seed at a time, niced. Raw JSON per run goes to
-OUT/<label>/<policy>-seed<S>.json; the tables go to OUT/tables.md and OUT/summary.json. The
-import circles reuse tests/test_import_circles.py of this repository, pointed at each tree.
+The first and the last tree each run their own `rollout-cluster simulate` (python -m
+rollout_cluster.cli) in a subprocess with PYTHONPATH set to that tree, one policy and seed at a
+time, niced. Raw JSON per run goes to OUT/<label>/<policy>-seed<S>.json; the tables go to
+OUT/tables.md and OUT/summary.json. The import circles reuse tests/test_import_circles.py of
+this repository, pointed at each tree.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def import_circles(tree: Path) -> list:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", action="append", required=True, help="LABEL=PATH, repeated; the simulator compares the first and the last")
+    p.add_argument("--tree", action="append", required=True,
+                   help="LABEL=PATH, repeated; the simulator compares the first and the last")
     p.add_argument("--policies", default=POLICIES)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--profile", default="a100-80g-7b")
