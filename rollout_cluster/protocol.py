@@ -330,6 +330,9 @@ class SeqProgress:
     prompt_token_ids: Optional[list] = None
     # ... and, for a continuation that asked for logprobs, those of the prompt's generated tail
     prior_logprobs: Optional[list] = None
+    # Weights swapped while this attempt ran (LoadWeights.keep): (offset, version) pairs, the
+    # attempt's tokens from `offset` on made by `version`. Sent with every report after the swap.
+    swaps: Optional[list] = None
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -437,6 +440,9 @@ class LoadWeights:
     version: int
     # push_weights: the tensors' buckets (transfer/buckets.py) as object-store handles, in order
     buckets: Optional[tuple] = None
+    # update_weights(running="keep"): swap between engine steps while sequences run; they continue
+    # on the KV cache they have, and each one's progress says from which token the new weights made it
+    keep: bool = False
 
 
 @dataclass(frozen=True)

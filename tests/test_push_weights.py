@@ -84,12 +84,12 @@ class TensorEngine:
     def __init__(self):
         self.loaded, self.asleep = [], 0
 
-    async def load_tensors(self, buckets):
+    async def load_tensors(self, buckets, keep_as=None):
         async for bucket in buckets:
             self.loaded.append([(n, t.clone()) for n, t in bucket])
         return sum(len(b) for b in self.loaded)
 
-    async def load_weights(self, path):
+    async def load_weights(self, path, keep_as=None):
         raise AssertionError("a push loads no checkpoint")
 
     async def sleep(self, level):

@@ -26,7 +26,7 @@ class FakeEngine:
     async def sleeping(self):
         return bool(self.asleep)
 
-    async def load_weights(self, path):
+    async def load_weights(self, path, keep_as=None):
         self.calls.append(("load", path))
 
 
@@ -124,7 +124,7 @@ def test_vllm_failing_to_sleep_leaves_the_engine_untrusted_but_a_refusal_does_no
 
 def test_a_deep_wake_whose_checkpoint_is_gone_has_no_weights_and_asks_for_a_restart(tmp_path):
     class Missing(FakeEngine):
-        async def load_weights(self, path):
+        async def load_weights(self, path, keep_as=None):
             raise FileNotFoundError(f"no such checkpoint directory: {path}")
 
     ckpt = tmp_path / "step3"

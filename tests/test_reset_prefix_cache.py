@@ -34,7 +34,7 @@ class CacheEngine:
         self.calls.append("reset")
         return True
 
-    async def load_weights(self, path):
+    async def load_weights(self, path, keep_as=None):
         self.calls.append("load-start")
         await asyncio.sleep(0.02)
         self.calls.append("load-end")

@@ -72,13 +72,11 @@ def test_abort_hands_the_running_sequences_back_as_partial_rollouts():
     assert not core.seqs and not core.queue
 
 
-def test_finish_refuses_while_a_sequence_runs_and_keep_and_unknown_modes_are_named():
+def test_finish_refuses_while_a_sequence_runs_and_unknown_modes_are_named():
     core = core_with(("a", "b"))
     started(core)
     with pytest.raises(RuntimeError, match="unfinished"):
         core.update_weights("/ckpt/1")
-    with pytest.raises(InputError, match="running='keep'"):
-        core.update_weights("/ckpt/1", running="keep")
     with pytest.raises(InputError, match="running='later'"):
         core.update_weights("/ckpt/1", running="later")
     assert core.weights.version == 0
@@ -95,3 +93,40 @@ def test_a_sequence_that_ends_before_the_give_up_lands_keeps_its_old_version():
     done, _, finished = core.fetch(bid, 0, 1.2)
     assert finished and all(len(c.token_ids) == 10 and c.weight_versions == [(0, 0)] for c in done)
     assert core.counters.weights_recomputed == 0
+
+
+def test_keep_swaps_under_the_running_sequences_and_records_the_token_of_each_swap():
+    core = core_with(("a", "b"))
+    bid, works = started(core)
+    queued = core.submit([SequenceRequest([3], SamplingSpec(max_tokens=2), 0, 0)], 0.3)  # never started
+    assert core.update_weights("/ckpt/1", running="keep") == 1
+    for rid in ("a", "b"):
+        orders = report(core, rid, 1.0)
+        assert [c for c in orders.control if isinstance(c, LoadWeights)] == [LoadWeights("/ckpt/1", 1, keep=True)]
+        assert orders.give_up == [] and orders.start == []  # nothing given up, nothing new on the old weights
+    # a made one more token on the old weights before its engine swapped; b swapped at once
+    swap_at = {"a": 4, "b": 3}
+    report(core, "a", 1.1, [SeqProgress(w.seq_id, w.attempt, [8], None, None, offset=3) for w in works["a"]])
+    new_work = []
+    for rid in ("a", "b"):
+        at = swap_at[rid]
+        progress = [SeqProgress(w.seq_id, w.attempt, [9, 9], None, None, offset=at, swaps=[(at, 1)])
+                    for w in works[rid]]
+        new_work += report(core, rid, 1.2, progress, version=1, path="/ckpt/1").start
+        report(core, rid, 1.25, progress, version=1, path="/ckpt/1")  # sent again (a lost reply): no change
+    for rid in ("a", "b"):
+        at = swap_at[rid] + 2
+        report(core, rid, 2.0, [SeqProgress(w.seq_id, w.attempt, [5] * (10 - at), None, "length", offset=at,
+                                            swaps=[(swap_at[rid], 1)]) for w in works[rid]], version=1, path="/ckpt/1")
+        report(core, rid, 2.1, [SeqProgress(w.seq_id, w.attempt, [6] * w.sampling.max_tokens, None, "length")
+                                for w in new_work], version=1, path="/ckpt/1")
+    done, _, finished = core.fetch(bid, 0, 2.0)
+    assert finished and len(done) == 4
+    for c in done:
+        (rid,) = c.replicas
+        assert len(c.token_ids) == 10 and c.finish_reason == "length"
+        assert c.weight_versions == [(0, 0), (swap_at[rid], 1)] and c.weights_version == 1
+    (q,), _, _ = core.fetch(queued, 0, 2.2)
+    assert q.weight_versions == [(0, 1)]  # queued work ran on the new weights only
+    assert core.counters.weights_kept == 4 and core.counters.weights_recomputed == 0
+    assert core.counters.migrations == 0 and not core.seqs and not core.queue

@@ -124,9 +124,12 @@ class RolloutClient:
         within `timeout_s`: the router refuses a second load beside it.
 
         `running`, for sequences that run now (asynchronous RL): "finish" waits until they end (within
-        `timeout_s`); "recompute" gives them up and continues them on the new weights by re-prefill
-        (exact); "abort" ends them as "abort" with their tokens (partial rollouts to resume). Each
-        Completion's `weight_versions` says which version made which of its tokens."""
+        `timeout_s`); "keep" swaps the weights between two engine steps and lets them go on over the
+        KV cache they have (PipelineRL's choice: fastest, the tokens after the swap come from the new
+        weights over the old ones' cache); "recompute" gives them up and continues them on the new
+        weights by re-prefill (exact); "abort" ends them as "abort" with their tokens (partial
+        rollouts to resume). Each Completion's `weight_versions` says which version made which of
+        its tokens."""
         return fleet_ops.update_weights(self, path, version, timeout_s, running)
 
     def push_weights(self, named_tensors, version: Optional[int] = None, timeout_s: float = 600.0,

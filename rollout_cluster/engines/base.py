@@ -75,12 +75,13 @@ class EngineAdapter(ABC):
         whose give_up finishes at once has none)."""
         return []
 
-    async def load_weights(self, path: str) -> None:
+    async def load_weights(self, path: str, keep_as=None) -> None:
         """Replace the model's weights in place with the checkpoint in `path` (same architecture),
-        between batches: nothing may be running. Cached KV of the old weights is dropped."""
+        between batches: nothing may be running. Cached KV of the old weights is dropped.
+        `keep_as` (a version): swap under the running sequences instead, as load_tensors does."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights")
 
-    async def load_tensors(self, buckets) -> int:
+    async def load_tensors(self, buckets, keep_as=None) -> int:
         """Replace the model's weights in place with named tensors from memory (no checkpoint),
         between batches: nothing may be running. `buckets`: a list, iterator or async iterator of
         buckets, each a list of (name, tensor) pairs in the checkpoint's format (the trainer's
@@ -90,7 +91,10 @@ class EngineAdapter(ABC):
         Failure modes: a list whose tensors do not fit the served checkpoint (unknown name, wrong
         shape, missing or repeated tensor) raises ValueError naming the tensor before anything
         is touched, and the old weights stay. A failure after the first bucket went in raises
-        WeightsLoadBroken: the weights are a mix of old and new, restart the engine."""
+        WeightsLoadBroken: the weights are a mix of old and new, restart the engine.
+        `keep_as` (the new version; update_weights running="keep"): the running sequences go on;
+        the new weights go in between two engine steps, and each running attempt's later reports
+        carry SeqProgress.swaps = [(tokens made before the swap, keep_as)]."""
         raise NotImplementedError(f"{type(self).__name__} cannot load tensors")
 
     async def reset_prefix_cache(self) -> bool:

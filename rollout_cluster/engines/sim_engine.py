@@ -25,6 +25,7 @@ class SimEngine(EngineAdapter):
         self._wake = asyncio.Event()
         self._task = None
         self.modelled_s = 0.0  # modelled seconds of the current busy period
+        self.swap_marks: dict = {}  # (seq_id, attempt) -> [(offset, version)]: swaps under it (keep)
 
     async def start(self) -> ModelInfo:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -54,7 +55,14 @@ class SimEngine(EngineAdapter):
         self.core.abort(keys)
 
     def drain(self) -> list:
-        return self.core.drain()
+        out = self.core.drain()
+        if self.swap_marks:
+            for p in out:
+                key = (p.seq_id, p.attempt)
+                marks = self.swap_marks.pop(key, None) if p.finish_reason else self.swap_marks.get(key)
+                if marks:
+                    p.swaps = list(marks)
+        return out
 
     @property
     def ended(self) -> int:
@@ -69,11 +77,12 @@ class SimEngine(EngineAdapter):
         return EngineStats(running=len(c.running), context_tokens=c.context,
                            step_time_s=c.last_step_s * self.time_scale)
 
-    async def load_weights(self, path: str) -> None:
+    async def load_weights(self, path: str, keep_as=None) -> None:
         """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""
         self.weights_path = path
+        self._keep(keep_as)
 
-    async def load_tensors(self, buckets) -> int:
+    async def load_tensors(self, buckets, keep_as=None) -> int:
         """No weights here either: it counts the tensors (iterating the buckets, as vLLM would)
         and drops its cache as a load does."""
         n = 0
@@ -84,7 +93,15 @@ class SimEngine(EngineAdapter):
             n = sum(len(bucket) for bucket in buckets)
         self.tensors_loaded = n
         self.core.prefix_cache.drop_free()
+        self._keep(keep_as)
         return n
+
+    def _keep(self, version) -> None:
+        """A swap under the running sequences (keep): each one's next report marks it, at its offset."""
+        if version is not None:
+            for group in (self.core.running, self.core.waiting):
+                for s in group:
+                    self.swap_marks.setdefault((s.work.seq_id, s.work.attempt), []).append((s.produced, version))
 
     async def reset_prefix_cache(self) -> bool:
         self.core.prefix_cache.drop_free()

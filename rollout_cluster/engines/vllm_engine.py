@@ -17,7 +17,7 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
-from . import weight_checks, weight_loader
+from . import weight_checks, weight_keep, weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 from .checkpoint import check_checkpoint
 
@@ -42,8 +42,8 @@ def engine_args(cfg: EngineConfig, model: str):
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     if "stream_interval" in fields:  # not in every vLLM
         extra["stream_interval"] = cfg.stream_interval
-    if "worker_extension_cls" in fields:  # load_tensors' methods, mixed into vLLM's worker
-        extra["worker_extension_cls"] = weight_loader.EXTENSION
+    if "worker_extension_cls" in fields:  # load_tensors' and the keep swap's methods, mixed into vLLM's worker
+        extra["worker_extension_cls"] = weight_keep.EXTENSION
     if cfg.tensor_parallel_size > 1 and not is_cpu_build():
         # The ranks run on the replica actor's own GPUs (serve/app.py, replica_gpus). Said
         # explicitly: in a placement group vLLM would pick its Ray executor instead.
@@ -114,6 +114,14 @@ class VllmEngine(EngineAdapter):
         self.weights_path = model  # the checkpoint whose tensors load_tensors checks names and shapes against
         self.tasks: dict = {}  # (seq_id, attempt) -> asyncio.Task
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
+        self.seen: dict = {}  # (seq_id, attempt) -> output tokens received from vLLM so far
+        # (seq_id, attempt) -> [(offset, version)]: weights swapped under the attempt (keep), sent
+        # with each of its later reports (SeqProgress.swaps)
+        self.swaps: dict = {}
+        # After a swap under running requests, their KV blocks (old weights) stay in the prefix
+        # cache, which vLLM cannot reset while they run: requests then carry the version in their
+        # cache salt, so that no later request reuses a block of other weights.
+        self.salt_version = None
         self.aborted: set = set()
         self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
         # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason):
@@ -156,8 +164,9 @@ class VllmEngine(EngineAdapter):
         made, made_lps = array("i"), array("d")  # all of them, for a final report of the whole output
         try:
             prompt = TokensPrompt(prompt_token_ids=work.prompt_token_ids)
-            if work.sampling.cache_salt is not None:
-                prompt["cache_salt"] = work.sampling.cache_salt
+            salt = self._salt(work.sampling.cache_salt)
+            if salt is not None:
+                prompt["cache_salt"] = salt
             first = True
             async for out in self.engine.generate(prompt,
                                                   sampling_params(work), request_id=rid):
@@ -174,6 +183,7 @@ class VllmEngine(EngineAdapter):
                     final = reason
                     self.ended += 1
                 self.context[key] = self.context.get(key, 0) + len(toks)
+                self.seen[key] = self.seen.get(key, 0) + len(toks)
                 if toks or reason:
                     hit = -1
                     if cached is None:
@@ -184,12 +194,13 @@ class VllmEngine(EngineAdapter):
                     if lps is not None:
                         made_lps.extend(lps)
                     if reason and key in self.whole:
-                        self.pending.append(self._whole(work, made, made_lps, reason))
+                        self.pending.append(self._whole(work, made, made_lps, reason, self.swaps.get(key)))
                     else:
                         if reason:
                             self.ended_whole[key] = (work, made, made_lps, reason)
                         self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
-                                                        cached_tokens=hit, offset=produced))
+                                                        cached_tokens=hit, offset=produced,
+                                                        swaps=self.swaps.get(key)))
                     produced += len(toks)
             if final is None:  # stream ended without a finished output: only an abort does that
                 self._abort_final(work, key, made, made_lps, produced)
@@ -206,23 +217,27 @@ class VllmEngine(EngineAdapter):
         finally:
             self.tasks.pop(key, None)
             self.context.pop(key, None)
+            self.seen.pop(key, None)
+            self.swaps.pop(key, None)
             self.aborted.discard(key)
             self.whole.discard(key)
 
     def _abort_final(self, work: Work, key, made: array, made_lps: array, produced: int) -> None:
         if key in self.whole:
-            self.pending.append(self._whole(work, made, made_lps, "abort"))
+            self.pending.append(self._whole(work, made, made_lps, "abort", self.swaps.get(key)))
         else:
             self.ended_whole[key] = (work, made, made_lps, "abort")
-            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced))
+            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced,
+                                            swaps=self.swaps.get(key)))
         self.ended += 1
 
     @staticmethod
-    def _whole(work: Work, made: array, made_lps: array, reason: str) -> SeqProgress:
+    def _whole(work: Work, made: array, made_lps: array, reason: str, swaps=None) -> SeqProgress:
         """The final report of an attempt with its whole output (report_whole)."""
         lps = made_lps.tolist() if work.sampling.logprobs is not None and len(made_lps) == len(made) else None
         return SeqProgress(work.seq_id, work.attempt, made.tolist(), lps, reason, offset=0,
-                           prompt_token_ids=list(work.prompt_token_ids or ()), prior_logprobs=work.prior_logprobs)
+                           prompt_token_ids=list(work.prompt_token_ids or ()), prior_logprobs=work.prior_logprobs,
+                           swaps=swaps)
 
     def report_whole(self, keys: list) -> None:
         for key in map(tuple, keys):
@@ -305,11 +320,15 @@ class VllmEngine(EngineAdapter):
                            step_time_s=self._step_ema,
                            seq_tokens_per_s=self._rate_ema)
 
-    async def load_weights(self, path: str) -> None:
+    async def load_weights(self, path: str, keep_as=None) -> None:
         # Before vLLM touches the model (it empties a layer before it reads its new tensors, and only
         # warns about missing ones): an incomplete checkpoint leaves the old weights. In a thread:
         # it may hash every file (the manifest's sha256).
         await asyncio.to_thread(check_checkpoint, path, self.require_manifest)
+        if keep_as is not None:  # under the running requests: the checkpoint's tensors, swapped in
+            await self.load_tensors(weight_keep.checkpoint_buckets(path), keep_as)
+            self.weights_path = path
+            return
         if self.tasks:  # the router orders a load only between batches: these are orphans of a
             log.warning("aborting %d requests left from before the weights load", len(self.tasks))
             await self.give_up(list(self.tasks))
@@ -324,7 +343,9 @@ class VllmEngine(EngineAdapter):
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
 
-    async def load_tensors(self, buckets) -> int:
+    async def load_tensors(self, buckets, keep_as=None) -> int:
+        if keep_as is not None:
+            return await self._swap(buckets, keep_as)
         if self.tasks:  # as in load_weights: orphans of a restarted router
             log.warning("aborting %d requests left from before the tensors load", len(self.tasks))
             await self.give_up(list(self.tasks))
@@ -333,6 +354,28 @@ class VllmEngine(EngineAdapter):
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"{n} tensors loaded, but the prefix cache could not be reset")
         return n
+
+    async def _swap(self, buckets, version: int) -> int:
+        """running="keep": the tensors swapped in between two steps; each running attempt
+        records the token where its weights changed (SeqProgress.swaps)."""
+        spec = weight_checks.checkpoint_spec(self.weights_path)
+        n, sampled = await weight_keep.swap_into(self.engine, buckets, spec)
+        for key in list(self.tasks):
+            made = sampled.get(f"{key[0]}#{key[1]}")
+            if made is None:  # not in vLLM's worker: still waiting (0 made), or finished already
+                if self.seen.get(key, 0):
+                    continue
+                made = 0
+            self.swaps.setdefault(key, []).append((made, version))
+        self.salt_version = version
+        await self.engine.reset_prefix_cache()  # the blocks no running request holds; the salt does the rest
+        return n
+
+    def _salt(self, salt):
+        """The request's prefix-cache salt: its own, and the weights version after a keep swap."""
+        if self.salt_version is None:
+            return salt
+        return f"{salt}|w{self.salt_version}" if salt is not None else f"w{self.salt_version}"
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine.reset_prefix_cache())

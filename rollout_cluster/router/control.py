@@ -30,7 +30,7 @@ class FleetControl:
 
     # ---- a driver's orders ---------------------------------------------------------------------
     def update_weights(self, path: str, version: Optional[int], buckets: Optional[tuple] = None,
-                       in_flight: bool = False) -> int:
+                       in_flight: bool = False, keep: bool = False) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
         nodes; or, with `buckets`, a push's tensors: push_weights) as `version` (default: the
         current one + 1). Between batches only, so that a batch never mixes versions. Replicas load
@@ -38,9 +38,9 @@ class FleetControl:
         version = self.weights.checked(path, version)
         what = "push_weights" if buckets is not None else "update_weights"
         if not in_flight:  # (in flight: RouterCore gives the running sequences up)
-            self._refuse_while_running(what, "weights change between batches (or pass running=recompute / abort)")
+            self._refuse_while_running(what, "weights change between batches (or pass running=keep / recompute / abort)")
         self._refuse_while_loading(what)
-        self.weights.update(path, version, buckets)
+        self.weights.update(path, version, buckets, keep)
         for rep in self.fleet.replicas.values():
             self.order_weights(rep)
         return version

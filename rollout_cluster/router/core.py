@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..policy.base import Decision, Policy
 from ..protocol import (Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
-                        SequenceRequest, Work)
+                        SequenceRequest, Work, is_int)
 from ..parsing import shown
 from ..validation import check_place, check_request
 from .adoption import OrphanAdoption
@@ -227,17 +227,17 @@ class RouterCore:
         """Point every replica at the checkpoint in `path` as `version` (default: current + 1);
         with `buckets`, at a push's tensors (push_weights), `path` naming the push. `running` says
         what becomes of the sequences that run now (RUNNING_MODES): "finish" refuses while any is
-        unfinished (the driver waits first); "recompute" gives the running ones up and continues
-        them on the new weights by re-prefill (exact: the tokens after the swap are the new
-        weights' continuation); "abort" ends them as "abort" with their tokens (partial rollouts).
-        Queued sequences run on the new weights in every mode."""
+        unfinished (the driver waits first); "keep" swaps the weights between engine steps under
+        the running ones, which continue on the KV cache they have (each one's weight_versions
+        gets the token where its engine swapped, from the replica's report); "recompute" gives the
+        running ones up and continues them on the new weights by re-prefill (exact: the tokens
+        after the swap are the new weights' continuation); "abort" ends them as "abort" with their
+        tokens (partial rollouts). Queued sequences run on the new weights in every mode."""
         if running not in RUNNING_MODES:
             raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
-        if running == "keep":
-            raise InputError("running", running, "not supported yet: use recompute (exact) or abort")
         in_flight = running != "finish"
-        v = self.control.update_weights(path, version, buckets, in_flight=in_flight)
-        if in_flight:
+        v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep")
+        if in_flight and running != "keep":
             for seq in self.seqs.values():
                 if seq.status is SeqStatus.RUNNING:
                     if running == "abort":
@@ -456,6 +456,8 @@ class RouterCore:
                 return
             p = _without_first(p, have - p.offset)  # a whole final: the tokens it adds, and the end
             self.counters.finals_whole_trimmed += 1
+        if p.swaps:
+            self._note_swaps(seq, p.swaps)
         if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
             context = seq.request.prompt_len + seq.segment_start
             self.counters.reprefilled_tokens += max(0, context - p.cached_tokens)
@@ -487,6 +489,19 @@ class RouterCore:
             self._requeue_after_segment(seq, rep.replica_id, now, cause)
         else:
             self._finish(seq, reason, now, rep.replica_id)
+
+    def _note_swaps(self, seq: SeqState, swaps: list) -> None:
+        """The replica swapped weights under this attempt (running="keep"): its tokens from
+        segment_start + offset on are the new version's. Every report after the swap carries it
+        again: a version already last in weight_versions is not added twice."""
+        for offset, version in swaps:
+            if not (is_int(offset) and is_int(version)) or offset < 0:
+                continue
+            if seq.weight_versions and seq.weight_versions[-1][1] == version:
+                continue
+            at = max(seq.segment_start + offset, seq.weight_versions[-1][0] if seq.weight_versions else 0)
+            seq.weight_versions.append((at, version))
+            self.counters.weights_kept += 1
 
     def _segment_cut(self, seq: SeqState, reason: str) -> bool:
         """A policy's segment cap (not the sequence's own end) stopped this segment."""

@@ -36,6 +36,7 @@ class RouterCounters:
     lost_orders: int = 0  # work or give-ups sent in a reply the replica never received (sent again)
     handed_back: int = 0  # sequences a leaving replica handed back with every token
     weights_recomputed: int = 0  # running sequences given up by an in-flight weights update, continued on the new weights
+    weights_kept: int = 0  # running sequences whose weights were swapped under them (running="keep")
     recovered: int = 0  # sequences continued from their last reported tokens after their replica was lost
     orphans_given_up: int = 0  # attempts a replica ran that this router did not know (a predecessor's)
     orphan_outputs_kept: int = 0  # whole outputs of such attempts kept for their resubmission

