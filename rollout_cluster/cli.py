@@ -81,7 +81,7 @@ def _attach(a):
 def cmd_update_weights(a) -> int:
     client = _attach(a)
     t0 = time.monotonic()
-    version = client.update_weights(a.path, a.version, timeout_s=a.timeout_s)
+    version = client.update_weights(a.path, a.version, timeout_s=a.timeout_s, running=a.running)
     print(json.dumps({"version": version, "path": a.path, "seconds": round(time.monotonic() - t0, 3),
                       "replicas": client.status()["weights"]["replicas"]}))
     return 0
@@ -173,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--running", default="finish", choices=("finish", "keep", "recompute", "abort"),
+                   help="what becomes of the sequences that run now (RolloutClient.update_weights)")
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_update_weights)
 
