@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from fastapi.responses import JSONResponse
+
 from ...client.expand import expand
 from ...client.loops import follow_batch
 from ...config import LimitsConfig
@@ -222,6 +224,14 @@ def stop_list(value, param: str = "stop") -> list:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
     raise ProtocolError(400, f"{param}: must be a string or a list of strings", param)
+
+
+def answer(body: dict) -> JSONResponse:
+    """A batch's answer, rendered here: a dict returned from a route goes through FastAPI's
+    jsonable_encoder first, which walks every token's list and float in Python (150-220 ms of CPU
+    for 64 x 128 tokens on the local CPU VM, against 20-45 ms for the JSON itself; the answer's
+    bytes are the same: JSONResponse renders either)."""
+    return JSONResponse(body)
 
 
 def dumps(obj) -> str:

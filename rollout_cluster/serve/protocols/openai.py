@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .batch import (ProtocolContext, ProtocolError, checked_requests, chat_prompt, dumps, output_of,
+from .batch import (ProtocolContext, ProtocolError, answer, checked_requests, chat_prompt, dumps, output_of,
                     prompt_ids, read_json, run_batch, spec_of, stop_list, stream_batch)
 
 # Fields vLLM's server takes that this one cannot honour: refused by name when set.
@@ -215,7 +215,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         except ProtocolError as e:
             return error(e)
         pairs = [choice(c) for c in results]
-        return {**head, "choices": [ch for _, ch in pairs], "usage": _usage(prompts, [o for o, _ in pairs])}
+        return answer({**head, "choices": [ch for _, ch in pairs], "usage": _usage(prompts, [o for o, _ in pairs])})
 
     @api.post("/v1/chat/completions", summary="OpenAI: chat completions (one conversation; stream as server-sent events)")
     async def chat(request: Request):
@@ -271,8 +271,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         except ProtocolError as e:
             return error(e)
         pairs = [choice(c, "message") for c in results]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                "choices": [ch for _, ch in pairs], "usage": _usage([prompt], [o for o, _ in pairs]),
-                "prompt_token_ids": prompt if ids else None}
+        return answer({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                       "choices": [ch for _, ch in pairs], "usage": _usage([prompt], [o for o, _ in pairs]),
+                       "prompt_token_ids": prompt if ids else None})
 
     return api

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .batch import (ProtocolContext, ProtocolError, checked_requests, chat_prompt, output_of, prompt_ids,
+from .batch import (ProtocolContext, ProtocolError, answer, checked_requests, chat_prompt, output_of, prompt_ids,
                     read_json, run_batch, spec_of, stop_list)
 
 # generation_kwargs keys (vLLM SamplingParams names) this cluster honours, beyond the request's fields
@@ -101,13 +101,13 @@ def _spec(req: TRLSampling) -> tuple:
     return spec_of(fields), stops, include
 
 
-async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> dict:
+async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> JSONResponse:
     requests = await checked_requests(ctx, prompts, spec)
     outputs = [output_of(ctx, c, stops, include) for c in await run_batch(ctx, requests)]
     with_logprobs = spec.logprobs is not None
-    return {"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
-            "logprobs": [[[lp] for lp in o.logprobs] for o in outputs] if with_logprobs else None,
-            "logprob_token_ids": [[[t] for t in o.token_ids] for o in outputs] if with_logprobs else None}
+    return answer({"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
+                   "logprobs": [[[lp] for lp in o.logprobs] for o in outputs] if with_logprobs else None,
+                   "logprob_token_ids": [[[t] for t in o.token_ids] for o in outputs] if with_logprobs else None})
 
 
 async def _world_size(ctx: ProtocolContext) -> int:
