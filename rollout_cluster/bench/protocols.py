@@ -120,6 +120,31 @@ def life(marks: dict, calls: list) -> dict:
             previous = mark
     out["fetches"] = len(fetches)
     out["total"] = round(at["decoded"] - at["sent"], 4)
+    for name, seconds in (marks.get("cpu") or {}).items():
+        out[f"cpu_{name}"] = round(seconds, 4)
+    return out
+
+
+# The processes whose CPU time a batch's life counts (by a part of their command line)
+CPU_OF = {"gateway": "ServeReplica:rollout:Gateway", "proxy": "ProxyActor", "router": "ServeReplica:rollout:Router",
+          "engines": "ServeReplica:rollout:EngineReplica"}
+
+
+def cpu_seconds() -> dict:
+    """User + system CPU seconds so far of the bench itself and of CPU_OF's processes (with
+    their children: an engine replica's EngineCore and workers)."""
+    import psutil
+
+    out = {"bench": sum(os.times()[:2])}
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        for name, part in CPU_OF.items():
+            if part in line:
+                try:
+                    tree = [proc] + proc.children(recursive=True)
+                    out[name] = out.get(name, 0.0) + sum(sum(p.cpu_times()[:2]) for p in tree)
+                except psutil.Error:
+                    pass
     return out
 
 
@@ -148,9 +173,11 @@ def protocol_overhead(args) -> dict:
             order = PATHS[r % 3:] + PATHS[:r % 3]
             row, marks = {"round": r, "order": list(order)}, {}
             for path in order:
-                marks[path] = {}
+                marks[path], cpu0 = {}, cpu_seconds() if folder else {}
                 row[path] = run_path(path, client, gateway, random_prompts(rng, vocab, args.prompts), args.samples,
                                      args.max_tokens, args.timeout_s, f"r{r}-{path}", marks[path])[0]
+                if folder:
+                    marks[path]["cpu"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds().items()}
             if folder:
                 row["life"] = lives(r, marks, driver_calls, os.path.join(folder, "gateway.jsonl"))
             rounds.append(row)
@@ -179,7 +206,8 @@ def protocol_overhead(args) -> dict:
     return result
 
 
-PHASE_NAMES = tuple(phase for _, phase in MARKS[1:]) + ("total", "fetches")
+PHASE_NAMES = tuple(phase for _, phase in MARKS[1:]) + ("total", "fetches") + tuple(
+    f"cpu_{k}" for k in ("bench", *CPU_OF))
 
 
 def lives(r: int, marks: dict, driver_calls: list, gateway_file: str) -> dict:
