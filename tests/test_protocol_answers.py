@@ -70,3 +70,17 @@ def test_the_gateway_timeline_follows_a_request(router, codec, tmp_path):  # noq
     fetches = [x for x in lines if x["kind"] == "fetch"]
     assert fetches and fetches[-1]["done"] and sum(x["new"] for x in fetches) == 8
     assert all(x["sent"] <= x["t"] for x in lines if "sent" in x)
+
+
+def test_token_texts_are_decoded_once_per_token_id(codec, monkeypatch):  # noqa: F811
+    from rollout_cluster.config import LimitsConfig
+    from rollout_cluster.serve.protocols.batch import ProtocolContext
+
+    ctx = ProtocolContext(None, codec, LimitsConfig(), 5.0, model_name="m", model_root="m")
+    ids = codec.encode("alpha beta gamma alpha beta") * 3
+    assert ctx.token_texts(ids) == codec.token_texts(ids)
+    asked = []
+    monkeypatch.setattr(codec, "token_texts", lambda new: asked.append(new) or [f"?{t}" for t in new])
+    assert ctx.token_texts(ids) == [codec.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert asked == []  # every id was seen: the tokenizer is not asked again
+    assert ctx.token_texts([999]) == ["?999"] and asked == [[999]]

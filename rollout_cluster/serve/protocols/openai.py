@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from itertools import accumulate
 from typing import Optional, Union
 
 from fastapi import APIRouter, Request
@@ -129,16 +130,13 @@ def _sampled_logprobs(value: Optional[int], param: str) -> Optional[int]:
 def _token_strings(ctx: ProtocolContext, ids: list, as_ids: bool) -> list:
     if as_ids or ctx.codec is None:
         return [f"token_id:{t}" for t in ids]
-    return ctx.codec.token_texts(ids)
+    return ctx.token_texts(ids)
 
 
 def _completion_logprobs(ctx: ProtocolContext, out, as_ids: bool, offset: int = 0) -> dict:
     tokens = _token_strings(ctx, out.token_ids, as_ids)
-    lps = [max(lp, -9999.0) for lp in out.logprobs]
-    offsets, at = [], offset
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok)
+    lps = [-9999.0 if lp < -9999.0 else lp for lp in out.logprobs]  # max(lp, -9999.0), NaN kept
+    offsets = list(accumulate(map(len, tokens), initial=offset))[:-1]
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
             "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)]}
 
