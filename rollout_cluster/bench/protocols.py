@@ -27,6 +27,9 @@ from .report import save_result
 from .repeats import median
 
 PATHS = ("driver", "trl_generate", "openai_completions")
+# A pause before each batch, so that every path starts on engines that finished the last batch's
+# work: each path's batch would otherwise start as soon after the one before as that path's tail allows.
+SETTLE_S = 0.5
 
 
 def random_prompts(rng: random.Random, vocab: int, count: int, low: int = 16, high: int = 48) -> list:
@@ -178,6 +181,7 @@ def protocol_overhead(args) -> dict:
             order = PATHS[r % 3:] + PATHS[:r % 3]
             row, marks = {"round": r, "order": list(order)}, {}
             for path in order:
+                time.sleep(SETTLE_S)
                 marks[path], cpu0 = {}, cpu_seconds()
                 row[path] = run_path(path, client, gateway, random_prompts(rng, vocab, args.prompts), args.samples,
                                      args.max_tokens, args.timeout_s, f"r{r}-{path}", marks[path])[0]
