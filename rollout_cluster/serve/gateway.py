@@ -47,6 +47,7 @@ from ..security.secrets import read_keys, read_token
 from ..security.signed_router import SignedRouter
 from ..security.signing import Signer
 from ..text.codec import TextCodec
+from .call_timeline import TRACE_HEADER, CallTimeline, TimedRouter, current_label
 from .http_body import read_bounded
 from .protocols.batch import ProtocolContext
 from .protocols.openai import openai_routes
@@ -75,12 +76,15 @@ def _digest(text: str) -> bytes:
 
 def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s: float = 120.0,
                 token: Optional[str] = None, limits: Optional[LimitsConfig] = None,
-                protocols: Optional[ProtocolContext] = None, relay=None) -> FastAPI:
+                protocols: Optional[ProtocolContext] = None, relay=None,
+                timeline: Optional[CallTimeline] = None) -> FastAPI:
     """The routes over `router` (the Router's Serve handle, or anything with its methods).
     `sampling_defaults`: the config's `sampling`, what a line leaves out. `token`: what every
     route but /healthz asks for (None: no token; the Gateway deployment refuses that unless the
     config allows it). `limits`: the config's. `protocols`: with it, the OpenAI-compatible and
-    TRL routes too (protocols/); `relay` (trl_weights.RelayRunner): with it, the weight routes."""
+    TRL routes too (protocols/); `relay` (trl_weights.RelayRunner): with it, the weight routes.
+    `timeline`: each request's arrival and answer are recorded there (call_timeline.py; the
+    router handed in records its own calls)."""
     defaults = sampling_defaults or {}
     limits = limits or LimitsConfig()
     want = _digest(token) if token is not None else None
@@ -88,6 +92,18 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
+        if timeline is not None:
+            return await timed(request, call_next)
+        return await checked(request, call_next)
+
+    async def timed(request: Request, call_next):
+        current_label.set(request.headers.get(TRACE_HEADER, ""))
+        timeline.record("received", path=request.url.path)
+        response = await checked(request, call_next)
+        timeline.record("answered", status=response.status_code)
+        return response
+
+    async def checked(request: Request, call_next):
         path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
@@ -237,10 +253,12 @@ class Gateway:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         cfg = self.cfg
-        protocols = ProtocolContext(self.router, TextCodec.load(cfg.model_path()), cfg.limits, cfg.router.call_timeout_s,
+        timeline = CallTimeline.from_env()
+        router = self.router if timeline is None else TimedRouter(self.router, timeline)
+        protocols = ProtocolContext(router, TextCodec.load(cfg.model_path()), cfg.limits, cfg.router.call_timeout_s,
                                     model_name=cfg.engine.model, model_root=cfg.model_path(),
                                     world_size=cfg.engine.tensor_parallel_size, logprobs_mode=cfg.engine.logprobs_mode)
         relay = (relay_runner(self.router, cfg.model_path(), cfg.router.call_timeout_s)
                  if cfg.security.http_weight_updates else None)
-        return gateway_app(self.router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits,
-                           protocols, relay)
+        return gateway_app(router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits,
+                           protocols, relay, timeline)

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from fastapi.responses import JSONResponse
+
 from ...client.expand import expand
 from ...client.loops import follow_batch
 from ...config import LimitsConfig
@@ -47,6 +49,8 @@ class ProtocolContext:
     world_size: int = 1  # GPUs (tensor-parallel ranks) per engine, for TRL's /get_world_size
     logprobs_mode: str = "raw_logprobs"  # the engines' (engine.logprobs_mode), for TRL's /server_info
     _model: Optional[ModelInfo] = field(default=None, repr=False)  # the engine's limits, once a replica said them
+    # each token id's text on its own, as the tokenizer decoded it once (bounded by the vocabulary)
+    _token_texts: dict = field(default_factory=dict, repr=False)
 
     async def model_info(self) -> Optional[ModelInfo]:
         if self._model is None:
@@ -54,6 +58,15 @@ class ProtocolContext:
             if st.get("model"):
                 self._model = ModelInfo(**st["model"])
         return self._model
+
+    def token_texts(self, ids: list) -> list[str]:
+        """Each token of `ids` decoded on its own (OpenAI's logprobs tokens): one tokenizer call per
+        token id ever seen, not per token of every answer."""
+        known = self._token_texts
+        new = list({t for t in ids if t not in known})
+        if new:
+            known.update(zip(new, self.codec.token_texts(new)))
+        return [known[t] for t in ids]
 
     def names_model(self, name) -> bool:
         return name in (None, "", self.model_name, self.model_root)
@@ -222,6 +235,14 @@ def stop_list(value, param: str = "stop") -> list:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
     raise ProtocolError(400, f"{param}: must be a string or a list of strings", param)
+
+
+def answer(body: dict) -> JSONResponse:
+    """A batch's answer, rendered here: a dict returned from a route goes through FastAPI's
+    jsonable_encoder first, which walks every token's list and float in Python (150-220 ms of CPU
+    for 64 x 128 tokens on the local CPU VM, against 20-45 ms for the JSON itself; the answer's
+    bytes are the same: JSONResponse renders either)."""
+    return JSONResponse(body)
 
 
 def dumps(obj) -> str:

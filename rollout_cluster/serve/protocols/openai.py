@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from itertools import accumulate
 from typing import Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .batch import (ProtocolContext, ProtocolError, checked_requests, chat_prompt, dumps, output_of,
+from .batch import (ProtocolContext, ProtocolError, answer, checked_requests, chat_prompt, dumps, output_of,
                     prompt_ids, read_json, run_batch, spec_of, stop_list, stream_batch)
 
 # Fields vLLM's server takes that this one cannot honour: refused by name when set.
@@ -129,16 +130,13 @@ def _sampled_logprobs(value: Optional[int], param: str) -> Optional[int]:
 def _token_strings(ctx: ProtocolContext, ids: list, as_ids: bool) -> list:
     if as_ids or ctx.codec is None:
         return [f"token_id:{t}" for t in ids]
-    return ctx.codec.token_texts(ids)
+    return ctx.token_texts(ids)
 
 
 def _completion_logprobs(ctx: ProtocolContext, out, as_ids: bool, offset: int = 0) -> dict:
     tokens = _token_strings(ctx, out.token_ids, as_ids)
-    lps = [max(lp, -9999.0) for lp in out.logprobs]
-    offsets, at = [], offset
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok)
+    lps = [-9999.0 if lp < -9999.0 else lp for lp in out.logprobs]  # max(lp, -9999.0), NaN kept
+    offsets = list(accumulate(map(len, tokens), initial=offset))[:-1]
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
             "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)]}
 
@@ -215,7 +213,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         except ProtocolError as e:
             return error(e)
         pairs = [choice(c) for c in results]
-        return {**head, "choices": [ch for _, ch in pairs], "usage": _usage(prompts, [o for o, _ in pairs])}
+        return answer({**head, "choices": [ch for _, ch in pairs], "usage": _usage(prompts, [o for o, _ in pairs])})
 
     @api.post("/v1/chat/completions", summary="OpenAI: chat completions (one conversation; stream as server-sent events)")
     async def chat(request: Request):
@@ -271,8 +269,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         except ProtocolError as e:
             return error(e)
         pairs = [choice(c, "message") for c in results]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                "choices": [ch for _, ch in pairs], "usage": _usage([prompt], [o for o, _ in pairs]),
-                "prompt_token_ids": prompt if ids else None}
+        return answer({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                       "choices": [ch for _, ch in pairs], "usage": _usage([prompt], [o for o, _ in pairs]),
+                       "prompt_token_ids": prompt if ids else None})
 
     return api

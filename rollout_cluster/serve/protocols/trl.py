@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .batch import (ProtocolContext, ProtocolError, checked_requests, chat_prompt, output_of, prompt_ids,
+from .batch import (ProtocolContext, ProtocolError, answer, checked_requests, chat_prompt, output_of, prompt_ids,
                     read_json, run_batch, spec_of, stop_list)
 
 # generation_kwargs keys (vLLM SamplingParams names) this cluster honours, beyond the request's fields
@@ -103,13 +103,13 @@ def _spec(req: TRLSampling) -> tuple:
     return spec_of(fields), stops, include
 
 
-async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> dict:
+async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> JSONResponse:
     requests = await checked_requests(ctx, prompts, spec)
     outputs = [output_of(ctx, c, stops, include) for c in await run_batch(ctx, requests)]
     with_logprobs = spec.logprobs is not None
-    return {"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
-            "logprobs": [[[lp] for lp in o.logprobs] for o in outputs] if with_logprobs else None,
-            "logprob_token_ids": [[[t] for t in o.token_ids] for o in outputs] if with_logprobs else None}
+    return answer({"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
+                   "logprobs": [[[lp] for lp in o.logprobs] for o in outputs] if with_logprobs else None,
+                   "logprob_token_ids": [[[t] for t in o.token_ids] for o in outputs] if with_logprobs else None})
 
 
 # The ranks a trainer's weight group needs besides its own: the relay's one (trl_weights.py). TRL
@@ -181,7 +181,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
             await relay.call("settle")
         return bool(await ctx.router.reset_prefix_cache.remote())
 
-    async def answer(body) -> JSONResponse:
+    async def reset_answer(body) -> JSONResponse:
         try:
             done = await reset()
         except Exception as e:  # the relay's update failed: 409, which TRL's client does not retry
@@ -190,10 +190,10 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
 
     @api.post("/reset_prefix_cache/", summary="TRL <= 1.10: every engine drops its prefix cache")
     async def reset_legacy():
-        return await answer(lambda done: {"message": f"Request received, resetting prefix cache status: {done}"})
+        return await reset_answer(lambda done: {"message": f"Request received, resetting prefix cache status: {done}"})
 
     @api.post("/reset_prefix_cache", summary="TRL >= 1.11 / vLLM: every engine drops its prefix cache")
     async def reset_new():
-        return await answer(lambda done: {"success": done})
+        return await reset_answer(lambda done: {"success": done})
 
     return api
