@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..config import load_config
+from ..transfer.trace import mark
 from .report import save_result
 from .repeats import median
 
@@ -50,15 +51,18 @@ def weights_sync(args) -> dict:
                     for p in trainer.parameters():
                         p.mul_(1.0 + 1e-3 * (len(rounds) + 1))
                 t0 = time.monotonic()
+                mark(way + "_start", round=r)
                 if way == "checkpoint":
                     with tempfile.TemporaryDirectory(dir=ckpt_root) as d:
                         trainer.save_pretrained(d)
                         write_manifest(d)
                         saved = time.monotonic()
+                        mark("checkpoint_saved")
                         client.update_weights(d)
                         row["checkpoint_save_s"] = round(saved - t0, 3)
                 else:
                     client.push_weights(trainer.state_dict().items())
+                mark(way + "_end")
                 row[way + "_s"] = round(time.monotonic() - t0, 3)
             rounds.append(row)
             print(f"round {r}: checkpoint {row['checkpoint_s']:.2f} s (save {row['checkpoint_save_s']:.2f}), "
