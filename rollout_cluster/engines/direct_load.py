@@ -44,7 +44,8 @@ def supported(model) -> bool:
 class _Layer:
     """One processed layer's state during a load."""
 
-    def __init__(self, layer, swap: dict, total: int):
+    def __init__(self, name: str, layer, swap: dict, total: int):
+        self.name = name  # the layer's module name
         self.layer = layer
         self.swap = swap  # {name: (live emptied Parameter, meta Parameter)} of tensors that need scratch
         self.total = total  # elements its loaders fill (vLLM's get_layer_size)
@@ -65,7 +66,7 @@ class DirectLoad:
         self.model, self.pool = model, pool  # pool: free uint8 scratch tensors, kept by the worker
         self.layers: dict = {}  # layer -> _Layer, for layers with a quant_method
         self.wrapped: list = []  # (tensor, its weight_loader before) to put back at finish
-        for layer in model.modules():
+        for layer_name, layer in model.named_modules():
             if getattr(layer, "quant_method", None) is None:
                 continue
             meta_params = LAYERWISE_INFO[layer].restore_metadata[0]
@@ -80,7 +81,7 @@ class DirectLoad:
             total = sum(getattr(t, "weight_loader_numel", t.numel())
                         for n, t in list(layer._parameters.items()) + list(layer._buffers.items())
                         if t is not None and n not in SKIP_LOAD_TENSORS)
-            state = _Layer(layer, swap, total)
+            state = _Layer(layer_name, layer, swap, total)
             self.layers[layer] = state
             for name, t in layer._parameters.items():
                 if t is not None and name not in SKIP_LOAD_TENSORS:
@@ -90,7 +91,10 @@ class DirectLoad:
         from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        original = getattr(tensor, "weight_loader", default_weight_loader)
+        had = hasattr(tensor, "weight_loader")
+        # a parameter vLLM's layerwise reload wrapped keeps its wrapper (on the metadata tensors):
+        # the loader under it is the model's own
+        original = unwrapped(tensor.weight_loader if had else default_weight_loader)
         signature = inspect.signature(original)
         load = self
 
@@ -106,7 +110,7 @@ class DirectLoad:
                 load._process(state)
             return ret
 
-        self.wrapped.append((tensor, tensor.__dict__.get("weight_loader")))
+        self.wrapped.append((tensor, had, original))
         tensor.weight_loader = counted_loader
 
     def _materialize(self, state: _Layer) -> None:
@@ -116,11 +120,11 @@ class DirectLoad:
 
         for name, (_, meta) in state.swap.items():
             nbytes = math.prod(meta.shape) * meta.dtype.itemsize
-            buf = next((b for b in self.pool if b.numel() >= nbytes), None)
-            if buf is None:
-                buf = torch.empty(nbytes, dtype=torch.uint8)
+            fits = [i for i, b in enumerate(self.pool) if b.numel() >= nbytes]
+            if fits:
+                buf = self.pool.pop(min(fits, key=lambda i: self.pool[i].numel()))
             else:
-                self.pool.remove(buf)
+                buf = torch.empty(nbytes, dtype=torch.uint8)
             state.scratch.append(buf)
             t = buf[:nbytes].view(meta.dtype).view(meta.shape)
             t.__class__ = meta.__class__
@@ -143,13 +147,16 @@ class DirectLoad:
     def load(self, weights) -> set:
         return set(self.model.load_weights(weights) or ())
 
-    def finish(self) -> None:
-        """Process what is left, put back the weights of layers that got nothing, unwrap loaders."""
-        for tensor, before in self.wrapped:
-            if before is None:
-                tensor.__dict__.pop("weight_loader", None)
+    def finish(self) -> list:
+        """Process what is left, put back the weights of layers that got nothing, unwrap loaders.
+        Returns the layers that got no element (their old weights stay)."""
+        from vllm.model_executor.model_loader.reload.sanitize import sanitize_layer_refs
+
+        for tensor, had, original in self.wrapped:
+            if had:
+                tensor.weight_loader = original
             else:
-                tensor.weight_loader = before
+                del tensor.weight_loader
         processed = {id(t) for s in self.layers.values() if s.processed and s.loaded
                      for t in s.layer._parameters.values() if t is not None}
         for state in self.layers.values():
@@ -162,3 +169,14 @@ class DirectLoad:
                 state.layer._parameters[name] = live
             if any(id(t) in processed for t in state.layer._parameters.values() if t is not None):
                 self._process(state)  # a tied weight was loaded through another layer
+        for state in self.layers.values():  # the metadata holds no reference to its layer again
+            for _, meta in state.swap.values():
+                sanitize_layer_refs(meta, state.layer)
+        return sorted(s.name for s in self.layers.values() if not s.loaded and s.total)
+
+
+def unwrapped(loader):
+    """The loader under vLLM's layerwise wrappers (layerwise.py's _get_original_loader)."""
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    return loader

@@ -185,7 +185,10 @@ class TensorLoader:
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             direct, self._rc_direct = getattr(self, "_rc_direct", None), None
             if direct is not None:
-                direct.finish()
+                # a layer no tensor reached although its names were loaded would be a loader
+                # that did nothing: report its parameters as missing
+                for layer in direct.finish():
+                    self._rc_loaded -= {n for n in self._rc_loaded if n.startswith(layer + ".")}
             else:
                 finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
         maps = getattr(self, "_rc_slots", {})
