@@ -187,7 +187,7 @@ class TensorLoader:
             if direct is not None:
                 # a layer no tensor reached although its names were loaded would be a loader
                 # that did nothing: report its parameters as missing
-                for layer in direct.finish():
+                for layer in direct.finish() or ():
                     self._rc_loaded -= {n for n in self._rc_loaded if n.startswith(layer + ".")}
             else:
                 finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
