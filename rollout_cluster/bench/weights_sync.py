@@ -13,11 +13,13 @@ way and the median of the paired ratios checkpoint / push.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from ..config import load_config
+from ..engines.weight_loader import LOAD_ENV
 from ..transfer.trace import mark
 from .report import save_result
 from .repeats import median
@@ -61,7 +63,7 @@ def weights_sync(args) -> dict:
                         client.update_weights(d)
                         row["checkpoint_save_s"] = round(saved - t0, 3)
                 else:
-                    client.push_weights(trainer.state_dict().items())
+                    client.push_weights(trainer.state_dict().items(), bucket_bytes=int(args.bucket_mb * 2**20))
                 mark(way + "_end")
                 row[way + "_s"] = round(time.monotonic() - t0, 3)
             rounds.append(row)
@@ -72,6 +74,7 @@ def weights_sync(args) -> dict:
     finally:
         client.shutdown()
     result = {"model": str(model_dir), "parameters": params, "bytes": params * 4, "replicas": cfg.replicas,
+              "bucket_mb": args.bucket_mb, "tensor_load": os.environ.get(LOAD_ENV, "direct"),
               "rounds": rounds, "checkpoint_median_s": median([r["checkpoint_s"] for r in rounds]),
               "push_median_s": median([r["push_s"] for r in rounds]),
               "speedup_median": round(median([r["checkpoint_s"] / r["push_s"] for r in rounds]), 2)}
