@@ -144,8 +144,14 @@ class TensorLoader:
             if os.environ.get(LOAD_ENV, "direct") == "direct" and supported(model):
                 self._rc_pool = getattr(self, "_rc_pool", [])  # scratch kept from one load to the next
                 self._rc_direct = DirectLoad(model, self._rc_pool)
+                self._rc_mode = "direct"
             else:
                 initialize_layerwise_reload(model)
+                self._rc_mode = "layerwise"
+
+    def rc_tensors_mode(self) -> str | None:
+        """How the last load ran: "direct" (direct_load.py) or "layerwise" (vLLM's reload)."""
+        return getattr(self, "_rc_mode", None)
 
     def rc_tensors_load(self, header: dict, path: str | None = None, data: bytes | None = None,
                         slot: tuple | None = None) -> int:
