@@ -7,7 +7,7 @@ One vLLM engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the model 
 Each repeat loads the tensors of model B (another seed) and then of A, each way in turn:
   layerwise: vLLM's own reload (initialize_layerwise_reload, model.load_weights, finalize), what
              reload_weights and our push path ran, timed part by part;
-  direct:    engines/weight_loader.py's DirectLoad (the push path's load since this experiment).
+  direct:    engines/direct_load.py's DirectLoad (the push path's load since this experiment).
 After every load of B the greedy tokens of 3 prompts must equal those after the layerwise load
 (the same weights went in), and after A those of the engine as it started.
 """

@@ -1,26 +1,29 @@
 """Named tensors into a running vLLM engine, in place: the replica's end of push_weights.
 
 - `load_into(engine, buckets, spec)`: the replica's side (VllmEngine.load_tensors calls it).
-  Checks the tensors against the served checkpoint (weight_checks.py), writes each bucket to a
-  file in /dev/shm, and has the worker load it.
+  Checks the tensors against the served checkpoint (weight_checks.py), copies each bucket into
+  a /dev/shm slot, and has the worker load it.
 - `layout` / `write_bucket` / `pack_bucket` / `unpack_bucket`: a bucket as a header (names,
   dtypes, shapes, 64-byte aligned offsets) and one flat run of bytes.
 - `TensorLoader`: the worker extension (engine arg `worker_extension_cls`). vLLM mixes it into
   its worker class, so its methods run inside the worker, reached with `collective_rpc`.
 
 How a bucket travels: vLLM-CPU runs the model in a worker process behind the EngineCore process.
-The replica writes the bucket's tensors straight into a /dev/shm file (RAM; one copy), sends
-the file's path in the collective_rpc, and the worker maps the file and loads from the mapping.
-Tensors cannot ride the call: the EngineCore's generic msgpack decoder turns a tensor into a
-plain list. Bytes can, at several copies more (experiments/weights-in-place/README.md); they are
-the fallback where /dev/shm cannot take a bucket. The next bucket is written while the worker
-loads the previous one.
+The replica copies the bucket's tensors into a reusable /dev/shm slot (shm_slots.py: memory both
+processes mapped before, so the one copy touches no fresh page), sends the slot's id in the
+collective_rpc, and the worker loads from its mapping. Tensors cannot ride the call: the
+EngineCore's generic msgpack decoder turns a tensor into a plain list. Bytes can, at several copies
+more (experiments/weights-in-place/README.md); they are the fallback where /dev/shm cannot take a
+bucket. The next bucket is copied while the worker loads the previous one.
 
-The load is vLLM's own layerwise reload (model_executor/model_loader/reload), what
-`reload_weights(weights_path=...)` runs over a checkpoint's tensors: `initialize_layerwise_reload`
-once, `model.load_weights(bucket)` per bucket (it fuses q/k/v and gate/up, shards for tensor
-parallelism, and processes each layer as soon as all its tensors arrived, e.g. vLLM-CPU's
-weight prepacking), `finalize_layerwise_reload` once. A layer's tensors may lie in different buckets.
+The load: on vLLM-CPU with an unquantized model, direct_load.py's DirectLoad (the model's own
+`load_weights` into the live parameters, each linear layer repacked for oneDNN once complete;
+experiments/weights-sync/README.md). Otherwise vLLM's own layerwise reload
+(model_executor/model_loader/reload), what `reload_weights(weights_path=...)` runs over a
+checkpoint's tensors: `initialize_layerwise_reload` once, `model.load_weights(bucket)` per bucket
+(it fuses q/k/v and gate/up, shards for tensor parallelism, and processes each layer as soon as
+all its tensors arrived), `finalize_layerwise_reload` once. Either way a layer's tensors may lie
+in different buckets.
 """
 from __future__ import annotations
 
