@@ -91,6 +91,7 @@ def add_commands(sub) -> None:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--checkpoints", default="checkpoints/weights-sync", help="where the checkpoint way saves")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--bucket-mb", type=float, default=256.0, help="push_weights' bucket size (MiB)")
     p.add_argument("--out", required=True, help="output directory: weights_sync.json, weights_sync.md")
     p.set_defaults(fn=cmd_weights_sync)
     p = sub.add_parser("protocol-overhead", help="one batch via TRL's /generate/, OpenAI's /v1/completions and "

@@ -13,11 +13,14 @@ way and the median of the paired ratios checkpoint / push.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from ..config import load_config
+from ..engines.weight_loader import LOAD_ENV
+from ..transfer.trace import mark
 from .report import save_result
 from .repeats import median
 
@@ -50,15 +53,18 @@ def weights_sync(args) -> dict:
                     for p in trainer.parameters():
                         p.mul_(1.0 + 1e-3 * (len(rounds) + 1))
                 t0 = time.monotonic()
+                mark(way + "_start", round=r)
                 if way == "checkpoint":
                     with tempfile.TemporaryDirectory(dir=ckpt_root) as d:
                         trainer.save_pretrained(d)
                         write_manifest(d)
                         saved = time.monotonic()
+                        mark("checkpoint_saved")
                         client.update_weights(d)
                         row["checkpoint_save_s"] = round(saved - t0, 3)
                 else:
-                    client.push_weights(trainer.state_dict().items())
+                    client.push_weights(trainer.state_dict().items(), bucket_bytes=int(args.bucket_mb * 2**20))
+                mark(way + "_end")
                 row[way + "_s"] = round(time.monotonic() - t0, 3)
             rounds.append(row)
             print(f"round {r}: checkpoint {row['checkpoint_s']:.2f} s (save {row['checkpoint_save_s']:.2f}), "
@@ -68,6 +74,7 @@ def weights_sync(args) -> dict:
     finally:
         client.shutdown()
     result = {"model": str(model_dir), "parameters": params, "bytes": params * 4, "replicas": cfg.replicas,
+              "bucket_mb": args.bucket_mb, "tensor_load": os.environ.get(LOAD_ENV, "direct"),
               "rounds": rounds, "checkpoint_median_s": median([r["checkpoint_s"] for r in rounds]),
               "push_median_s": median([r["push_s"] for r in rounds]),
               "speedup_median": round(median([r["checkpoint_s"] / r["push_s"] for r in rounds]), 2)}

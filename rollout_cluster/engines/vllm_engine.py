@@ -17,6 +17,7 @@ import time
 from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
+from ..transfer.trace import mark
 from . import weight_checks, weight_keep, weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 from .checkpoint import check_checkpoint
@@ -335,7 +336,9 @@ class VllmEngine(EngineAdapter):
         # vLLM's worker reloads in place from the checkpoint (model_executor/model_loader/reload).
         # A failure in there leaves the model half loaded: the caller must restart this engine.
         try:
+            mark("reload_start")
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            mark("reload_end")
         except Exception as e:
             raise WeightsLoadBroken(f"vLLM failed reloading {path!r}, its weights are now unknown: {e}") from e
         self.weights_path = path

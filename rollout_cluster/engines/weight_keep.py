@@ -46,8 +46,8 @@ class SwapLoader(TensorLoader):
         try:
             for header, buf in staged:
                 self.rc_tensors_load(header, None, buf)
-        finally:
-            missing = self.rc_tensors_end()
+        finally:  # the replica's shm slots stay mapped: its next load between batches uses them
+            missing = self.rc_tensors_end(keep_slots=list(getattr(self, "_rc_slots", {})))
         requests = getattr(self.model_runner, "requests", {})
         return {"missing": missing, "sampled": {rid: len(state.output_token_ids) for rid, state in requests.items()}}
 

@@ -1,26 +1,29 @@
 """Named tensors into a running vLLM engine, in place: the replica's end of push_weights.
 
 - `load_into(engine, buckets, spec)`: the replica's side (VllmEngine.load_tensors calls it).
-  Checks the tensors against the served checkpoint (weight_checks.py), writes each bucket to a
-  file in /dev/shm, and has the worker load it.
+  Checks the tensors against the served checkpoint (weight_checks.py), copies each bucket into
+  a /dev/shm slot, and has the worker load it.
 - `layout` / `write_bucket` / `pack_bucket` / `unpack_bucket`: a bucket as a header (names,
   dtypes, shapes, 64-byte aligned offsets) and one flat run of bytes.
 - `TensorLoader`: the worker extension (engine arg `worker_extension_cls`). vLLM mixes it into
   its worker class, so its methods run inside the worker, reached with `collective_rpc`.
 
 How a bucket travels: vLLM-CPU runs the model in a worker process behind the EngineCore process.
-The replica writes the bucket's tensors straight into a /dev/shm file (RAM; one copy), sends
-the file's path in the collective_rpc, and the worker maps the file and loads from the mapping.
-Tensors cannot ride the call: the EngineCore's generic msgpack decoder turns a tensor into a
-plain list. Bytes can, at several copies more (experiments/weights-in-place/README.md); they are
-the fallback where /dev/shm cannot take a bucket. The next bucket is written while the worker
-loads the previous one.
+The replica copies the bucket's tensors into a reusable /dev/shm slot (shm_slots.py: memory both
+processes mapped before, so the one copy touches no fresh page), sends the slot's id in the
+collective_rpc, and the worker loads from its mapping. Tensors cannot ride the call: the
+EngineCore's generic msgpack decoder turns a tensor into a plain list. Bytes can, at several copies
+more (experiments/weights-in-place/README.md); they are the fallback where /dev/shm cannot take a
+bucket. The next bucket is copied while the worker loads the previous one.
 
-The load is vLLM's own layerwise reload (model_executor/model_loader/reload), what
-`reload_weights(weights_path=...)` runs over a checkpoint's tensors: `initialize_layerwise_reload`
-once, `model.load_weights(bucket)` per bucket (it fuses q/k/v and gate/up, shards for tensor
-parallelism, and processes each layer as soon as all its tensors arrived, e.g. vLLM-CPU's
-weight prepacking), `finalize_layerwise_reload` once. A layer's tensors may lie in different buckets.
+The load: on vLLM-CPU with an unquantized model, direct_load.py's DirectLoad (the model's own
+`load_weights` into the live parameters, each linear layer repacked for oneDNN once complete;
+experiments/weights-sync/README.md). Otherwise vLLM's own layerwise reload
+(model_executor/model_loader/reload), what `reload_weights(weights_path=...)` runs over a
+checkpoint's tensors: `initialize_layerwise_reload` once, `model.load_weights(bucket)` per bucket
+(it fuses q/k/v and gate/up, shards for tensor parallelism, and processes each layer as soon as
+all its tensors arrived), `finalize_layerwise_reload` once. Either way a layer's tensors may lie
+in different buckets.
 """
 from __future__ import annotations
 
@@ -28,12 +31,16 @@ import math
 import os
 import uuid
 import warnings
+import weakref
 
+from ..transfer.trace import mark
 from .weight_checks import BucketCheck, as_tensor
 
 EXTENSION = f"{__name__}.TensorLoader"  # the engine arg worker_extension_cls
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # bytes: where each tensor starts in a packed bucket
+_SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its shm_slots.Slots
+LOAD_ENV = "ROLLOUT_TENSOR_LOAD"  # "direct" (default: direct_load.py where supported) or "layerwise" (vLLM's reload)
 
 
 def layout(bucket: list) -> tuple[dict, list]:
@@ -130,32 +137,72 @@ class TensorLoader:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from .direct_load import DirectLoad, supported
+
         model = self._rc_model()
         self._rc_expected = {n for n, _ in model.named_parameters()}
         self._rc_loaded = set()
+        self._rc_direct = None
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
+            if os.environ.get(LOAD_ENV, "direct") == "direct" and supported(model):
+                self._rc_pool = getattr(self, "_rc_pool", [])  # scratch kept from one load to the next
+                self._rc_direct = DirectLoad(model, self._rc_pool)
+                self._rc_mode = "direct"
+            else:
+                initialize_layerwise_reload(model)
+                self._rc_mode = "layerwise"
 
-    def rc_tensors_load(self, header: dict, path: str | None = None, data: bytes | None = None) -> int:
-        """Load one packed bucket, from the /dev/shm file `path` or from `data`. Returns the
+    def rc_tensors_mode(self) -> str | None:
+        """How the last load ran: "direct" (direct_load.py) or "layerwise" (vLLM's reload)."""
+        return getattr(self, "_rc_mode", None)
+
+    def rc_tensors_load(self, header: dict, path: str | None = None, data: bytes | None = None,
+                        slot: tuple | None = None) -> int:
+        """Load one packed bucket, from the /dev/shm file `path`, from `data`, or from the slot
+        (id, size) (shm_slots.py: mapped from `path` the first time, kept mapped). Returns the
         number of tensors."""
         import torch
         from vllm.config import set_current_vllm_config
 
-        weights = unpack_bucket(header, map_shm(path, header["nbytes"]) if path is not None else data)
+        mark("worker_load_start", bytes=header["nbytes"])
+        if slot is not None:
+            maps = self.__dict__.setdefault("_rc_slots", {})  # slot id -> its mapping
+            if slot[0] not in maps:
+                maps[slot[0]] = map_shm(path, slot[1])
+            buf = maps[slot[0]]
+        else:
+            buf = map_shm(path, header["nbytes"]) if path is not None else data
+        weights = unpack_bucket(header, buf)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            loaded = self._rc_model().load_weights(weights)
+            if self._rc_direct is not None:
+                loaded = self._rc_direct.load(weights)
+            else:
+                loaded = self._rc_model().load_weights(weights)
         self._rc_loaded |= set(loaded or ())
+        mark("worker_load_end")
         return len(weights)
 
-    def rc_tensors_end(self) -> list:
+    def rc_tensors_end(self, keep_slots: list | None = None) -> list:
         """Finish the session: process what is left (attention layers), put back the weights of
-        layers that got no tensor. Returns the model's parameters that got none."""
+        layers that got no tensor, unmap the slots not in `keep_slots`. Returns the model's
+        parameters that got none."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
+        import torch
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            direct, self._rc_direct = getattr(self, "_rc_direct", None), None
+            if direct is not None:
+                # a layer no tensor reached although its names were loaded would be a loader
+                # that did nothing: report its parameters as missing
+                for layer in direct.finish() or ():
+                    self._rc_loaded -= {n for n in self._rc_loaded if n.startswith(layer + ".")}
+            else:
+                finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
+        maps = getattr(self, "_rc_slots", {})
+        for sid in [k for k in maps if k not in (keep_slots or ())]:
+            del maps[sid]
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
@@ -177,8 +224,9 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
     A list of buckets is checked whole before the engine is touched: a refusal leaves the old
     weights. An iterator (buckets still arriving) is checked bucket by bucket: a refusal after the
     first bucket went in, like any failure inside vLLM, leaves a mix and raises WeightsLoadBroken.
-    `transport`: "shm" (a /dev/shm file per bucket, falling back to "bytes" where /dev/shm cannot
-    take it) or "bytes" (the buffer inside the collective_rpc). Returns the number of tensors."""
+    `transport`: "shm" (reused /dev/shm slots, shm_slots.py, falling back to "bytes" where /dev/shm
+    cannot take a bucket), "file" (a new /dev/shm file per bucket) or "bytes" (the buffer inside
+    the collective_rpc). Returns the number of tensors."""
     import asyncio
 
     from .base import WeightsLoadBroken
@@ -192,19 +240,23 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
     else:
         checked = False
     started, inflight, staged = False, None, None
+    slots = _slots_of(engine) if transport == "shm" else None
+    mark("load_start")
     try:
         async for bucket in _each(buckets):
+            mark("bucket_here")
             if not checked:
                 check.bucket(bucket)
             # written while the worker loads the previous bucket: at most two buckets staged at once
-            staged = await asyncio.to_thread(_stage, bucket, transport)
+            staged = await asyncio.to_thread(_stage, bucket, transport, slots)
+            mark("bucket_staged")
             if inflight is not None:
                 inflight, done = None, inflight
                 await done
             if not started:
                 await engine.collective_rpc("rc_tensors_begin")
                 started = True
-            inflight, staged = asyncio.ensure_future(_send(engine, staged)), None
+            inflight, staged = asyncio.ensure_future(_send(engine, staged, slots)), None
         if inflight is not None:
             inflight, done = None, inflight
             await done
@@ -213,49 +265,84 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
     except Exception as e:
         if inflight is not None:
             await asyncio.gather(inflight, return_exceptions=True)
-        if staged is not None and staged[1] is not None:
-            os.unlink(staged[1])
+        if staged is not None:
+            _unstage(staged, slots, ok=True)
         if not started:
             raise  # the engine was not touched: its weights are the old ones
-        await _end(engine, WeightsLoadBroken)
+        await _end(engine, WeightsLoadBroken, slots)
         raise WeightsLoadBroken(f"loading tensors failed after the engine began replacing its weights, "
                                 f"which are now a mix of old and new: {type(e).__name__}: {e}") from e
-    missing = await _end(engine, WeightsLoadBroken)
+    mark("loads_sent")
+    missing = await _end(engine, WeightsLoadBroken, slots)
+    mark("load_end")
     if missing:
         raise WeightsLoadBroken(f"{len(missing)} of the model's parameters got no tensor, e.g. {missing[:3]}: "
                                 "its weights are now a mix of old and new")
     return len(check.seen)
 
 
-def _stage(bucket: list, transport: str) -> tuple:
-    """(header, /dev/shm path or None, buffer or None): a bucket ready to send."""
-    if transport == "shm":
+def _slots_of(engine):
+    """The engine's shm slots (made at its first load; they go with the engine object)."""
+    from .shm_slots import Slots
+
+    slots = _SLOTS.get(engine)
+    if slots is None:
+        slots = _SLOTS[engine] = Slots(SHM_DIR)
+    return slots
+
+
+def _stage(bucket: list, transport: str, slots=None) -> tuple:
+    """(header, /dev/shm path or None, buffer or None, slot or None): a bucket ready to send."""
+    if transport in ("shm", "file"):
         try:
-            header, path = write_bucket(bucket)
-            return header, path, None
+            if transport == "file":
+                header, path = write_bucket(bucket)
+                return header, path, None, None
+            header, flats = layout(bucket)
+            slot = slots.take(header["nbytes"])
+            try:
+                slot.write(header["offsets"], flats)
+            except BaseException:
+                slots.give(slot, ok=False)
+                raise
+            return header, slot.path, None, slot
         except OSError:  # no /dev/shm, or one too small for the bucket (Docker's default is 64 MiB)
             pass
     elif transport != "bytes":
-        raise ValueError(f"transport={transport!r}: shm or bytes")
+        raise ValueError(f"transport={transport!r}: shm, file or bytes")
     header, buf = pack_bucket(bucket)
-    return header, None, buf
+    return header, None, buf, None
 
 
-async def _send(engine, staged: tuple) -> None:
-    header, path, buf = staged
-    if path is None:
-        await engine.collective_rpc("rc_tensors_load", args=(header, None, buf.numpy().data))
-        return
-    try:
-        await engine.collective_rpc("rc_tensors_load", args=(header, path))
-    finally:
+def _unstage(staged: tuple, slots, ok: bool) -> None:
+    path, slot = staged[1], staged[3]
+    if slot is not None:
+        slots.give(slot, ok)
+    elif path is not None:
         os.unlink(path)
 
 
-async def _end(engine, broken) -> list:
+async def _send(engine, staged: tuple, slots=None) -> None:
+    header, path, buf, slot = staged
+    if path is None:
+        await engine.collective_rpc("rc_tensors_load", args=(header, None, buf.numpy().data))
+        return
+    ok = False
+    try:
+        if slot is None:
+            await engine.collective_rpc("rc_tensors_load", args=(header, path))
+        else:
+            await engine.collective_rpc("rc_tensors_load", args=(header, path, None, (slot.id, slot.nbytes)))
+            slot.worker_has_it()
+        ok = True
+    finally:
+        _unstage(staged, slots, ok)
+
+
+async def _end(engine, broken, slots=None) -> list:
     """rc_tensors_end on every worker: the parameters that got no tensor (any worker's)."""
     try:
-        per_worker = await engine.collective_rpc("rc_tensors_end")
+        per_worker = await engine.collective_rpc("rc_tensors_end", args=(slots.ids() if slots else [],))
     except Exception as e:
         raise broken(f"vLLM failed finishing the load, its weights are now unknown: {e}") from e
     return sorted({n for missing in per_worker for n in (missing or ())})

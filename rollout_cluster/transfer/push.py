@@ -15,6 +15,7 @@ import uuid
 from typing import Iterable, Optional
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, pack
+from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
 
@@ -24,8 +25,10 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     import ray
 
     refs, tensors, nbytes = [], 0, 0
+    mark("put_start")
     for bucket in pack(named_tensors, bucket_bytes):
         refs.append(ray.put(bucket))
+        mark("put_bucket", i=len(refs) - 1, bytes=bucket_bytes_of(bucket))
         tensors += len(bucket["names"])
         nbytes += bucket_bytes_of(bucket)
     if not refs:
@@ -42,4 +45,5 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
                                          "tensors": tensors, "bytes": nbytes, "running": running})
     v = router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
+    mark("router_ack", version=v)
     return v, source, refs

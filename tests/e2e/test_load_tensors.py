@@ -111,6 +111,21 @@ def test_tensors_from_memory_replace_the_weights_exactly(engine, models):
     assert greedy(engine) == on_b
 
 
+def test_the_load_runs_direct_and_vllms_own_reload_works_before_and_after_it(engine, models):
+    """Regression: a DirectLoad after vLLM's layerwise reload called the wrappers that reload left
+    on the layers' metadata, which load nothing; the outputs then stayed those of the old weights."""
+    a, b = models
+    engine.loop.run(engine.load_weights(str(a)))  # vLLM's layerwise reload first
+    on_a = greedy(engine)
+    load(engine, buckets_of(tensors(b), 4))
+    assert engine.loop.run(engine.engine.collective_rpc("rc_tensors_mode")) == ["direct"]
+    assert greedy(engine) == engine.started_on_b
+    engine.loop.run(engine.load_weights(str(a)))  # and after the direct load
+    assert greedy(engine) == on_a
+    load(engine, buckets_of(tensors(b), 2))
+    assert greedy(engine) == engine.started_on_b
+
+
 @pytest.mark.parametrize("bad, match", [
     ("unknown", r"tensor 'model\.layers\.0\.self_attn\.nope\.weight': the served model has no such weight"),
     ("shape", r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight': shape \(128, 255\), the served model's is \(128, 256\)"),
