@@ -119,6 +119,9 @@ def test_keep_swaps_under_running_sequences_which_go_on_to_their_exact_length(cl
                 swapped += 1
         assert swapped >= 1 and client.status()["counters"]["weights_kept"] - kept == swapped
         assert greedy(client, prompts)[0] == after  # the running ones' old-weights blocks are not reused
+        # a push between batches after the swap: the replica's /dev/shm slots still reach the worker
+        client.push_weights(state_dict(original).items())
+        assert greedy(client)[0] == base
     finally:
         client.update_weights(str(original))  # the next tests expect the served model
     assert greedy(client)[0] == base
