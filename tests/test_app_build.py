@@ -41,3 +41,17 @@ def test_a_tensor_parallel_replica_holds_one_gpu_per_rank():
     assert replica_options(more)["ray_actor_options"]["num_gpus"] == 3.0
     cpu = load_config({"engine": {"tensor_parallel_size": 2}, "resources": {"num_gpus": 0}})
     assert replica_options(cpu)["ray_actor_options"]["num_gpus"] == 0.0
+
+
+def test_failed_replicas_are_found_and_stopping_ones_hand_back_without_serves_idle_waits():
+    """A dead engine or stalled replica fails 3 health checks before Serve replaces it, a killed
+    router 1: at a 2 s period, not Serve's 10 s. A stopping replica (it gets no Serve requests)
+    hands its work back after a 0.2 s drain check, not Serve's 2 s."""
+    d = deployments(build({"replicas": 2, "engine": {"kind": "sim"}}))
+    assert cfg(d, "EngineReplica").health_check_period_s == 2 and cfg(d, "Router").health_check_period_s == 2
+    assert cfg(d, "EngineReplica").graceful_shutdown_wait_loop_s == 0.2
+    assert cfg(d, "EngineReplica").graceful_shutdown_timeout_s == 20  # the hand-back (10 s at most) fits
+
+
+def cfg(d: dict, name: str):
+    return d[name]._deployment_config

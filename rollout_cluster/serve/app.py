@@ -12,11 +12,19 @@ from .replica import EngineReplica
 from .router import Router
 
 QUIET = {"enable_access_log": False}  # pulls run 20 times a second per replica
+# Serve replaces a replica after 3 failed health checks in a row (a crashed actor after one): at
+# Serve's default 10 s period a dead engine or a stalled replica costs ~30 s of capacity before its
+# replacement even starts. Our checks read a flag (EngineReplica.check_health) or only ping.
+HEALTH_CHECK_PERIOD_S = 2
 
 
 def replica_options(cfg: ClusterConfig) -> dict:
+    # graceful_shutdown_wait_loop_s: a stopping replica first waits this long, then again while
+    # requests are ongoing, before its __del__ hands the work back. Replicas pull: Serve routes them
+    # no requests, so Serve's default 2 s only delays every hand-back (scale-down, app deletion).
     opts = {"num_replicas": cfg.replicas, "max_ongoing_requests": 16, "logging_config": QUIET,
-            "health_check_period_s": 10, "health_check_timeout_s": 60, "graceful_shutdown_timeout_s": 20}
+            "health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": 60,
+            "graceful_shutdown_wait_loop_s": 0.2, "graceful_shutdown_timeout_s": 20}
     opts["ray_actor_options"] = {"num_cpus": cfg.resources.num_cpus, "num_gpus": replica_gpus(cfg)}
     return opts
 
@@ -34,7 +42,9 @@ def replica_gpus(cfg: ClusterConfig) -> float:
 
 def build_app(cfg: ClusterConfig):
     d = to_dict(cfg)
-    router = Router.options(max_ongoing_requests=cfg.router.max_ongoing_requests, logging_config=QUIET).bind(d)
+    # a killed router's actor is found dead at its next health check: Serve restarts it then
+    router = Router.options(max_ongoing_requests=cfg.router.max_ongoing_requests, logging_config=QUIET,
+                            health_check_period_s=HEALTH_CHECK_PERIOD_S).bind(d)
     replicas = EngineReplica.options(**replica_options(cfg)).bind(router, d)
     # Each POST /generate holds a Gateway slot until its batch is done: Serve's default of 5 would
     # let five batches block GET / (health checks) and every further batch.

@@ -27,6 +27,10 @@ def ray_env() -> dict:
 @pytest.fixture(scope="session")
 def ray_head():
     env = ray_env()
+    # A new app's deployment fails after one failed replica constructor, not Serve's 3 per replica
+    # (an engine that cannot start here fails the same way each time: test_cluster's broken app
+    # then fails in one try, not three). A deployment that has started is never failed by it.
+    env["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
     subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
     # With RAY_AUTH_MODE=token, `ray start` refuses to run without a token: on a fresh machine
     # (no ~/.ray/auth_token) make one first, as the README's steps do.

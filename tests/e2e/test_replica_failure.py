@@ -21,8 +21,9 @@ def engine_replica_actors():
 def batch_and_busiest_replica(client, first_token: int) -> tuple:
     """(batch id, lengths, busiest replica's id, its actor): a batch of long sequences submitted
     and running on both replicas for a second."""
-    # Long enough that none ends before Serve's graceful shutdown (a 2 s drain loop first) hands
-    # the leaving replica's work back: a sequence that finished there would never have moved.
+    # Long enough that none ends before Serve's graceful shutdown (a drain check first: 0.2 s,
+    # serve/app.py) hands the leaving replica's work back: a sequence that finished there would
+    # never have moved.
     lengths = [1500] * 8 + [1000] * 8
     prompts = [[first_token + i, 51, 52] for i in range(len(lengths))]
     requests = expand(prompts, [SamplingSpec(max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths])
