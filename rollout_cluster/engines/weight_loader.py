@@ -168,6 +168,11 @@ class TensorLoader:
         if slot is not None:
             maps = self.__dict__.setdefault("_rc_slots", {})  # slot id -> its mapping
             if slot[0] not in maps:
+                # torch.from_file would make a new file of zeros where the slot's is gone (unlinked
+                # once a worker mapped it): refuse instead of loading zeros
+                if path is None or not os.path.exists(path):
+                    raise FileNotFoundError(f"shm slot {slot[0]}: not mapped in this worker and its file "
+                                            f"{path!r} is gone")
                 maps[slot[0]] = map_shm(path, slot[1])
             buf = maps[slot[0]]
         else:
