@@ -127,3 +127,18 @@ def test_a_failed_load_drops_its_slot():
     slots = weight_loader._SLOTS[eng]
     assert not slots.used and len(slots.free) <= 1  # the slot the failure was in is gone
     assert not slot_files()
+
+
+def test_a_slot_whose_file_is_gone_is_refused_not_loaded_as_zeros(tmp_path):
+    """Regression: a worker that had lost a slot's mapping called torch.from_file on the unlinked
+    path, which made a new file of zeros, and the load went through with zeros."""
+    import pytest
+
+    from rollout_cluster.engines.weight_loader import TensorLoader
+
+    gone = str(tmp_path / "rollout-slot-gone")
+    loader = TensorLoader()
+    header = {"names": ["w"], "dtypes": ["float32"], "shapes": [[4]], "offsets": [0], "nbytes": 16}
+    with pytest.raises(FileNotFoundError, match="not mapped in this worker"):
+        loader.rc_tensors_load(header, gone, slot=("s1", 16))
+    assert not (tmp_path / "rollout-slot-gone").exists()
