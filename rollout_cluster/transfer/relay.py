@@ -47,6 +47,13 @@ def torch_dtype(field: str, name):
     return dtype
 
 
+def _check_address(host, port) -> None:
+    if not isinstance(host, str) or not host:
+        raise RelayError("host", f"{host!r}: must be a host name or address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise RelayError("port", f"{port!r}: must be a TCP port")
+
+
 def packed_chunks(sizes: list, buffer_bytes: int) -> list:
     """The tensors' indices per packed chunk, as vLLM's packer and its NCCL consumer cut them: a
     chunk takes tensors until its size passes `buffer_bytes`."""
@@ -76,10 +83,16 @@ class WeightRelay:
         self.error: Optional[str] = None  # why a background step (TRL <= 1.10's) failed, for the next call
 
     # -- TRL <= 1.10 --------------------------------------------------------------------------
-    def open_trl(self, host: str, port: int, world_size: int) -> None:
+    @staticmethod
+    def check_trl(host, port, world_size) -> None:
+        """What /init_communicator/ must carry; checked before its answer (the group opens after)."""
         if world_size != 2:
             raise RelayError("world_size", f"{world_size!r}: must be 2 (the relay's rank 0 and the trainer's "
                                            "rank 1: /get_world_size/ answers 1)")
+        _check_address(host, port)
+
+    def open_trl(self, host: str, port: int, world_size: int) -> None:
+        self.check_trl(host, port, world_size)
         self._open("trl", host, port, rank=0, src=1)
 
     def receive_param(self, name: str, dtype: str, shape: list) -> Optional[int]:
@@ -166,10 +179,7 @@ class WeightRelay:
                 "version": self.version, "error": self.error}
 
     def _open(self, protocol: str, host, port, rank: int, src: int) -> None:
-        if not isinstance(host, str) or not host:
-            raise RelayError("host", f"{host!r}: must be a host name or address")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise RelayError("port", f"{port!r}: must be a TCP port")
+        _check_address(host, port)
         if self.channel is not None:
             self.close()  # a trainer that restarted joins again: the old group is gone
         self.error = None

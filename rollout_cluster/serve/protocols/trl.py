@@ -72,7 +72,8 @@ def refusal(e: ProtocolError) -> JSONResponse:
     return JSONResponse({"detail": e.message}, status_code=e.status, headers=headers)
 
 
-def _parse(model: type, body: dict):
+def parse_model(model: type, body: dict):
+    """`body` as `model`, or ProtocolError naming the first bad field (a 422 in TRL's shape)."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -152,7 +153,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
     @api.post("/generate/", summary="TRL <= 1.10: prompts (strings or token ids) x n samples")
     async def generate(request: Request):
         try:
-            req = _parse(GenerateRequest, await read_json(request, ctx.limits))
+            req = parse_model(GenerateRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
             prompts = [prompt_ids(ctx, p, f"prompts[{i}]") for i, p in enumerate(req.prompts)]
             if not prompts:
@@ -164,7 +165,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
     @api.post("/chat/", summary="TRL <= 1.10: conversations x n samples, through the chat template")
     async def chat(request: Request):
         try:
-            req = _parse(ChatRequest, await read_json(request, ctx.limits))
+            req = parse_model(ChatRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...transfer.relay import RelayError, WeightRelay, torch_dtype
 from .batch import ProtocolContext, ProtocolError, read_json
+from .trl import parse_model, unprocessable
 
 log = logging.getLogger("ray.serve")
 
@@ -100,11 +101,6 @@ class NamedParam(BaseModel):
     shape: list[int]
 
 
-def unprocessable(field: str, message: str) -> JSONResponse:
-    return JSONResponse({"detail": [{"type": "value_error", "loc": ["body", field], "msg": message}]},
-                        status_code=422)
-
-
 def _refuse(e: Exception) -> JSONResponse:
     if isinstance(e, RelayError):
         return unprocessable(e.field, str(e))
@@ -116,25 +112,31 @@ def _refuse(e: Exception) -> JSONResponse:
 
 async def _body(ctx: ProtocolContext, request: Request, model: Optional[type] = None):
     body = await read_json(request, ctx.limits)
-    if model is None:
-        return body
-    try:
-        return model.model_validate(body)
-    except Exception as e:
-        first = e.errors()[0] if hasattr(e, "errors") else {"loc": ["body"], "msg": str(e)}
-        raise ProtocolError(400, first["msg"], ".".join(str(p) for p in first["loc"])) from None
+    return body if model is None else parse_model(model, body)
+
+
+def _field(body, name: str):
+    return body.get(name) if isinstance(body, dict) else body
 
 
 def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
     api = APIRouter()
     relay = runner.relay
 
+    async def step(message: str, method: str, request: Optional[Request] = None, field: Optional[str] = None):
+        """One relay step the client waits for: its body's `field` (if any) to `method`."""
+        try:
+            args = (_field(await _body(ctx, request), field),) if request is not None else ()
+            result = await runner.call(method, *args)
+            return {"message": message} if result is None else {"message": message, "version": result}
+        except Exception as e:
+            return _refuse(e)
+
     @api.post("/init_communicator/", summary="TRL <= 1.10: join the trainer's group (the relay is rank 0)")
     async def init_communicator(request: Request):
         try:
             req = await _body(ctx, request, InitCommunicator)
-            if req.world_size != 2:
-                raise RelayError("world_size", f"{req.world_size!r}: must be 2 (/get_world_size/ answers 1)")
+            relay.check_trl(req.host, req.port, req.world_size)
             runner.background("open_trl", req.host, req.port, req.world_size)  # the trainer joins after the answer
             return {"message": "Request received, initializing communicator"}
         except Exception as e:
@@ -153,53 +155,27 @@ def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
 
     @api.post("/close_communicator/", summary="TRL <= 1.10: what arrived goes to the fleet; leave the group")
     async def close_communicator():
-        try:
-            await runner.call("close")
-            return {"message": "Request received, closing communicator"}
-        except Exception as e:
-            return _refuse(e)
+        return await step("Request received, closing communicator", "close")
 
     @api.post("/init_weight_transfer_engine", summary="vLLM / TRL >= 1.11: join the trainer's group (rank 1)")
     async def init_weight_transfer_engine(request: Request):
-        try:
-            body = await _body(ctx, request)
-            await runner.call("open_vllm", body.get("init_info") if isinstance(body, dict) else body)
-            return {"message": "Weight transfer initialized"}
-        except Exception as e:
-            return _refuse(e)
+        return await step("Weight transfer initialized", "open_vllm", request, "init_info")
 
     @api.post("/start_weight_update", summary="vLLM / TRL >= 1.11: an update begins")
     async def start_weight_update():
-        try:
-            await runner.call("start")
-            return {"message": "Weight update started"}
-        except Exception as e:
-            return _refuse(e)
+        return await step("Weight update started", "start")
 
     @api.post("/update_weights", summary="vLLM / TRL >= 1.11: the announced tensors, broadcast in packed chunks")
     async def update_weights(request: Request):
-        try:
-            body = await _body(ctx, request)
-            await runner.call("receive_packed", body.get("update_info") if isinstance(body, dict) else body)
-            return {"message": "Weights updated"}
-        except Exception as e:
-            return _refuse(e)
+        return await step("Weights updated", "receive_packed", request, "update_info")
 
-    @api.post("/finish_weight_update", summary="vLLM / TRL >= 1.11: every replica loads the update")
+    @api.post("/finish_weight_update", summary="vLLM / TRL >= 1.11: every replica loads the update (its version)")
     async def finish_weight_update():
-        try:
-            version = await runner.call("finish")
-            return {"message": "Weight update finished", "version": version}
-        except Exception as e:
-            return _refuse(e)
+        return await step("Weight update finished", "finish")
 
     @api.post("/shutdown_weight_transfer_engine", summary="vLLM: leave the trainer's group")
     async def shutdown_weight_transfer_engine():
-        try:
-            await runner.call("close")
-            return {"message": "Weight transfer shut down"}
-        except Exception as e:
-            return _refuse(e)
+        return await step("Weight transfer shut down", "close")
 
     @api.get("/weight_info", summary="vLLM: the weights version the fleet serves")
     async def weight_info():
