@@ -6,6 +6,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,30 @@ def http_request(cfg, path: str = "", data=None, method=None, token: bool = True
     base = f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{cfg.app_name}"
     headers = {"Authorization": f"Bearer {read_token(cfg.security)}"} if token else {}
     return urllib.request.Request(base + path, data=data, method=method, headers=headers)
+
+
+def gateway_url(client) -> str:
+    """The app's HTTP base URL on this machine (Serve's proxy, app name included)."""
+    return f"http://127.0.0.1:{int(os.environ.get('ROLLOUT_HTTP_PORT', 8000))}/{client.config.app_name}"
+
+
+@contextmanager
+def netrc_token(client, base_url: str, folder: Path):
+    """The app's token in a netrc file named by $NETRC while inside: what docs/trainers.md tells a
+    TRL user to do (`requests`, TRL's HTTP library, reads it for every call)."""
+    from urllib.parse import urlparse
+
+    from rollout_cluster.security.secrets import read_token
+
+    path = folder / "netrc"
+    path.write_text(f"machine {urlparse(base_url).hostname} login trl password {read_token(client.config.security)}\n")
+    path.chmod(0o600)
+    old = os.environ.get("NETRC")
+    os.environ["NETRC"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("NETRC", None)
+        else:
+            os.environ["NETRC"] = old

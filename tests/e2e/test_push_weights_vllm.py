@@ -32,6 +32,22 @@ def greedy(client, prompts=PROMPTS, spec=GREEDY):
     return [next(iter(seen[i])) for i in range(len(prompts))], out
 
 
+def generate_behind(client, prompts, spec, tokens: int):
+    """generate(prompts, spec) in a thread; returns (thread, results) once the fleet has made
+    `tokens` more tokens (at most 300 s), so that a weights update lands mid-batch."""
+    import threading
+    import time
+
+    results: dict = {}
+    made = client.status()["counters"]["generated_tokens"]
+    runner = threading.Thread(target=lambda: results.update(out=client.generate(prompts, spec, timeout_s=900)))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while client.status()["counters"]["generated_tokens"] < made + tokens and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return runner, results
+
+
 def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_continue_exactly(client, tmp_path):
     original = ROOT / "models" / "tiny-llama"
     other = make_model(str(tmp_path / "b"), seed=1)
@@ -47,18 +63,9 @@ def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_con
         assert greedy(client)[0] == pushed  # the same tensors from a checkpoint: the same tokens
 
         # In flight: long sequences on the checkpoint's weights, the original model pushed meanwhile.
-        import threading
-        import time
-
         long = SamplingSpec(n=1, max_tokens=400, temperature=0.0, ignore_eos=True)
         reference = [list(c.token_ids) for c in client.generate(PROMPTS, long, timeout_s=900)]  # all on v2
-        results = {}
-        made = client.status()["counters"]["generated_tokens"]
-        runner = threading.Thread(target=lambda: results.update(out=client.generate(PROMPTS, long, timeout_s=900)))
-        runner.start()
-        deadline = time.monotonic() + 300
-        while client.status()["counters"]["generated_tokens"] < made + 40 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        runner, results = generate_behind(client, PROMPTS, long, 40)
         v3 = client.push_weights(state_dict(original).items(), running="recompute")
         runner.join(900)
         done = results["out"]
@@ -83,9 +90,6 @@ def test_keep_swaps_under_running_sequences_which_go_on_to_their_exact_length(cl
     their KV cache and length, their tokens up to the recorded swap are the old weights' greedy
     ones, and a request after the push is the new weights' alone (no old-weights cache block: the
     prompts are longer than vLLM-CPU's 128-token block, so their first block is cached)."""
-    import threading
-    import time
-
     original = ROOT / "models" / "tiny-llama"
     other = make_model(str(tmp_path / "b"), seed=1)
     long = SamplingSpec(n=1, max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -97,13 +101,7 @@ def test_keep_swaps_under_running_sequences_which_go_on_to_their_exact_length(cl
         v_old = client.update_weights(str(original))
         reference = [list(c.token_ids) for c in client.generate(prompts, long, timeout_s=900)]  # old weights only
         kept = client.status()["counters"]["weights_kept"]
-        made = client.status()["counters"]["generated_tokens"]
-        results = {}
-        runner = threading.Thread(target=lambda: results.update(out=client.generate(prompts, long, timeout_s=900)))
-        runner.start()
-        deadline = time.monotonic() + 300
-        while client.status()["counters"]["generated_tokens"] < made + 40 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        runner, results = generate_behind(client, prompts, long, 40)
         v_new = client.push_weights(state_dict(other).items(), running="keep")
         runner.join(900)
         done = results["out"]

@@ -5,10 +5,8 @@ HTTP bodies, and multi-turn session affinity by X-Session-Id. Every check counts
 (ignore_eos), aligns logprobs with tokens, and sees every sample once and both replicas work."""
 import json
 import math
-import os
 import re
 import urllib.request
-from urllib.parse import urlparse
 
 import openai
 import pytest
@@ -16,7 +14,7 @@ from trl.generation.vllm_client import VLLMClient
 
 from rollout_cluster.security.secrets import read_token
 
-from e2e_support import METRICS_PORT, http_request
+from e2e_support import METRICS_PORT, gateway_url, http_request, netrc_token
 
 pytestmark = pytest.mark.e2e
 
@@ -37,26 +35,15 @@ def worked(before: dict, after: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def base_url(client):
-    port = int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))
-    return f"http://127.0.0.1:{port}/{client.config.app_name}"
+    return gateway_url(client)
 
 
 @pytest.fixture(scope="module")
 def trl_client(client, base_url, tmp_path_factory):
     """TRL's client as docs/trainers.md says to use it: the token in a netrc file named by $NETRC,
     which `requests` (TRL's HTTP library) reads for every call, check_server's bare one included."""
-    netrc = tmp_path_factory.mktemp("netrc") / "netrc"
-    netrc.write_text(f"machine {urlparse(base_url).hostname} login trl password {read_token(client.config.security)}\n")
-    netrc.chmod(0o600)
-    old = os.environ.get("NETRC")
-    os.environ["NETRC"] = str(netrc)
-    try:
+    with netrc_token(client, base_url, tmp_path_factory.mktemp("netrc")):
         yield VLLMClient(base_url=base_url, connection_timeout=60)
-    finally:
-        if old is None:
-            os.environ.pop("NETRC", None)
-        else:
-            os.environ["NETRC"] = old
 
 
 def check_samples(result: dict, prompts: int, n: int, max_tokens: int) -> None:

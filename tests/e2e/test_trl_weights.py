@@ -5,10 +5,8 @@
   equal those of the same weights from a checkpoint;
 - TRL <= 1.10's /init_communicator/, /update_named_param/ per tensor, /reset_prefix_cache/ as its
   GRPOTrainer sends them, which bring the first weights back, token for token."""
-import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlparse
 
 import pytest
 import requests
@@ -17,10 +15,9 @@ from trl.generation.vllm_client import VLLMClient
 
 from rollout_cluster.model_maker import make_model
 from rollout_cluster.protocol import SamplingSpec
-from rollout_cluster.security.secrets import read_token
 from rollout_cluster.transfer.channels import CpuSender
 
-from e2e_support import ROOT
+from e2e_support import ROOT, gateway_url, netrc_token
 
 pytestmark = pytest.mark.e2e
 
@@ -84,22 +81,13 @@ def greedy(client):
 
 @pytest.fixture(scope="module")
 def base_url(client):
-    port = int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))
-    return f"http://127.0.0.1:{port}/{client.config.app_name}"
+    return gateway_url(client)
 
 
 @pytest.fixture(scope="module")
 def netrc(client, base_url, tmp_path_factory):
-    path = tmp_path_factory.mktemp("netrc") / "netrc"
-    path.write_text(f"machine {urlparse(base_url).hostname} login trl password {read_token(client.config.security)}\n")
-    path.chmod(0o600)
-    old = os.environ.get("NETRC")
-    os.environ["NETRC"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("NETRC", None)
-    else:
-        os.environ["NETRC"] = old
+    with netrc_token(client, base_url, tmp_path_factory.mktemp("netrc")) as path:
+        yield path
 
 
 def test_trl_clients_update_the_whole_fleet_through_the_relay(client, base_url, netrc, tmp_path):
