@@ -123,6 +123,9 @@ def add_commands(sub) -> None:
     p.add_argument("--rounds", type=int, default=2, help="paired rounds per seed (the order alternates)")
     p.add_argument("--memory-fraction", type=float, default=0.42,
                    help="GPU: each engine's gpu_memory_utilization (both stay up side by side)")
+    p.add_argument("--control", action="store_true",
+                   help="also keep a second bare engine up (started last) and report it against the first: "
+                        "what separate engine instances differ by without the cluster")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each batch")
     p.add_argument("--out", required=True, help="output directory: overhead.json, overhead.md")
     p.set_defaults(fn=cmd_overhead)

@@ -6,6 +6,8 @@ cannot resolve a 2 % overhead. Here both stay up side by side (on a GPU each tak
 each running the batch on both, in an order that alternates from round to round (and seed to
 seed), with fresh prompt ids every run so that no run finds another's prefix cache. The answer is
 the median over all pairs of (cluster / bare - 1), with its spread and each seed's median.
+`--control` keeps a second bare engine up, started after the cluster, in the rotation: its
+difference from the first is what two engine instances differ by without any cluster.
 
 Both have the config's scheduler limits (max_num_seqs, max_num_batched_tokens); the bare engine
 runs every request of the batch at once, as an offline job would. With ROLLOUT_TIMELINE_DIR set,
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 from ..config import PolicyConfig
-from .repeats import median
+from .repeats import median, round_order
 from .run import cluster_config, fill_defaults, percentile, tail_s, workload
 from .vllm_run import all_in_flight, warmup_batch
 
@@ -40,15 +42,21 @@ def overhead(args) -> dict:
     seeds = [int(s) for s in str(args.seeds).split(",")]
     bare = BareEngine(cfg)  # first: its memory is taken before the replica's
     client = RolloutClient.start(cfg)
+    # The control: a second bare engine, started last. Its difference from the first bare engine
+    # is what separate engine instances (and their start order) make on their own.
+    control = BareEngine(cfg, "control") if args.control else None
     try:
         vocab = int(client.status()["model"]["vocab_size"])
         client.run_requests(warmup_batch(1, vocab), timeout_s=args.timeout_s)
         bare.run(warmup_batch(1, vocab), "warmup")
+        if control is not None:
+            control.run(warmup_batch(1, vocab), "warmup")
+        names = ["cluster", "bare"] + (["control"] if control is not None else [])
         pairs = []
         for s, seed in enumerate(seeds):
             for r in range(args.rounds):
-                order = ("cluster", "bare") if (r + s) % 2 == 0 else ("bare", "cluster")
-                pair = {"seed": seed, "round": r, "order": list(order)}
+                order = round_order(names, r + s)
+                pair = {"seed": seed, "round": r, "order": order}
                 for who in order:
                     reqs, _ = workload(args, seed, vocab, ids_salt=f"-{who}-r{r}")
                     if who == "cluster":
@@ -57,14 +65,18 @@ def overhead(args) -> dict:
                         pair[who] = summary(time.monotonic() - t0, [c.finish_time_s for c in done],
                                             sum(len(c.token_ids) for c in done))
                     else:
-                        res = bare.run(reqs, f"s{seed}r{r}")
+                        res = (bare if who == "bare" else control).run(reqs, f"{who}-s{seed}r{r}")
                         pair[who] = summary(res["makespan_s"], res["finish_times"], res["tokens"])
-                pair["overhead_pct"] = round(100 * (pair["cluster"]["makespan_s"] / pair["bare"]["makespan_s"] - 1), 2)
+                pair["overhead_pct"] = pct_over(pair["cluster"], pair["bare"])
+                if control is not None:
+                    pair["control_pct"] = pct_over(pair["control"], pair["bare"])
                 print(json.dumps(pair), flush=True)
                 pairs.append(pair)
     finally:
         client.shutdown()
         bare.close()
+        if control is not None:
+            control.close()
     result = combine(pairs, cfg, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +84,11 @@ def overhead(args) -> dict:
     (out / "overhead.md").write_text(table(result))
     print(table(result))
     return result
+
+
+def pct_over(run: dict, base: dict) -> float:
+    """How much longer `run` took than `base`, in percent."""
+    return round(100 * (run["makespan_s"] / base["makespan_s"] - 1), 2)
 
 
 def summary(makespan: float, finish_times: list, tokens: int) -> dict:
@@ -89,31 +106,49 @@ def combine(pairs: list, cfg, args) -> dict:
             "rounds": args.rounds, "pairs": pairs,
             "median_overhead_pct": round(median(pct), 2), "min_pct": min(pct), "max_pct": max(pct),
             "per_seed_median_pct": {s: round(median([p["overhead_pct"] for p in pairs if p["seed"] == s]), 2)
-                                    for s in seeds}}
+                                    for s in seeds},
+            **control_stats(pairs)}
+
+
+def control_stats(pairs: list) -> dict:
+    """The second bare engine against the first (empty without --control)."""
+    pct = [p["control_pct"] for p in pairs if "control_pct" in p]
+    if not pct:
+        return {}
+    return {"control_median_pct": round(median(pct), 2), "control_min_pct": min(pct), "control_max_pct": max(pct)}
 
 
 def table(result: dict) -> str:
-    rows = ["| seed | round | order | cluster (s) | bare (s) | overhead | median finish, cluster / bare (s) |",
-            "|---:|---:|---|---:|---:|---:|---|"]
+    control = "control_median_pct" in result
+    head = "| seed | round | order | cluster (s) | bare (s) | overhead |"
+    head += " control (s) | control vs bare |" if control else ""
+    rows = [head + " median finish, cluster / bare (s) |", "|---:|---:|---|---:|---:|---:|" + ("---:|---:|" if control else "")
+            + "---|"]
     for p in result["pairs"]:
         c, b = p["cluster"], p["bare"]
-        rows.append(f"| {p['seed']} | {p['round']} | {' then '.join(p['order'])} | {c['makespan_s']:.2f} | "
-                    f"{b['makespan_s']:.2f} | {p['overhead_pct']:+.2f} % | {c['median_finish_s']:.2f} / "
-                    f"{b['median_finish_s']:.2f} |")
+        row = (f"| {p['seed']} | {p['round']} | {' then '.join(p['order'])} | {c['makespan_s']:.2f} | "
+               f"{b['makespan_s']:.2f} | {p['overhead_pct']:+.2f} % |")
+        if control:
+            row += f" {p['control']['makespan_s']:.2f} | {p['control_pct']:+.2f} % |"
+        rows.append(row + f" {c['median_finish_s']:.2f} / {b['median_finish_s']:.2f} |")
     rows.append("")
     rows.append(f"median paired overhead {result['median_overhead_pct']:+.2f} % (spread {result['min_pct']:+.2f} "
                 f"to {result['max_pct']:+.2f} %); per seed: "
                 + ", ".join(f"{s}: {v:+.2f} %" for s, v in result["per_seed_median_pct"].items()))
+    if control:
+        rows.append(f"control (a second bare engine, started last) against the first: median "
+                    f"{result['control_median_pct']:+.2f} % (spread {result['control_min_pct']:+.2f} to "
+                    f"{result['control_max_pct']:+.2f} %)")
     return "\n".join(rows) + "\n"
 
 
 class BareEngine:
     """One bare AsyncLLM in a spawned process that runs batch after batch on request."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, name: str = "bare"):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_main, args=(cfg.engine, cfg.model_path(), child))
+        self.proc = ctx.Process(target=_serve_main, args=(cfg.engine, cfg.model_path(), child, name))
         self.proc.start()
         ready = self.conn.recv()
         if ready != "ready":
@@ -135,15 +170,15 @@ class BareEngine:
                 self.proc.terminate()
 
 
-def _serve_main(engine_cfg, model: str, conn) -> None:
+def _serve_main(engine_cfg, model: str, conn, name: str) -> None:
     try:
-        asyncio.run(_serve(engine_cfg, model, conn))
+        asyncio.run(_serve(engine_cfg, model, conn, name))
     except BaseException as e:  # noqa: BLE001  (the parent must hear of any failure)
         conn.send(f"{type(e).__name__}: {e}")
     os._exit(0)
 
 
-async def _serve(engine_cfg, model: str, conn) -> None:
+async def _serve(engine_cfg, model: str, conn, name: str) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ..engines.vllm_engine import cpu_env, engine_args, is_cpu_build
@@ -152,7 +187,7 @@ async def _serve(engine_cfg, model: str, conn) -> None:
     if is_cpu_build():
         os.environ.update(cpu_env(engine_cfg, 0))  # the replica's core
     engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
-    timeline = Timeline.from_env("bare")
+    timeline = Timeline.from_env(name)
     if timeline is not None:
         timeline.start_probe()
     loop = asyncio.get_running_loop()
