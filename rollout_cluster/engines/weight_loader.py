@@ -155,6 +155,14 @@ class TensorLoader:
                 initialize_layerwise_reload(model)
                 self._rc_mode = "layerwise"
 
+    def rc_reload_format(self, fmt: str) -> str:
+        """Have vLLM's reload_weights read checkpoints as `fmt`: an engine started with load_format
+        dummy has a loader that reads no file, so reload_weights refused ("Model reloading with
+        `dummy` format"). Returns the format it had."""
+        config = self.vllm_config.load_config
+        old, config.load_format = config.load_format, fmt
+        return old
+
     def rc_tensors_mode(self) -> str | None:
         """How the last load ran: "direct" (direct_load.py) or "layerwise" (vLLM's reload)."""
         return getattr(self, "_rc_mode", None)
