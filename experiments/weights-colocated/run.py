@@ -40,8 +40,9 @@ GIB = 2 ** 30
 class Run:
     """The phases' shared state and the report, written after each phase."""
 
-    def __init__(self, out: Path, skip: set):
+    def __init__(self, out: Path, skip: set, budget_s: float):
         self.out, self.skip = out, skip  # where colocated.json goes; the phase letters not to run
+        self.deadline = time.monotonic() + budget_s  # a phase that needs more than is left is skipped
         self.report: dict = {"phases": []}  # what every phase printed, in order, and the summary
         self.client = None  # the RolloutClient while the cluster runs
         self.model = None  # the trainer's transformers model
@@ -49,12 +50,15 @@ class Run:
         self.ckpt = ""  # e's checkpoint directory
         self.ckpt_root = ""  # the folder e saves under (the cluster's checkpoint root)
 
-    def phase(self, name: str, fn, needs=()) -> None:
+    def phase(self, name: str, fn, needs=(), min_left_s: float = 0.0) -> None:
         letter = name[0]
         missing = [n for n in needs if not n()]
         line = {"phase": name}
+        left = self.deadline - time.monotonic()
         if letter in self.skip:
             line["skipped"] = "--skip"
+        elif left < min_left_s:
+            line["skipped"] = f"{left:.0f} s of --budget-s left, it needs {min_left_s:.0f}"
         elif missing:
             line["skipped"] = "an earlier phase it needs failed or was skipped"
         else:
@@ -93,11 +97,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ckpt-dir", default=tempfile.gettempdir(), help="local disk for save_pretrained")
     ap.add_argument("--gpu-util", type=float, default=0.45)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="f runs only with 240 s left, g with 100 s")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(out, set(a.skip.replace(",", "")) | ({"f"} if a.no_object_store else set()))
+    run = Run(out, set(a.skip.replace(",", "")) | ({"f"} if a.no_object_store else set()), a.budget_s)
     cuda = a.device == "cuda"
     run.report["args"] = vars(a)
     run.ckpt_root = tempfile.mkdtemp(prefix="colocated-", dir=a.ckpt_dir)
@@ -192,16 +197,17 @@ def main() -> None:
         path = os.path.join(run.ckpt_root, "step1")
         t0 = time.monotonic()
         run.model.save_pretrained(path, safe_serialization=True)
-        if cuda:
-            os.sync()  # written, as a trainer's checkpoint is before it names it
         save_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        os.sync()  # on disk, as a trainer's checkpoint is before it names it (reported apart)
+        sync_s = time.monotonic() - t0
         t0 = time.monotonic()
         write_manifest(path)
         manifest_s = time.monotonic() - t0
         t0 = time.monotonic()
         v = run.client.update_weights(path)
         run.ckpt = path
-        info = {"save_s": round(save_s, 2), "manifest_s": round(manifest_s, 3),
+        info = {"save_s": round(save_s, 2), "sync_s": round(sync_s, 2), "manifest_s": round(manifest_s, 3),
                 "update_s": round(time.monotonic() - t0, 2), "version": v}
         info.update(batch("C"))
         if "B" in run.batches:
@@ -217,11 +223,17 @@ def main() -> None:
             run.client = None
         run.model = None
         if cuda:
+            import gc
+
+            gc.collect()
             torch.cuda.empty_cache()
-        t0 = time.monotonic()
+            total, t0 = torch.cuda.mem_get_info()[1], time.monotonic()
+            while torch.cuda.mem_get_info()[0] < 0.55 * total and time.monotonic() - t0 < 60:
+                time.sleep(1)  # the replica's engine process exits after shutdown() returns
+        free_before, t0 = free_gib(), time.monotonic()
         llm = LLM(model=run.ckpt, dtype=dtype, enforce_eager=True, max_model_len=4096, max_num_seqs=64,
                   skip_tokenizer_init=True, **({"gpu_memory_utilization": 0.5} if cuda else {}))
-        info = {"llm_start_s": round(time.monotonic() - t0, 1)}
+        info = {"llm_start_s": round(time.monotonic() - t0, 1), "free_gib_before_llm": free_before}
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True))
         run.batches["D"] = [list(o.outputs[0].token_ids) for o in outs]
@@ -239,8 +251,8 @@ def main() -> None:
     run.phase(f"d_push_{first}", lambda: push(first, "B"), (have["cluster"], have["model"]))
     run.phase("e_save_and_update_weights", checkpoint, (have["cluster"], have["model"]))
     run.phase("f_push_object_store", lambda: push("object_store", "E", a.object_store_timeout),
-              (have["cluster"], have["model"]))
-    run.phase("g_fresh_llm_from_checkpoint", fresh_engine, (have["ckpt"],))
+              (have["cluster"], have["model"]), min_left_s=240)
+    run.phase("g_fresh_llm_from_checkpoint", fresh_engine, (have["ckpt"],), min_left_s=100)
     if run.client is not None:
         run.client.shutdown()
     summary(run, first)
@@ -252,7 +264,7 @@ def summary(run: Run, first: str) -> None:
     push_s, save_s, update_s = got.get(f"push_{first}_s"), got.get("save_s"), got.get("update_s")
     base = save_s + got.get("manifest_s", 0) + update_s if save_s is not None and update_s is not None else None
     line = {"summary": True, f"push_{first}_s": push_s, "push_object_store_s": got.get("push_object_store_s"),
-            "save_s": save_s, "manifest_s": got.get("manifest_s"), "update_s": update_s,
+            "save_s": save_s, "sync_s": got.get("sync_s"), "manifest_s": got.get("manifest_s"), "update_s": update_s,
             "ratio_checkpoint_over_push": round(base / push_s, 2) if base and push_s else None,
             "free_gib_awake": got.get("free_gib_awake"), "free_gib_asleep": got.get("free_gib_asleep"),
             "B_vs_A": got.get("B_vs_A"), "C_vs_B": got.get("C_vs_B"), "E_vs_B": got.get("E_vs_B"),
