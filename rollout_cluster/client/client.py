@@ -133,7 +133,7 @@ class RolloutClient:
         return fleet_ops.update_weights(self, path, version, timeout_s, running)
 
     def push_weights(self, named_tensors, version: Optional[int] = None, timeout_s: float = 600.0,
-                     bucket_bytes: int = 256 << 20, running: str = "finish") -> int:
+                     bucket_bytes: int = 256 << 20, running: str = "finish", transport: str = "object_store") -> int:
         """Load the trainer's tensors into every replica without a checkpoint: `named_tensors`
         ((name, tensor) pairs in the served checkpoint's names and shapes, e.g.
         `model.named_parameters()` or `model.state_dict().items()` of the same architecture) go to
@@ -141,8 +141,15 @@ class RolloutClient:
         between batches. Returns once every replica holds `version` (default: current + 1), raising
         with each replica's error as update_weights does; a replica that joins later loads them
         before it takes work. The tensors live in this process's object store: keep the process up
-        while the fleet may still need them (until the next push). `running`: as update_weights'."""
-        return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, timeout_s, running)
+        while the fleet may still need them (until the next push). `running`: as update_weights'.
+
+        `transport="ipc"` (co-location: the trainer's CUDA tensors on the GPU a replica's engine
+        uses): the buckets carry CUDA IPC handles, and the engine copies the tensors straight from
+        this process's GPU memory (transfer/ipc.py). Every tensor on one GPU; the fleet awake;
+        not with running="keep". The tensors are held until every replica loaded, then let go: a
+        replica on another GPU or host, or one that joins later, fails loading this version (its
+        error says why) and gets the next push."""
+        return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, timeout_s, running, transport)
 
     def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
         """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs

@@ -8,12 +8,14 @@ The client's methods carry the docstrings; these functions take the client.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable, Optional
 
 from ..protocol import InputError, is_int
 
+log = logging.getLogger(__name__)
 REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
 
 
@@ -67,13 +69,27 @@ def update_weights(client, path: str, version: Optional[int], timeout_s: float, 
 
 
 def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: int, timeout_s: float,
-                 running: str = "finish") -> int:
+                 running: str = "finish", transport: str = "object_store") -> int:
+    from ..transfer.ipc import IpcHold, check_transport
     from ..transfer.push import push
 
-    before_update(client, running, time.monotonic() + timeout_s)
-    v, source, _ = push(client.router.handle, client.router.signer, named_tensors, version, bucket_bytes,
-                        client.call_timeout_s, running)
-    return wait_for_version(client, v, source, "push_weights", timeout_s)
+    check_transport(transport, running)
+    hold = None
+    if transport == "ipc":
+        level = client.status()["sleep"]["level"]
+        if level:  # asleep, the engines would load at wake: after this call let the tensors go
+            raise RuntimeError(f"push_weights(transport='ipc'): the fleet sleeps (level {level}); wake() first: "
+                               "the engines open the trainer's tensors while this call holds them")
+        hold = IpcHold.start()
+    try:
+        before_update(client, running, time.monotonic() + timeout_s)
+        v, source, _ = push(client.router.handle, client.router.signer, named_tensors, version, bucket_bytes,
+                            client.call_timeout_s, running, hold)
+        return wait_for_version(client, v, source, "push_weights", timeout_s)
+    finally:  # every replica loaded or failed (or the wait gave up): the handles close
+        if hold is not None and not hold.release(timeout_s):
+            log.warning("push_weights: a replica still loads over CUDA IPC after %.0f s; its tensors are kept "
+                        "(never freed) so that it reads no freed memory", timeout_s)
 
 
 def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> int:

@@ -337,6 +337,8 @@ class VllmEngine(EngineAdapter):
         # A failure in there leaves the model half loaded: the caller must restart this engine.
         try:
             mark("reload_start")
+            if self.cfg.load_format == "dummy":  # vLLM's dummy loader reads no file: reload as safetensors
+                await self.engine.collective_rpc("rc_reload_format", args=("auto",))
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
             mark("reload_end")
         except Exception as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from ..transfer.ipc import is_ipc
 from .weight_checks import BucketCheck
 from .weight_loader import TensorLoader, map_shm, write_bucket
 
@@ -71,6 +72,9 @@ async def swap_into(engine, buckets, spec: dict | None) -> dict:
     check = BucketCheck(spec)
     try:
         async for bucket in _each(buckets):
+            if is_ipc(bucket):
+                raise ValueError("running='keep' cannot take a push by CUDA IPC (the swap stages copies "
+                                 "while the engine runs on): push with running='finish' or transport='object_store'")
             check.bucket(bucket)
             header, path = await asyncio.to_thread(write_bucket, bucket)
             try:

@@ -5,6 +5,9 @@
   a /dev/shm slot, and has the worker load it.
 - `layout` / `write_bucket` / `pack_bucket` / `unpack_bucket`: a bucket as a header (names,
   dtypes, shapes, 64-byte aligned offsets) and one flat run of bytes.
+- Buckets pushed by CUDA IPC (transfer/ipc.py) skip the staging: their handles ride the
+  collective_rpc as bytes and the worker opens the trainer's tensors on its GPU
+  (`rc_tensors_load_ipc`).
 - `TensorLoader`: the worker extension (engine arg `worker_extension_cls`). vLLM mixes it into
   its worker class, so its methods run inside the worker, reached with `collective_rpc`.
 
@@ -152,6 +155,14 @@ class TensorLoader:
                 initialize_layerwise_reload(model)
                 self._rc_mode = "layerwise"
 
+    def rc_reload_format(self, fmt: str) -> str:
+        """Have vLLM's reload_weights read checkpoints as `fmt`: an engine started with load_format
+        dummy has a loader that reads no file, so reload_weights refused ("Model reloading with
+        `dummy` format"). Returns the format it had."""
+        config = self.vllm_config.load_config
+        old, config.load_format = config.load_format, fmt
+        return old
+
     def rc_tensors_mode(self) -> str | None:
         """How the last load ran: "direct" (direct_load.py) or "layerwise" (vLLM's reload)."""
         return getattr(self, "_rc_mode", None)
@@ -161,9 +172,6 @@ class TensorLoader:
         """Load one packed bucket, from the /dev/shm file `path`, from `data`, or from the slot
         (id, size) (shm_slots.py: mapped from `path` the first time, kept mapped). Returns the
         number of tensors."""
-        import torch
-        from vllm.config import set_current_vllm_config
-
         mark("worker_load_start", bytes=header["nbytes"])
         if slot is not None:
             maps = self.__dict__.setdefault("_rc_slots", {})  # slot id -> its mapping
@@ -177,14 +185,39 @@ class TensorLoader:
             buf = maps[slot[0]]
         else:
             buf = map_shm(path, header["nbytes"]) if path is not None else data
-        weights = unpack_bucket(header, buf)
+        n = self._rc_load(unpack_bucket(header, buf))
+        mark("worker_load_end")
+        return n
+
+    def rc_tensors_load_ipc(self, header: dict, handles: bytes) -> int:
+        """Load one IPC bucket (transfer/ipc.py): its tensors rebuilt from the trainer's CUDA IPC
+        handles on this worker's device (refused, naming both GPUs, where the trainer's is another),
+        loaded as rc_tensors_load loads. Returns the number of tensors."""
+        import torch
+
+        from ..transfer.ipc import device_uuid, open_handles
+
+        mark("worker_load_start", bytes=header["nbytes"])
+        dev = getattr(self, "device", None)
+        index = dev.index if isinstance(dev, torch.device) and dev.type == "cuda" else torch.cuda.current_device()
+        weights = open_handles(header, handles, index, device_uuid(index))
+        n = self._rc_load(weights)
+        # the copies out of the trainer's memory finish before it may change or free it
+        torch.cuda.synchronize(index)
+        del weights
+        mark("worker_load_end")
+        return n
+
+    def _rc_load(self, weights: list) -> int:
+        import torch
+        from vllm.config import set_current_vllm_config
+
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             if self._rc_direct is not None:
                 loaded = self._rc_direct.load(weights)
             else:
                 loaded = self._rc_model().load_weights(weights)
         self._rc_loaded |= set(loaded or ())
-        mark("worker_load_end")
         return len(weights)
 
     def rc_tensors_end(self, keep_slots: list | None = None) -> list:
@@ -224,6 +257,16 @@ async def _each(buckets):
 
 
 async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") -> int:
+    """`_load_into`, holding the lease of a push by CUDA IPC (transfer/ipc.py) while it loads."""
+    leases: list = []
+    try:
+        return await _load_into(engine, buckets, spec, transport, leases)
+    finally:
+        for fd in leases:
+            os.close(fd)
+
+
+async def _load_into(engine, buckets, spec: dict | None, transport: str, leases: list) -> int:
     """Load `buckets` into the running AsyncLLM `engine` (started with worker_extension_cls=EXTENSION).
 
     A list of buckets is checked whole before the engine is touched: a refusal leaves the old
@@ -231,9 +274,11 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
     first bucket went in, like any failure inside vLLM, leaves a mix and raises WeightsLoadBroken.
     `transport`: "shm" (reused /dev/shm slots, shm_slots.py, falling back to "bytes" where /dev/shm
     cannot take a bucket), "file" (a new /dev/shm file per bucket) or "bytes" (the buffer inside
-    the collective_rpc). Returns the number of tensors."""
+    the collective_rpc). A bucket pushed by CUDA IPC (ipc.IpcBucket) goes as its handles: the
+    worker opens the trainer's tensors on its GPU. Returns the number of tensors."""
     import asyncio
 
+    from ..transfer.ipc import hold_lease, is_ipc
     from .base import WeightsLoadBroken
 
     check = BucketCheck(spec)
@@ -252,8 +297,12 @@ async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") 
             mark("bucket_here")
             if not checked:
                 check.bucket(bucket)
-            # written while the worker loads the previous bucket: at most two buckets staged at once
-            staged = await asyncio.to_thread(_stage, bucket, transport, slots)
+            if is_ipc(bucket):  # handles only: nothing to stage; the trainer's tensors live while the lease does
+                if not leases:
+                    leases.append(hold_lease(bucket))
+                staged = (bucket.header, None, bucket, None)
+            else:  # written while the worker loads the previous bucket: at most two buckets staged at once
+                staged = await asyncio.to_thread(_stage, bucket, transport, slots)
             mark("bucket_staged")
             if inflight is not None:
                 inflight, done = None, inflight
@@ -328,7 +377,12 @@ def _unstage(staged: tuple, slots, ok: bool) -> None:
 
 
 async def _send(engine, staged: tuple, slots=None) -> None:
+    from ..transfer.ipc import is_ipc
+
     header, path, buf, slot = staged
+    if is_ipc(buf):
+        await engine.collective_rpc("rc_tensors_load_ipc", args=(header, buf.handles))
+        return
     if path is None:
         await engine.collective_rpc("rc_tensors_load", args=(header, None, buf.numpy().data))
         return

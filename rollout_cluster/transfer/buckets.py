@@ -5,7 +5,8 @@ node maps them from the object store without a copy):
   names:  the tensors' names, in the trainer's order (its state_dict names);
   dtypes: torch dtype names ("bfloat16", "float32", ...);
   shapes: each tensor's shape;
-  data:   one uint8 numpy array per tensor, its bytes (bfloat16 has no numpy type: bytes travel).
+  data:   one uint8 numpy array per tensor, its bytes (bfloat16 has no numpy type: bytes travel);
+          a bucket pushed by CUDA IPC carries handles instead (ipc.py).
 Buckets hold about `bucket_bytes` each (a tensor larger than that is a bucket of its own), so a
 receiver loads one bucket while the next one travels, and no message holds a whole model.
 """
@@ -16,14 +17,13 @@ from typing import Iterable, Iterator
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
-def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict]:
-    """Buckets of (name, tensor) pairs, in order. Tensors are detached and copied to host memory
-    once (a CPU tensor that is contiguous already is viewed, not copied)."""
+def checked(named_tensors: Iterable, bucket_bytes: int) -> Iterator[tuple]:
+    """The (name, tensor) pairs, each checked: a pair, a str name given once, a torch.Tensor."""
     import torch
 
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be an integer >= 1")
-    bucket, size, seen = _empty(), 0, set()
+    seen = set()
     for item in named_tensors:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"named_tensors: expected (name, tensor) pairs, got {type(item).__name__}")
@@ -33,6 +33,16 @@ def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> I
         if name in seen:
             raise ValueError(f"named_tensors[{name!r}]: given twice")
         seen.add(name)
+        yield name, tensor
+
+
+def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict]:
+    """Buckets of (name, tensor) pairs, in order. Tensors are detached and copied to host memory
+    once (a CPU tensor that is contiguous already is viewed, not copied)."""
+    import torch
+
+    bucket, size = _empty(), 0
+    for name, tensor in checked(named_tensors, bucket_bytes):
         t = tensor.detach().to("cpu").contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else _no_bytes()
         if bucket["names"] and size + data.nbytes > bucket_bytes:
@@ -48,11 +58,16 @@ def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> I
 
 
 def unpack(bucket: dict) -> list:
-    """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only)."""
+    """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only). An
+    IPC bucket (ipc.py) gives an ipc.IpcBucket: its tensors stay in the trainer's GPU memory."""
     import warnings
 
     import torch
 
+    if "ipc" in bucket:
+        from .ipc import unpack_ipc
+
+        return unpack_ipc(bucket)
     out = []
     for name, dtype, shape, data in zip(bucket["names"], bucket["dtypes"], bucket["shapes"], bucket["data"]):
         torch_dtype = getattr(torch, dtype, None)
@@ -66,6 +81,8 @@ def unpack(bucket: dict) -> list:
 
 
 def bucket_bytes_of(bucket: dict) -> int:
+    if "ipc" in bucket:  # the tensors' bytes, which stay on the trainer's GPU
+        return bucket["nbytes"]
     return sum(d.nbytes for d in bucket["data"])
 
 

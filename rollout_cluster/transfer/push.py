@@ -20,13 +20,14 @@ from .trace import mark
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
 
 
-def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple:
-    """(object refs of the buckets, tensors, bytes): every bucket in the object store."""
+def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None) -> tuple:
+    """(object refs of the buckets, tensors, bytes): every bucket in the object store. With `ipc`
+    (an ipc.IpcHold), the buckets hold CUDA IPC handles of the tensors, not their bytes."""
     import ray
 
     refs, tensors, nbytes = [], 0, 0
     mark("put_start")
-    for bucket in pack(named_tensors, bucket_bytes):
+    for bucket in (ipc.buckets(named_tensors, bucket_bytes) if ipc is not None else pack(named_tensors, bucket_bytes)):
         refs.append(ray.put(bucket))
         mark("put_bucket", i=len(refs) - 1, bytes=bucket_bytes_of(bucket))
         tensors += len(bucket["names"])
@@ -37,10 +38,11 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 
 
 def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
-         call_timeout_s: float, running: str = "finish") -> tuple:
+         call_timeout_s: float, running: str = "finish", ipc=None) -> tuple:
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
-    `refs` until every replica holds the version (its process owns them anyway)."""
-    refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes)
+    `refs` until every replica holds the version (its process owns them anyway), and `ipc` (an
+    ipc.IpcHold: push by CUDA IPC) until then too."""
+    refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
     order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
                                          "tensors": tensors, "bytes": nbytes, "running": running})
