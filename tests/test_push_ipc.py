@@ -12,7 +12,8 @@ from rollout_cluster.client import fleet_ops
 from rollout_cluster.engines.weight_checks import BucketCheck
 from rollout_cluster.engines.weight_keep import swap_into
 from rollout_cluster.engines.weight_loader import load_into
-from rollout_cluster.transfer.buckets import bucket_bytes_of, unpack
+from rollout_cluster.transfer.buckets import bucket_bytes_of
+from rollout_cluster.transfer.ipc import unpack_ipc as unpack
 from rollout_cluster.transfer.ipc import IpcHold, check_transport, hold_lease, is_ipc, open_handles
 
 

@@ -20,6 +20,7 @@ from typing import Optional
 from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
 from ..transfer.buckets import unpack
+from ..transfer.ipc import unpack_ipc
 from ..transfer.push import PUSH_SCHEME
 from ..protocol import ControlOrder, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake, WeightsState
 
@@ -41,7 +42,7 @@ async def fetched(buckets: tuple):
             if ahead is not None:
                 ahead.cancel()
             raise
-        yield unpack(bucket)
+        yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)  # IPC: handles to the trainer's GPU memory
 
 
 class EngineMoves:

@@ -58,16 +58,12 @@ def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> I
 
 
 def unpack(bucket: dict) -> list:
-    """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only). An
-    IPC bucket (ipc.py) gives an ipc.IpcBucket: its tensors stay in the trainer's GPU memory."""
+    """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only). (An
+    IPC bucket has no bytes: ipc.unpack_ipc reads it.)"""
     import warnings
 
     import torch
 
-    if "ipc" in bucket:
-        from .ipc import unpack_ipc
-
-        return unpack_ipc(bucket)
     out = []
     for name, dtype, shape, data in zip(bucket["names"], bucket["dtypes"], bucket["shapes"], bucket["data"]):
         torch_dtype = getattr(torch, dtype, None)
