@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 
 
 def cpu_env(cfg: EngineConfig, rank: int) -> dict:
-    """Environment for a vLLM-CPU engine: bounded KV space, one core of its own per replica."""
+    """Environment for a vLLM-CPU engine: bounded KV space, one core of its own per replica (per
+    rank where it is tensor parallel: replica k's ranks on cores k*tp .. k*tp+tp-1, "c0|c1|...")."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.cpu_kv_cache_gib)))}
     if cfg.cpu_bind_cores:
-        ncores = os.cpu_count() or 1
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(rank % ncores)
+        ncores, tp = os.cpu_count() or 1, max(1, cfg.tensor_parallel_size)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str((rank * tp + r) % ncores) for r in range(tp))
     return env
 
 
