@@ -1,5 +1,5 @@
-"""rollout-cluster: serve | generate | update-weights | sleep | wake | scale | make-model | write-manifest | demo |
-bench | simulate | calibrate."""
+"""rollout-cluster: serve | generate | update-weights | weights-digest | sleep | wake | scale | make-model |
+write-manifest | demo | bench | simulate | calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,15 @@ def cmd_sleep(a) -> int:
     return 0
 
 
+def cmd_weights_digest(a) -> int:
+    """weights-digest: every replica's weights version and digest; exit 1 when they differ."""
+    client = _attach(a)
+    got = client.weights_digest(timeout_s=a.timeout_s, detail=a.detail)
+    same = len({(r["version"], r["digest"]) for r in got.values()}) <= 1
+    print(json.dumps({"identical": same, "replicas": got}))
+    return 0 if same else 1
+
+
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
@@ -197,6 +206,15 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_scale)
+
+    p = sub.add_parser("weights-digest", help="each replica's weights version and a digest of its weights' bits "
+                                              "(exit 1 when replicas differ)")
+    p.add_argument("--detail", action="store_true", help="every parameter's digest, dtype and shape too")
+    p.add_argument("--app-name", default="rollout")
+    p.add_argument("--address", default="auto")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
+    p.set_defaults(fn=cmd_weights_digest)
 
     p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")
     p.add_argument("--config", default="configs/local-cpu.yaml")

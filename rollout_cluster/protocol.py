@@ -423,6 +423,8 @@ class Report:
     # Counts up with every report the replica builds (0: not counted). A report the router gets
     # after a newer one (a pull it processed late) has its progress applied, not its state.
     number: int = 0
+    # The answer to the last DigestWeights, until a pull delivered it (None: none to send)
+    digest: Optional[WeightsDigest] = None
     # The secret the router gave this replica when it registered (Router.register): a report
     # without it is not applied, so no other caller can speak for the replica.
     credential: str = field(default="", repr=False)
@@ -478,7 +480,29 @@ class ResetPrefixCache:
     number: int
 
 
-ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake, ResetPrefixCache]
+@dataclass(frozen=True)
+class DigestWeights:
+    """Send a digest of the engine's weights (RolloutClient.weights_digest) in a report, taken after
+    the moves under way. `ask` names the request (a resent order starts nothing); `detail`: every
+    parameter's digest too."""
+
+    ask: str
+    detail: bool = False
+
+
+@dataclass
+class WeightsDigest:
+    """Replica -> router (Report.digest): the answer to DigestWeights `ask`."""
+
+    ask: str
+    version: int  # the weights version the engine held for the whole digest (no load ran meanwhile)
+    digest: str = ""  # over every parameter (engines/weight_digest.py); "" with `error`
+    params: Optional[dict] = None  # with `detail`: {name: {"digest", "dtype", "shape"}}
+    error: Optional[str] = None  # why there is none: the engine sleeps, a load ran meanwhile, it failed
+    seconds: float = 0.0  # how long the engine took
+
+
+ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake, ResetPrefixCache, DigestWeights]
 
 
 @dataclass

@@ -10,10 +10,14 @@ next one that does not depend on it still runs):
   b the trainer's model: from_config, random init, on the GPU
   c sleep(level=1); the GPU's free memory awake and asleep; one in-place update of the trainer's
     parameters while the fleet sleeps; wake
-  d push_weights(transport="ipc"), timed end to end; greedy batch B (must differ from A)
-  e save_pretrained to local disk + write the manifest + update_weights; batch C (== B but near-ties)
+  d push_weights(transport="ipc"), timed end to end; greedy batch B (must differ from A); the
+    replica's weights digest (RolloutClient.weights_digest)
+  e save_pretrained to local disk + write the manifest + update_weights; batch C (== B but near-ties);
+    the digest again (== d's: the checkpoint holds the pushed bits)
   f push_weights(transport="object_store") of the same tensors; batch E (== B but near-ties)
-  g the cluster down; a fresh vLLM LLM from e's checkpoint; batch D compared with B token by token
+  g the cluster down; a fresh vLLM LLM from e's checkpoint; batch D compared with B token by token;
+    the fresh engine's weights digest (our worker extension's rc_weights_digest) against d's, and
+    the first 20 parameters that differ
 
     python experiments/weights-colocated/run.py --size 7b --out $OUT        # one H200
     python experiments/weights-colocated/run.py --device cpu --out /tmp/c   # control flow on CPU
@@ -49,6 +53,7 @@ class Run:
         self.batches: dict = {}  # batch name -> token id lists, one per prompt
         self.ckpt = ""  # e's checkpoint directory
         self.ckpt_root = ""  # the folder e saves under (the cluster's checkpoint root)
+        self.digests: dict = {}  # batch name -> the weights digest taken after it ({"digest", "params", ...})
 
     def phase(self, name: str, fn, needs=(), min_left_s: float = 0.0) -> None:
         letter = name[0]
@@ -143,6 +148,24 @@ def main() -> None:
         run.batches[name] = [list(c.token_ids) for c in sorted(done, key=lambda c: c.prompt_index)]
         return {f"batch_{name}_s": round(time.monotonic() - t0, 2), f"batch_{name}_version": done[0].weights_version}
 
+    def digest(name: str) -> dict:
+        """The replica's weights digest after batch `name`, kept whole for g; a failure is recorded,
+        the phase's own results stand."""
+        t0 = time.monotonic()
+        try:
+            got = run.client.weights_digest(timeout_s=300, detail=True)
+        except Exception as e:
+            return {f"digest_{name}_error": f"{type(e).__name__}: {e}"[:500]}
+        d = run.digests[name] = next(iter(got.values()))  # one replica
+        return {f"digest_{name}": d["digest"], f"digest_{name}_version": d["version"],
+                f"digest_{name}_s": round(time.monotonic() - t0, 2), f"digest_{name}_engine_s": d["seconds"]}
+
+    def differing(a: dict, b: dict) -> dict:
+        """Two digests compared: equal, and the parameters (first 20) whose digests differ or are in one only."""
+        names = sorted(n for n in set(a["params"]) | set(b["params"])
+                       if a["params"].get(n, {}).get("digest") != b["params"].get(n, {}).get("digest"))
+        return {"equal": a["digest"] == b["digest"], "params_differ": len(names), "first_differ": names[:20]}
+
     def tensors() -> list:  # named_parameters: a tied lm_head once, as save_pretrained writes it
         return [(n, p.detach()) for n, p in run.model.named_parameters()]
 
@@ -186,6 +209,8 @@ def main() -> None:
         v = run.client.push_weights(tensors(), transport=transport, timeout_s=timeout_s)
         info = {f"push_{transport}_s": round(time.monotonic() - t0, 2), "version": v, "transport": transport}
         info.update(batch(name))
+        if name == "B":
+            info.update(digest("B"))
         info[f"{name}_vs_A"] = compare(run.batches["A"], run.batches[name]) if "A" in run.batches else None
         if name != "B" and "B" in run.batches:
             info[f"{name}_vs_B"] = compare(run.batches["B"], run.batches[name])
@@ -212,11 +237,17 @@ def main() -> None:
         info.update(batch("C"))
         if "B" in run.batches:
             info["C_vs_B"] = compare(run.batches["B"], run.batches["C"])
+        info.update(digest("C"))
+        if "B" in run.digests and "C" in run.digests:
+            info["digest_C_vs_B"] = differing(run.digests["B"], run.digests["C"])
         return info
 
     def fresh_engine() -> dict:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
+
+        from rollout_cluster.engines.weight_digest import merge_workers
+        from rollout_cluster.engines.weight_keep import EXTENSION
 
         if run.client is not None:
             run.client.shutdown()
@@ -232,7 +263,8 @@ def main() -> None:
                 time.sleep(1)  # the replica's engine process exits after shutdown() returns
         free_before, t0 = free_gib(), time.monotonic()
         llm = LLM(model=run.ckpt, dtype=dtype, enforce_eager=True, max_model_len=4096, max_num_seqs=64,
-                  skip_tokenizer_init=True, **({"gpu_memory_utilization": 0.5} if cuda else {}))
+                  skip_tokenizer_init=True, worker_extension_cls=EXTENSION,  # rc_weights_digest
+                  **({"gpu_memory_utilization": 0.5} if cuda else {}))
         info = {"llm_start_s": round(time.monotonic() - t0, 1), "free_gib_before_llm": free_before}
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True))
@@ -240,6 +272,11 @@ def main() -> None:
         for other in ("B", "C"):
             if other in run.batches:
                 info[f"D_vs_{other}"] = compare(run.batches[other], run.batches["D"])
+        t0 = time.monotonic()
+        run.digests["D"] = d = merge_workers(llm.collective_rpc("rc_weights_digest"), detail=True)
+        info.update(digest_D=d["digest"], digest_D_s=round(time.monotonic() - t0, 2))
+        if "B" in run.digests:
+            info["digest_D_vs_B"] = differing(run.digests["B"], d)
         return info
 
     have = {"cluster": lambda: run.client is not None, "model": lambda: run.model is not None,
@@ -268,7 +305,8 @@ def summary(run: Run, first: str) -> None:
             "ratio_checkpoint_over_push": round(base / push_s, 2) if base and push_s else None,
             "free_gib_awake": got.get("free_gib_awake"), "free_gib_asleep": got.get("free_gib_asleep"),
             "B_vs_A": got.get("B_vs_A"), "C_vs_B": got.get("C_vs_B"), "E_vs_B": got.get("E_vs_B"),
-            "D_vs_B": got.get("D_vs_B"),
+            "D_vs_B": got.get("D_vs_B"), "digest_B": got.get("digest_B"), "digest_C_vs_B": got.get("digest_C_vs_B"),
+            "digest_D_vs_B": got.get("digest_D_vs_B"),
             "failed": [p["phase"] for p in run.report["phases"] if p.get("ok") is False]}
     print(json.dumps(line), flush=True)
     run.report["summary"] = line

@@ -189,6 +189,15 @@ class RolloutClient:
         update_weights does it by itself). Returns how many replicas were ordered."""
         return self.router.reset_prefix_cache.remote().result(timeout_s=self.call_timeout_s)
 
+    def weights_digest(self, timeout_s: float = 120.0, detail: bool = False) -> dict:
+        """{replica_id: {"version": the weights version it holds, "digest": 16 hex digits over every
+        parameter of its engine's model, bit for bit (engines/weight_digest.py), "seconds": how long
+        it took}}: replicas with equal digests hold identical weights. With `detail`, also "params":
+        {name: {"digest", "dtype", "shape"}} (vLLM's parameter names, fused and sharded as it holds
+        them). Computed on each engine's device, between engine steps; refused while weights load
+        or the fleet sleeps, and a replica whose load overlapped its digest fails the call."""
+        return fleet_ops.weights_digest(self, detail, timeout_s)
+
     def cancel(self, batch_id: str) -> int:
         """Stop a batch: its unfinished sequences come back with finish_reason "abort"."""
         return self.router.cancel.remote(batch_id).result(timeout_s=self.call_timeout_s)

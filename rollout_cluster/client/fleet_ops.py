@@ -117,6 +117,22 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
         f"version {v} after {timeout_s:.0f} s"))
 
 
+def weights_digest(client, detail: bool, timeout_s: float) -> dict:
+    ask = client.router.weights_digest.remote(detail).result(timeout_s=client.call_timeout_s)
+
+    def probe() -> dict:
+        return client.router.weights_digests.remote(ask).result(timeout_s=client.call_timeout_s)
+
+    got = wait_until(probe, lambda a: None if a["waiting"] else a, time.monotonic() + timeout_s, 0.1,
+                     lambda a: TimeoutError(f"weights_digest: replica(s) {', '.join(a['waiting'])} did not answer "
+                                            f"within {timeout_s:.0f} s (a lost reply, or a busy engine): ask again"))
+    errors = sorted(a["error"] for a in got["replicas"].values() if a["error"])
+    if errors:
+        raise RuntimeError(f"weights_digest: {len(errors)} replica(s) gave no digest: {'; '.join(errors)}")
+    return {rid: {"version": a["version"], "digest": a["digest"], "seconds": a["seconds"],
+                  **({"params": a["params"]} if detail else {})} for rid, a in got["replicas"].items()}
+
+
 def _loads_settled(st: dict):
     """Every awake replica holds the current weights or failed loading them."""
     w = st["weights"]

@@ -102,6 +102,11 @@ class EngineAdapter(ABC):
         did (vLLM refuses while requests hold blocks). Outputs never change, only prefill work."""
         return True
 
+    async def weights_digest(self, detail: bool = False) -> dict:
+        """{"digest": over every weight the engine holds, bit for bit (weight_digest.py), and with
+        `detail` "params": {name: {"digest", "dtype", "shape"}}}. Equal digests: equal weights."""
+        raise NotImplementedError(f"{type(self).__name__} cannot digest its weights")
+
     async def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between rollouts (vLLM sleep mode: 1 keeps the weights in host
         memory, 2 drops them). Nothing runs (the router sleeps engines between batches only)."""

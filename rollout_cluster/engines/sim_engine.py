@@ -80,18 +80,20 @@ class SimEngine(EngineAdapter):
     async def load_weights(self, path: str, keep_as=None) -> None:
         """A simulated engine has no weights: it takes the order, so the protocol runs as with vLLM."""
         self.weights_path = path
+        self.weights_source = f"checkpoint:{path}"
         self._keep(keep_as)
 
     async def load_tensors(self, buckets, keep_as=None) -> int:
         """No weights here either: it counts the tensors (iterating the buckets, as vLLM would)
         and drops its cache as a load does."""
-        n = 0
+        names = []
         if hasattr(buckets, "__aiter__"):
             async for bucket in buckets:
-                n += len(bucket)
+                names += [name for name, _ in bucket]
         else:
-            n = sum(len(bucket) for bucket in buckets)
-        self.tensors_loaded = n
+            names = [name for bucket in buckets for name, _ in bucket]
+        self.tensors_loaded = n = len(names)
+        self.weights_source = "tensors:" + ",".join(names)
         self.core.prefix_cache.drop_free()
         self._keep(keep_as)
         return n
@@ -106,6 +108,16 @@ class SimEngine(EngineAdapter):
     async def reset_prefix_cache(self) -> bool:
         self.core.prefix_cache.drop_free()
         return True
+
+    async def weights_digest(self, detail: bool = False) -> dict:
+        """No weights: a digest of where the last load came from (the checkpoint's path, or the
+        pushed tensors' names), so that equal loads answer equal digests."""
+        import hashlib
+
+        source = getattr(self, "weights_source", "model:" + self.info.model)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        return {"digest": digest, "params": {"sim": {"digest": digest, "dtype": "none", "shape": []}}} if detail \
+            else {"digest": digest}
 
     async def shutdown(self) -> None:
         if self._task:

@@ -18,7 +18,7 @@ from ..config import EngineConfig
 from ..niceness import set_niceness
 from ..protocol import EngineStats, ModelInfo, SeqProgress, Work
 from ..transfer.trace import mark
-from . import weight_checks, weight_keep, weight_loader
+from . import weight_checks, weight_digest, weight_keep, weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 from .checkpoint import check_checkpoint
 
@@ -385,6 +385,10 @@ class VllmEngine(EngineAdapter):
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine.reset_prefix_cache())
+
+    async def weights_digest(self, detail: bool = False) -> dict:
+        # each worker digests its model's parameters on its own device, between two engine steps
+        return weight_digest.merge_workers(await self.engine.collective_rpc("rc_weights_digest"), detail)
 
     async def sleep(self, level: int = 1) -> None:
         if not self.on_cpu and not self.cfg.enable_sleep_mode:

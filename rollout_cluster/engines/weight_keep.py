@@ -19,13 +19,15 @@ import os
 
 from ..transfer.ipc import is_ipc
 from .weight_checks import BucketCheck
+from .weight_digest import DigestWorker
 from .weight_loader import TensorLoader, map_shm, write_bucket
 
 EXTENSION = f"{__name__}.SwapLoader"  # the engine arg worker_extension_cls
 
 
-class SwapLoader(TensorLoader):
-    """TensorLoader (in-place loads between batches) plus the staged swap for running="keep"."""
+class SwapLoader(TensorLoader, DigestWorker):
+    """TensorLoader (in-place loads between batches) plus the staged swap for running="keep", and
+    rc_weights_digest (weight_digest.py)."""
 
     def rc_swap_stage(self, header: dict, path: str) -> int:
         """Copy one packed bucket from its /dev/shm file into this worker's memory (the replica

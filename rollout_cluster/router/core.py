@@ -33,6 +33,7 @@ from .batches import Batches
 from .control import FleetControl
 from .sessions import SessionHomes
 from .counters import RouterCounters, RouterMetrics
+from .digests import FleetDigests
 from .fleet import Fleet
 from .limits import BatchLimits
 from .outbox import Outbox
@@ -102,6 +103,7 @@ class RouterCore:
         self.weights = FleetWeights()
         self.sleep = FleetSleep()
         self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
+        self.digests = FleetDigests(self.fleet, self.outbox, self.weights, self.sleep, id_prefix)  # weights_digest
         self.adoption = OrphanAdoption(self, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
                                        id_prefix)
         self.sessions = SessionHomes(max_sessions)  # multi-turn sessions' home replicas (affinity)
@@ -310,6 +312,8 @@ class RouterCore:
         finished, requeues = self.finished_count, self.requeues
         rep = self._register(report, now)
         self._apply_engine_state(rep, report, now)
+        if report.digest is not None:
+            self.digests.record(rep.replica_id, report.digest)
         self._apply_progress(rep, report, now)
         stalled = False
         if report.leaving:
@@ -406,6 +410,7 @@ class RouterCore:
         self.outbox.drop(replica_id)
         self.weights.forget(replica_id)
         self.sleep.forget(replica_id)
+        self.digests.forget(replica_id)
         for seq in list(rep.seqs.values()):
             self.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
             self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Optional
 
 from ..config import ClusterConfig
@@ -22,7 +23,8 @@ from ..engines.base import SleepRefused, WeightsLoadBroken
 from ..transfer.buckets import unpack
 from ..transfer.ipc import unpack_ipc
 from ..transfer.push import PUSH_SCHEME
-from ..protocol import ControlOrder, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake, WeightsState
+from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake,
+                        WeightsDigest, WeightsState)
 
 log = logging.getLogger("ray.serve")
 
@@ -62,7 +64,10 @@ class EngineMoves:
         self.sleep_task: Optional[asyncio.Task] = None
         self.broken: Optional[Exception] = None
         self.cache_reset = 0  # the number of the last ResetPrefixCache order taken (a resent one starts nothing)
+        self.digest_ask = ""  # the last DigestWeights taken (a resent one starts nothing)
+        self.digest: Optional[WeightsDigest] = None  # its answer, until a report delivered it
         self._handlers = {LoadWeights: self._load, NoteWeights: self._note, ResetPrefixCache: self._reset_cache,
+                          DigestWeights: self._digest,
                           Sleep: lambda order: self._move(order.level, None), Wake: lambda order: self._move(0, order)}
 
     # ---- the replica's view ---------------------------------------------------------------------
@@ -139,7 +144,40 @@ class EngineMoves:
         self.cache_reset = order.number
         asyncio.get_running_loop().create_task(self._drop_cache(self.in_progress()))
 
+    def _digest(self, order: DigestWeights) -> None:
+        if order.ask == self.digest_ask:
+            return
+        self.digest_ask = order.ask
+        asyncio.get_running_loop().create_task(self._take_digest(order, self.in_progress()))
+
+    def digest_delivered(self, answer: Optional[WeightsDigest]) -> None:
+        """A report carrying `answer` reached the router: not sent again."""
+        if answer is not None and answer is self.digest:
+            self.digest = None
+
     # ---- the moves ------------------------------------------------------------------------------
+    async def _take_digest(self, order: DigestWeights, before: list) -> None:
+        """After the moves under way; an answer whose weights were not one version throughout (a
+        load began, the engine sleeps) is an error, never a digest of a mix. Never fails the replica."""
+        if before:
+            await asyncio.gather(*before, return_exceptions=True)
+        version, t0 = self.weights_version, time.perf_counter()
+        answer = WeightsDigest(order.ask, version)
+        try:
+            if self.sleep_level or self.sleep_goal or self.broken or self.loading:
+                raise RuntimeError("the engine sleeps, loads weights or lost them: ask again once it is awake "
+                                   "and holds its weights")
+            got = await self.engine.weights_digest(order.detail)
+            if self.loading or self.weights_version != version or self.sleep_goal:
+                raise RuntimeError("a weights load or a sleep began during the digest: ask again")
+            answer.digest, answer.params = got["digest"], got.get("params") if order.detail else None
+        except Exception as e:
+            log.warning("replica %s: weights digest failed: %s", self.replica_id, e)
+            answer.error = f"replica {self.replica_id}: weights digest: {type(e).__name__}: {e}"
+        answer.seconds = round(time.perf_counter() - t0, 4)
+        if self.digest_ask == order.ask:  # not a newer ask's place
+            self.digest = answer
+
     async def _drop_cache(self, before: list) -> None:
         """After the moves under way (a load resets the cache itself); never fails the replica."""
         if before:

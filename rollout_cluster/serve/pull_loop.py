@@ -115,7 +115,8 @@ class PullLoop:
         return Report(self.replica_id, self.incarnation, progress=self.unsent, stats=self.engine.stats(),
                       model=self.model if self.send_model or held is not None else None,
                       capacity=self.engine.capacity, weights=weights, sleep=sleep,
-                      listing=None if held is None else Listing(held, aborting), number=self.report_number)
+                      listing=None if held is None else Listing(held, aborting), number=self.report_number,
+                      digest=self.moves.digest)
 
     async def pull(self, report: Report) -> Optional[Orders]:
         """The router's answer, or None when the pull failed (its deltas stay unsent)."""
@@ -130,6 +131,7 @@ class PullLoop:
             self.pull_failed = self.send_model = True
             return None
         self.unsent = []
+        self.moves.digest_delivered(report.digest)
         self.pull_failed = self.send_model = False
         self.router_id = orders.router_id
         return orders

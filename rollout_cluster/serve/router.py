@@ -308,6 +308,17 @@ class Router:
         self._wake_all()
         return n
 
+    async def weights_digest(self, detail: bool = False) -> str:
+        """Every replica digests its weights at its next pull (router/digests.py); returns the ask's
+        id for weights_digests. Refused during a load or sleep. No signed order: it changes nothing."""
+        ask = self.core.digests.request(detail)
+        self._wake_all()
+        return ask
+
+    async def weights_digests(self, ask: str) -> dict:
+        """The answers to `ask` so far: {"ask", "replicas": {replica_id: answer}, "waiting": [...]}."""
+        return self.core.digests.answers(ask)
+
     async def set_fleet_target(self, order) -> int:
         """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
         self.core.set_fleet_target(self._order(order, "set_fleet_target").get("replicas"), time.monotonic())

