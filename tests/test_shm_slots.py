@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rollout_cluster.engines import shm_slots, weight_loader
-from rollout_cluster.engines.weight_loader import TensorLoader, load_into
+from rollout_cluster.engines.weight_loader import load_into
+from rollout_cluster.engines.worker_loader import TensorLoader
 
 
 class Recorder:
@@ -134,7 +135,7 @@ def test_a_slot_whose_file_is_gone_is_refused_not_loaded_as_zeros(tmp_path):
     path, which made a new file of zeros, and the load went through with zeros."""
     import pytest
 
-    from rollout_cluster.engines.weight_loader import TensorLoader
+    from rollout_cluster.engines.worker_loader import TensorLoader
 
     gone = str(tmp_path / "rollout-slot-gone")
     loader = TensorLoader()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout_cluster.engines.weight_checks import BucketCheck, checkpoint_spec
-from rollout_cluster.engines.weight_loader import map_shm, pack_bucket, unpack_bucket, write_bucket
+from rollout_cluster.engines.bucket_files import map_shm, pack_bucket, unpack_bucket, write_bucket
 from rollout_cluster.model_maker import make_model
 
 

@@ -62,7 +62,7 @@ async def run(a) -> dict:
     from transformers import LlamaForCausalLM
 
     from rollout_cluster.config.models import EngineConfig
-    from rollout_cluster.engines import weight_checks, weight_loader
+    from rollout_cluster.engines import bucket_files, weight_checks, weight_loader
     from rollout_cluster.engines.vllm_engine import VllmEngine
     from rollout_cluster.model_maker import make_model
 
@@ -121,7 +121,7 @@ async def run(a) -> dict:
 
             t0 = time.monotonic()
             for bucket in buckets_of(items_b, a.bucket_mb):
-                os.unlink(weight_loader.write_bucket(bucket)[1])
+                os.unlink(bucket_files.write_bucket(bucket)[1])
             rows["shm_write"].append(time.monotonic() - t0)
             shutil.rmtree(d)  # after the tensor loads: they check names and shapes against the served checkpoint
             print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()), flush=True)

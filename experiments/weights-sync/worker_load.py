@@ -51,7 +51,7 @@ def main() -> None:
     from vllm.model_executor.layers import linear, vocab_parallel_embedding
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from rollout_cluster.engines import weight_loader
+    from rollout_cluster.engines import bucket_files as weight_loader  # pack_bucket, unpack_bucket
     from rollout_cluster.model_maker import make_model
 
     cfg = json.loads((Path(a.model) / "config.json").read_text())

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..config import load_config
-from ..engines.weight_loader import LOAD_ENV
+from ..engines.worker_loader import LOAD_ENV
 from ..transfer.trace import mark
 from .report import save_result
 from .repeats import median

@@ -20,7 +20,8 @@ import os
 from ..transfer.ipc import is_ipc
 from .weight_checks import BucketCheck
 from .weight_digest import DigestWorker
-from .weight_loader import TensorLoader, map_shm, write_bucket
+from .bucket_files import map_shm, write_bucket
+from .worker_loader import TensorLoader
 
 EXTENSION = f"{__name__}.SwapLoader"  # the engine arg worker_extension_cls
 

@@ -8,7 +8,7 @@ A bucket is buckets.py's dict with, instead of `data`:
   nbytes:   the tensors' bytes (what the bucket would weigh as data);
   lease:    the path of the push's lease file (below); host: the trainer's host name.
 The handles travel as bytes because the EngineCore's msgpack cannot carry tensors or torch's
-classes; the replica passes them on untouched, and vLLM's worker (engines/weight_loader.py,
+classes; the replica passes them on untouched, and vLLM's worker (engines/worker_loader.py,
 TensorLoader.rc_tensors_load_ipc) rebuilds each tensor on its own device and loads from it.
 
 A handle is good only while the trainer holds the tensor: `IpcHold` keeps strong references to

@@ -1,0 +1,146 @@
+"""TensorLoader: the vLLM worker extension (engine arg `worker_extension_cls`, through
+weight_keep.SwapLoader) that loads named tensors into the running model in place. vLLM mixes it
+into its worker class, so its methods run inside the worker, reached with `collective_rpc`.
+
+The load: on vLLM-CPU with an unquantized model, direct_load.py's DirectLoad (the model's own
+`load_weights` into the live parameters, each linear layer repacked for oneDNN once complete;
+experiments/weights-sync/README.md). Otherwise vLLM's own layerwise reload
+(model_executor/model_loader/reload), what `reload_weights(weights_path=...)` runs over a
+checkpoint's tensors: `initialize_layerwise_reload` once, `model.load_weights(bucket)` per bucket
+(it fuses q/k/v and gate/up, shards for tensor parallelism, and processes each layer as soon as
+all its tensors arrived), `finalize_layerwise_reload` once. Either way a layer's tensors may lie
+in different buckets. Buckets come from a /dev/shm slot or file, as bytes, or (pushed by CUDA IPC,
+transfer/ipc.py) as handles the worker opens on its own GPU.
+"""
+from __future__ import annotations
+
+import os
+
+from ..transfer.trace import mark
+from .bucket_files import map_shm, unpack_bucket
+
+LOAD_ENV = "ROLLOUT_TENSOR_LOAD"  # "direct" (default: direct_load.py where supported) or "layerwise" (vLLM's reload)
+
+
+class TensorLoader:
+    """vLLM worker extension: loads named tensors into the running model in place.
+
+    The methods run inside vLLM's worker (self is the worker: model_runner, vllm_config). Their
+    names carry the prefix `rc_` because vLLM refuses an extension whose names its worker has.
+    A session: rc_tensors_begin(), rc_tensors_load(...) per bucket, rc_tensors_end(). Nothing
+    else may run meanwhile (the replica loads between batches). If a load fails, rc_tensors_end
+    still takes the model out of the reload (layers that got nothing keep their weights, the
+    others have new ones): the model runs again, with weights of unknown mix."""
+
+    def _rc_model(self):
+        return self.model_runner.get_model()
+
+    def rc_tensors_begin(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        from .direct_load import DirectLoad, supported
+
+        model = self._rc_model()
+        self._rc_expected = {n for n, _ in model.named_parameters()}
+        self._rc_loaded = set()
+        self._rc_direct = None
+        with set_current_vllm_config(self.vllm_config):
+            if os.environ.get(LOAD_ENV, "direct") == "direct" and supported(model):
+                self._rc_pool = getattr(self, "_rc_pool", [])  # scratch kept from one load to the next
+                self._rc_direct = DirectLoad(model, self._rc_pool)
+                self._rc_mode = "direct"
+            else:
+                initialize_layerwise_reload(model)
+                self._rc_mode = "layerwise"
+
+    def rc_reload_format(self, fmt: str) -> str:
+        """Have vLLM's reload_weights read checkpoints as `fmt`: an engine started with load_format
+        dummy has a loader that reads no file, so reload_weights refused ("Model reloading with
+        `dummy` format"). Returns the format it had."""
+        config = self.vllm_config.load_config
+        old, config.load_format = config.load_format, fmt
+        return old
+
+    def rc_tensors_mode(self) -> str | None:
+        """How the last load ran: "direct" (direct_load.py) or "layerwise" (vLLM's reload)."""
+        return getattr(self, "_rc_mode", None)
+
+    def rc_tensors_load(self, header: dict, path: str | None = None, data: bytes | None = None,
+                        slot: tuple | None = None) -> int:
+        """Load one packed bucket, from the /dev/shm file `path`, from `data`, or from the slot
+        (id, size) (shm_slots.py: mapped from `path` the first time, kept mapped). Returns the
+        number of tensors."""
+        mark("worker_load_start", bytes=header["nbytes"])
+        if slot is not None:
+            maps = self.__dict__.setdefault("_rc_slots", {})  # slot id -> its mapping
+            if slot[0] not in maps:
+                # torch.from_file would make a new file of zeros where the slot's is gone (unlinked
+                # once a worker mapped it): refuse instead of loading zeros
+                if path is None or not os.path.exists(path):
+                    raise FileNotFoundError(f"shm slot {slot[0]}: not mapped in this worker and its file "
+                                            f"{path!r} is gone")
+                maps[slot[0]] = map_shm(path, slot[1])
+            buf = maps[slot[0]]
+        else:
+            buf = map_shm(path, header["nbytes"]) if path is not None else data
+        n = self._rc_load(unpack_bucket(header, buf))
+        mark("worker_load_end")
+        return n
+
+    def rc_tensors_load_ipc(self, header: dict, handles: bytes) -> int:
+        """Load one IPC bucket (transfer/ipc.py): its tensors rebuilt from the trainer's CUDA IPC
+        handles on this worker's device (refused, naming both GPUs, where the trainer's is another),
+        loaded as rc_tensors_load loads. Returns the number of tensors."""
+        import torch
+
+        from ..transfer.ipc import device_uuid, open_handles
+
+        mark("worker_load_start", bytes=header["nbytes"])
+        dev = getattr(self, "device", None)
+        index = dev.index if isinstance(dev, torch.device) and dev.type == "cuda" else torch.cuda.current_device()
+        weights = open_handles(header, handles, index, device_uuid(index))
+        n = self._rc_load(weights)
+        # the copies out of the trainer's memory finish before it may change or free it
+        torch.cuda.synchronize(index)
+        del weights
+        mark("worker_load_end")
+        return n
+
+    def _rc_load(self, weights: list) -> int:
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            if self._rc_direct is not None:
+                loaded = self._rc_direct.load(weights)
+            else:
+                loaded = self._rc_model().load_weights(weights)
+        self._rc_loaded |= set(loaded or ())
+        return len(weights)
+
+    def rc_tensors_end(self, keep_slots: list | None = None) -> list:
+        """Finish the session: process what is left (attention layers), put back the weights of
+        layers that got no tensor, unmap the slots not in `keep_slots`. Returns the model's
+        parameters that got none."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        import torch
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            direct, self._rc_direct = getattr(self, "_rc_direct", None), None
+            if direct is not None:
+                # a layer no tensor reached although its names were loaded would be a loader
+                # that did nothing: report its parameters as missing
+                for layer in direct.finish() or ():
+                    self._rc_loaded -= {n for n in self._rc_loaded if n.startswith(layer + ".")}
+            else:
+                finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
+        maps = getattr(self, "_rc_slots", {})
+        for sid in [k for k in maps if k not in (keep_slots or ())]:
+            del maps[sid]
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
+        return sorted(getattr(self, "_rc_expected", set()) - getattr(self, "_rc_loaded", set()))
