@@ -42,6 +42,7 @@ allocated; without one, `max_bytes` caps a tensor and the tensors staged in one 
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 from .channels import nbytes_of, open_channel
@@ -104,6 +105,7 @@ class WeightRelay:
         self.version: Optional[int] = None  # the version of the last commit
         self.error: Optional[str] = None  # why a background step (TRL <= 1.10's) failed, for the next call
         self.announced: Optional[tuple] = None  # the TRL <= 1.10 step queued whose tensor (or trainer) is due
+        self.announce_lock = threading.Lock()  # announce (the event loop) against _arrived (the relay's thread)
         self.last_packed: Optional[tuple] = None  # the announcement this update's last receive_packed completed
         self.finished: Optional[int] = None  # the version finish() committed, until the next update starts
 
@@ -120,14 +122,16 @@ class WeightRelay:
         """Before /init_communicator/ or /update_named_param/ queues `method`: False where the step
         announced last is this one and has not yet got its trainer or tensor (a retried request)."""
         step = (method, *args)
-        if step == self.announced:
-            return False
-        self.announced = step
-        return True
+        with self.announce_lock:
+            if step == self.announced:
+                return False
+            self.announced = step
+            return True
 
     def _arrived(self, *step) -> None:
-        if self.announced == step:  # not a later step's: that one is still due
-            self.announced = None
+        with self.announce_lock:
+            if self.announced == step:  # not a later step's: that one is still due
+                self.announced = None
 
     def open_trl(self, host: str, port: int, world_size: int) -> None:
         try:
