@@ -366,3 +366,87 @@ def test_weight_routes_refuse_a_bad_field_with_422_naming_it(relay_http, route, 
     assert r.json()["detail"][0]["loc"] == ["body", field]
     assert commits.named == []
     assert http.post(route, json=body).status_code == 401  # the token, as every route
+
+
+def test_a_retried_update_named_param_queues_no_second_receive(relay_http, router):
+    """Regression: TRL's client retries a POST whose answer was lost; the retried
+    /update_named_param/ queued a second receive of the tensor, which the trainer sends once, so
+    the receive took the next tensor's bytes (or waited until the channel's timeout) and the
+    update failed at /reset_prefix_cache/."""
+    import socket
+
+    import torch
+
+    from rollout_cluster.transfer.channels import CpuSender
+
+    http, commits = relay_http
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    body = {"host": "0.0.0.0", "port": port, "world_size": 2, "client_device_uuid": "cpu"}
+    for _ in range(2):  # the second is the first retried: the group opens once
+        assert http.post("/init_communicator/", headers=AUTH, json=body).status_code == 200
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=False, timeout_s=20)
+    new = {"w.weight": torch.randn(2, 3), "b.bias": torch.randn(4)}
+    for name, t in new.items():
+        for _ in range(2):  # the answer lost, the request retried: both answered 200
+            r = http.post("/update_named_param/", headers=AUTH,
+                          json={"name": name, "dtype": str(t.dtype), "shape": list(t.shape)})
+            assert r.status_code == 200, r.text
+        sender.send(t)  # once, as the trainer does
+    r = http.post("/reset_prefix_cache/", headers=AUTH)
+    assert r.status_code == 200 and "True" in r.json()["message"], r.text
+    assert len(commits.named) == 1 and all(torch.equal(commits.named[0][k], v) for k, v in new.items())
+    assert http.post("/close_communicator/", headers=AUTH).status_code == 200
+
+
+def test_retried_update_weights_and_finish_answer_as_the_first_did(relay_http):
+    """Regression: a retried /update_weights waited for tensors the trainer had sent already (and
+    failed at the channel's timeout); a retried /finish_weight_update answered no version."""
+    import socket
+    import threading
+
+    import torch
+
+    from rollout_cluster.transfer.channels import CpuSender
+
+    http, commits = relay_http
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=True, timeout_s=20)  # the trainer hosts (rank 0)
+    r = http.post("/init_weight_transfer_engine", headers=AUTH, json={"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
+    assert r.status_code == 200, r.text
+    new = {"w.weight": torch.randn(2, 3), "b.bias": torch.randn(4)}
+    info = {"names": list(new), "dtype_names": ["float32"] * 2, "shapes": [[2, 3], [4]], "packed": False}
+    assert http.post("/start_weight_update", headers=AUTH, json={}).status_code == 200
+    t = threading.Thread(target=lambda: [sender.send(x) for x in new.values()])
+    t.start()
+    assert http.post("/update_weights", headers=AUTH, json={"update_info": info}).status_code == 200
+    t.join(20)
+    r = http.post("/update_weights", headers=AUTH, json={"update_info": info})  # retried: nothing more to receive
+    assert r.status_code == 200, r.text
+    answers = [http.post("/finish_weight_update", headers=AUTH, json={}) for _ in range(2)]
+    assert [a.json() for a in answers] == [{"message": "Weight update finished", "version": 1}] * 2
+    assert len(commits.named) == 1 and all(torch.equal(commits.named[0][k], v) for k, v in new.items())
+    assert http.post("/shutdown_weight_transfer_engine", headers=AUTH).status_code == 200
+
+
+def test_a_dummy_weight_model_bounds_announced_shapes_by_its_config(router, codec, tmp_path):
+    """Regression: without safetensors files (load_format dummy) the relay took any shape, so a
+    trainer could make it allocate any size; the config's meta-built model now names the shapes."""
+    from transformers import LlamaConfig
+
+    from rollout_cluster.serve.protocols.trl_weights import relay_runner
+
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)  # config.json only
+    runner = relay_runner(router, str(tmp_path), 5.0)
+    ctx = ProtocolContext(router, codec, LimitsConfig(), 5.0, model_name="m", model_root=str(tmp_path), world_size=1)
+    http = TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(), ctx, runner))
+    for body in ({"name": "model.norm.weight", "dtype": "torch.float32", "shape": [1 << 40]},
+                 {"name": "model.huge", "dtype": "torch.float32", "shape": [4]}):
+        r = http.post("/update_named_param/", headers=AUTH, json=body)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "name"], r.text
+        assert body["name"] in r.json()["detail"][0]["msg"]

@@ -146,6 +146,8 @@ def test_vllm_protocol_receives_packed_chunks_and_commits_at_finish():
     assert "error" not in out and sender.sent == 2  # 48 bytes pass 40: a chunk; then 20 + 32 pass it: another
     assert relay.finish() == 1
     assert all(torch.equal(commit.commits[0][k], v) for k, v in new.items())
+    assert relay.finish() == 1 and len(commit.commits) == 1  # retried: the same version, no second commit
+    relay.start()
     assert relay.finish() is None  # an empty update commits nothing
 
 
@@ -189,3 +191,130 @@ def test_an_update_for_another_protocol_is_refused_and_a_background_failure_surf
         relay.settle()
     assert relay.settle() is None  # raised once, then cleared
     relay.close()
+
+
+def vllm_relay(commit, timeout_s=20, **kw):
+    port = free_port()
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=True, timeout_s=timeout_s)
+    relay = WeightRelay(SPEC, commit, "cpu", timeout_s=timeout_s, **kw)
+    relay.open_vllm({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                     "packed": False})
+    return relay, sender
+
+
+def announcement(named: dict) -> dict:
+    return {"names": list(named), "dtype_names": [str(x.dtype).removeprefix("torch.") for x in named.values()],
+            "shapes": [list(x.shape) for x in named.values()], "packed": False}
+
+
+def test_a_retried_update_weights_receives_nothing_twice_and_a_retried_finish_answers_the_same_version():
+    """Regression: TRL's client retries /update_weights whose answer was lost; the relay
+    received its tensors already, and a second receive waited for bytes the trainer never sends
+    (until the channel's timeout broke the update). A retried /finish_weight_update answered no
+    version."""
+    commit = Recorder()
+    relay, sender = vllm_relay(commit, timeout_s=3)
+    new = tensors(seed=5)
+    relay.start()
+    for part in ({"a.weight": new["a.weight"]}, {"b.bias": new["b.bias"], "c.weight": new["c.weight"]}):
+        t, out = in_thread(lambda: [sender.send(x) for x in part.values()])
+        relay.receive_packed(announcement(part))
+        t.join(20)
+        assert "error" not in out
+        relay.receive_packed(announcement(part))  # the retry: answered at once, nothing received
+    assert relay.channel.received == sender.sent == 3
+    assert relay.finish() == 1 and relay.finish() == 1  # the retry: the same version
+    assert len(commit.commits) == 1 and all(torch.equal(commit.commits[0][k], v) for k, v in new.items())
+    relay.close()
+
+
+def test_a_tensor_sent_again_in_an_update_that_is_no_retry_is_received_and_replaces_it():
+    commit = Recorder()
+    relay, sender = vllm_relay(commit)
+    old, new = tensors(seed=1), tensors(seed=2)
+    relay.start()
+    sends = [({"a.weight": old["a.weight"]}), dict(old), {"a.weight": new["a.weight"]}]  # none repeats the last
+    for part in sends:
+        t, _ = in_thread(lambda: [sender.send(x) for x in part.values()])
+        relay.receive_packed(announcement(part))
+        t.join(20)
+    assert relay.channel.received == 5 and relay.finish() == 1
+    assert torch.equal(commit.commits[0]["a.weight"], new["a.weight"])
+    assert torch.equal(commit.commits[0]["c.weight"], old["c.weight"])
+    # a new update after the commit: the same announcement again is no retry
+    relay.start()
+    t, _ = in_thread(lambda: [sender.send(x) for x in new.values()])
+    relay.receive_packed(announcement(new))
+    t.join(20)
+    assert relay.channel.received == 8 and relay.finish() == 2
+    relay.close()
+
+
+def test_trl_legacy_announce_tells_a_retry_from_the_next_request():
+    """Regression (with test_protocols' route test): a retried /update_named_param/ queued a
+    second receive. A request equal to the last announced one, whose tensor has not arrived,
+    is that request retried; once the tensor arrived, the same request is a new one."""
+    relay = WeightRelay(SPEC, Recorder(), "cpu", timeout_s=20)
+    port = free_port()
+    relay.open_trl("0.0.0.0", port, 2)
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=False, timeout_s=20)
+    x = torch.ones(5)
+    assert relay.announce("receive_param", "b.bias", "torch.float32", [5])
+    assert not relay.announce("receive_param", "b.bias", "torch.float32", [5])  # retried before the tensor came
+    t, _ = in_thread(sender.send, x)
+    relay.receive_param("b.bias", "torch.float32", [5])
+    t.join(20)
+    assert relay.announce("receive_param", "b.bias", "torch.float32", [5])  # arrived: this one is new
+    assert relay.announce("receive_param", "a.weight", "torch.float32", [4, 3])
+    relay._arrived("receive_param", "b.bias", "torch.float32", [5])  # a finished step clears only its own
+    assert not relay.announce("receive_param", "a.weight", "torch.float32", [4, 3])
+    relay.close()
+
+
+def test_without_a_spec_a_byte_cap_bounds_a_tensor_and_an_update():
+    relay = WeightRelay(None, Recorder(), "cpu", timeout_s=5, max_bytes=100)
+    assert relay.check_param("w", "float32", [5, 5]) == ([5, 5], torch.float32)  # 100 bytes: fits
+    with pytest.raises(RelayError, match=r"^shape: \[10, 10\] of torch.float32 for 'w': 400 bytes, more than .* 100"):
+        relay.check_param("w", "float32", [10, 10])
+    relay.staged = {"a": torch.zeros(20), "w": torch.zeros(5)}
+    relay._check_update_bytes("name", {"w": 20})  # w replaced: 80 + 20
+    with pytest.raises(RelayError, match=r"^update_info.names: \['b'\]: this update would hold 104 bytes"):
+        relay._check_update_bytes("update_info.names", {"b": 4})
+
+
+def tiny_config_dir(path, **kw):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=64, **kw).save_pretrained(path)  # config.json, no weights
+    return str(path)
+
+
+def test_without_checkpoint_files_the_config_gives_the_names_and_shapes(tmp_path):
+    """Regression: an engine with load_format dummy has no safetensors, and the relay took any
+    name and shape a trainer announced (a trainer could make it allocate any size)."""
+    from rollout_cluster.engines.weight_checks import served_weights
+
+    served = served_weights(tiny_config_dir(tmp_path / "untied", tie_word_embeddings=False))
+    assert served.source == "config" and served.max_bytes is None
+    assert served.spec["model.embed_tokens.weight"] == (64, 16) and served.spec["lm_head.weight"] == (64, 16)
+    assert served.spec["model.layers.1.mlp.down_proj.weight"] == (16, 32) and len(served.spec) == 2 + 2 * 9 + 1
+    tied = served_weights(tiny_config_dir(tmp_path / "tied", tie_word_embeddings=True)).spec
+    assert set(served.spec) - set(tied) == {"lm_head.weight"}  # as named_parameters() and the checkpoint hold it
+    relay = WeightRelay(served.spec, Recorder(), "cpu")
+    with pytest.raises(RelayError, match=r"^name: 'model.norm.weight': shape \[1000000000000\], the served"):
+        relay.check_param("model.norm.weight", "float32", [10 ** 12])
+    assert served_weights(str(tmp_path / "nothing")).source == "none"
+
+
+def test_a_config_transformers_cannot_build_falls_back_to_a_cap_from_its_sizes(tmp_path, monkeypatch):
+    from rollout_cluster.engines import weight_checks
+
+    def unbuildable(config):
+        raise ValueError("no such architecture")
+
+    monkeypatch.setattr(weight_checks, "config_spec", unbuildable)
+    served = weight_checks.served_weights(tiny_config_dir(tmp_path / "m", tie_word_embeddings=False))
+    assert served.spec is None and served.source == "config estimate"
+    params = 2 * 64 * 16 + 2 * (4 * 16 * 16 + 3 * 16 * 32 + 4 * 16)  # >= the model's 7,248 parameters
+    assert served.max_bytes == 8 * params

@@ -1,11 +1,22 @@
 """What a load of named tensors must fit, checked before the engine is touched: the served
 checkpoint's tensor names and shapes (from its safetensors headers), and a check that refuses,
-naming the tensor, what does not fit them. No vllm here: the replica runs these."""
+naming the tensor, what does not fit them. No vllm here: the replica runs these.
+
+`served_weights` is the one answer to "what may a trainer send" for a model with or without
+checkpoint files (load_format dummy): the checkpoint's headers; else the model that config.json
+describes, built by transformers on the meta device (names and shapes, no memory, no remote
+code); else, where transformers cannot build it, a cap on an update's bytes estimated from the
+config's sizes."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import warnings
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_spec(path: str) -> dict | None:
@@ -23,6 +34,66 @@ def checkpoint_spec(path: str) -> dict | None:
             header = json.loads(fh.read(n))
         spec.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
     return spec
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    spec: dict | None  # {name: shape} a trainer may send, or None (then only max_bytes bounds it)
+    max_bytes: int | None  # what one update may hold, where no spec bounds it; None: unbounded
+    source: str  # where it came from: "checkpoint", "config", "config estimate" or "none"
+
+
+def served_weights(path: str) -> ServedWeights:
+    """What a trainer may send to the model at `path` (a directory, or a name in the local
+    Hugging Face cache): exact names and shapes where the checkpoint or the config gives them."""
+    spec = checkpoint_spec(path)
+    if spec is not None:
+        return ServedWeights(spec, None, "checkpoint")
+    config = _config(path)
+    if config is None:
+        return ServedWeights(None, None, "none")
+    try:
+        return ServedWeights(config_spec(config), None, "config")
+    except Exception as e:  # an architecture this transformers lacks, or one that needs remote code
+        cap = estimated_bytes(config)
+        log.warning("weights of %s: no checkpoint, and transformers cannot build its config (%s): an update "
+                    "is capped at %s bytes", path, e, cap)
+        return ServedWeights(None, cap, "config estimate" if cap else "none")
+
+
+def _config(path: str):
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # no config.json here (the engine's own check names it)
+        log.warning("weights of %s: no config to bound a trainer's tensors by (%s)", path, e)
+        return None
+
+
+def config_spec(config) -> dict:
+    """{name: shape} of the parameters of the model `config` describes, as a trainer's
+    named_parameters() yields them (a tied lm_head once, as the checkpoint holds it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def estimated_bytes(config) -> int | None:
+    """Twice a decoder's parameters in float32, from the config's sizes (embeddings and head,
+    attention and MLP per layer, every expert): a bound, not a count. None where a size is missing."""
+    c = getattr(config, "text_config", None) or config
+    sizes = [getattr(c, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers")]
+    if not all(isinstance(v, int) and v > 0 for v in sizes):
+        return None
+    vocab, hidden, layers = sizes
+    inter = max(getattr(c, k, 0) or 0 for k in ("intermediate_size", "moe_intermediate_size")) or 4 * hidden
+    experts = max(getattr(c, k, 0) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")) + 1
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inter * experts + 4 * hidden)
+    return 2 * 4 * math.ceil(params)
 
 
 class BucketCheck:

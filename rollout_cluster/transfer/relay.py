@@ -19,9 +19,30 @@ Two protocols fill the relay:
   vLLM's packed_nccl_broadcast_consumer cuts them), `finish` (/finish_weight_update commits).
 The methods block (rendezvous, receive, the fleet's load); the Gateway runs them one at a time
 on a thread of their own, in the order the requests came. No Ray and no HTTP here.
+
+Retries. TRL's client retries a POST whose answer was lost (and a 500, 502 or 503) with the same
+body and no request id, and the trainer sends each tensor once. One update names each tensor
+once (a new update starts after the commit, or at /start_weight_update), so a request identical
+to the one before it, in the same update, is that request retried, and is answered as the first
+was without receiving again (a second receive would wait for bytes that never come):
+- TRL <= 1.10: the tensor follows the answer (and the trainer joins after /init_communicator/'s),
+  so a retry comes before its tensor arrived (or the group opened): `announce`, called before
+  the answer, returns False for the request whose step is queued and has not got that far, and
+  the route queues nothing;
+- vLLM's API: the answer follows the tensors, so a retried /update_weights comes once the first
+  one's receive is done: `receive_packed` returns at once for the announcement that the last
+  receive of this update completed; and `finish` with nothing staged answers the version its
+  commit gave while no update has started since.
+A request naming a tensor this update already holds, but not the previous one retried, is a
+new send: received, it replaces the tensor.
+
+Bounds. `spec` ({name: shape}, engines/weight_checks.served_weights: the checkpoint's headers,
+else the model its config describes) refuses any other name or shape before a byte is
+allocated; without one, `max_bytes` caps a tensor and the tensors staged in one update.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 from .channels import nbytes_of, open_channel
@@ -70,8 +91,10 @@ def packed_chunks(sizes: list, buffer_bytes: int) -> list:
 
 
 class WeightRelay:
-    def __init__(self, spec: Optional[dict], commit: Callable[[list], int], backend: str, timeout_s: float = 300.0):
-        self.spec = spec  # {name: shape} of the served checkpoint, or None (dummy weights): what may arrive
+    def __init__(self, spec: Optional[dict], commit: Callable[[list], int], backend: str, timeout_s: float = 300.0,
+                 max_bytes: Optional[int] = None):
+        self.spec = spec  # {name: shape} of the served model, or None (nothing to build it from): what may arrive
+        self.max_bytes = max_bytes  # without a spec: what one tensor, and one update's, may take; None: no cap
         self.commit_fn = commit  # (name, tensor) pairs -> the version every replica now holds
         self.backend = backend  # "cpu" or "nccl" (channels.py)
         self.timeout_s = timeout_s  # how long a rendezvous or a tensor may take to arrive
@@ -81,6 +104,10 @@ class WeightRelay:
         self.staged: dict = {}  # name -> host tensor received since the last commit
         self.version: Optional[int] = None  # the version of the last commit
         self.error: Optional[str] = None  # why a background step (TRL <= 1.10's) failed, for the next call
+        self.announced: Optional[tuple] = None  # the TRL <= 1.10 step queued whose tensor (or trainer) is due
+        self.announce_lock = threading.Lock()  # announce (the event loop) against _arrived (the relay's thread)
+        self.last_packed: Optional[tuple] = None  # the announcement this update's last receive_packed completed
+        self.finished: Optional[int] = None  # the version finish() committed, until the next update starts
 
     # -- TRL <= 1.10 --------------------------------------------------------------------------
     @staticmethod
@@ -91,15 +118,38 @@ class WeightRelay:
                                            "rank 1: /get_world_size/ answers 1)")
         _check_address(host, port)
 
+    def announce(self, method: str, *args) -> bool:
+        """Before /init_communicator/ or /update_named_param/ queues `method`: False where the step
+        announced last is this one and has not yet got its trainer or tensor (a retried request)."""
+        step = (method, *args)
+        with self.announce_lock:
+            if step == self.announced:
+                return False
+            self.announced = step
+            return True
+
+    def _arrived(self, *step) -> None:
+        with self.announce_lock:
+            if self.announced == step:  # not a later step's: that one is still due
+                self.announced = None
+
     def open_trl(self, host: str, port: int, world_size: int) -> None:
-        self.check_trl(host, port, world_size)
-        self._open("trl", host, port, rank=0, src=1)
+        try:
+            self.check_trl(host, port, world_size)
+            self._open("trl", host, port, rank=0, src=1)
+        finally:
+            self._arrived("open_trl", host, port, world_size)
 
     def receive_param(self, name: str, dtype: str, shape: list) -> Optional[int]:
         """One tensor from the trainer; commits (returning the version) once every checkpoint
         tensor is here."""
-        self._expect("trl")
-        t = self.channel.receive(self.check_tensor(name, shape, "name"), torch_dtype("dtype", dtype))
+        try:
+            self._expect("trl")
+            shape, torch_type = self.check_param(name, dtype, shape)
+            self._check_update_bytes("name", {name: nbytes_of(shape, torch_type)})
+            t = self.channel.receive(shape, torch_type)
+        finally:  # arrived, or never will: a request like this one is new from now on
+            self._arrived("receive_param", name, dtype, shape)
         self.channel.barrier()
         self.staged[name] = t
         if self.spec is not None and set(self.spec) <= set(self.staged):
@@ -130,7 +180,7 @@ class WeightRelay:
 
     def start(self) -> None:
         self._expect("vllm")
-        self.staged = {}
+        self.staged, self.last_packed, self.finished = {}, None, None
 
     def receive_packed(self, info: dict) -> None:
         """/update_weights: the announced tensors, in packed chunks (or one at a time)."""
@@ -143,10 +193,15 @@ class WeightRelay:
             raise RelayError("update_info", "names, dtype_names and shapes must be lists of one length")
         metas = [(self.check_tensor(n, s, f"update_info.names[{i}]"), torch_dtype(f"update_info.dtype_names[{i}]", d))
                  for i, (n, d, s) in enumerate(zip(names, dtypes, shapes))]
+        announced = (tuple(names), tuple((tuple(s), d) for s, d in metas), bool(info.get("packed", True)))
+        if announced == self.last_packed and all(n in self.staged for n in names):
+            return  # the last request of this update, retried: its tensors arrived already
+        self.last_packed, self.finished = None, None
+        sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
+        self._check_update_bytes("update_info.names", dict(zip(names, sizes)))
         if info.get("packed", True):
             import torch
 
-            sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
             for chunk in packed_chunks(sizes, self.buffer_bytes):
                 buf = self.channel.receive([sum(sizes[i] for i in chunk)], torch.uint8)
                 for i, part in zip(chunk, buf.split([sizes[i] for i in chunk])):
@@ -154,10 +209,14 @@ class WeightRelay:
         else:
             for name, (shape, dtype) in zip(names, metas):
                 self.staged[name] = self.channel.receive(shape, dtype)
+        self.last_packed = announced
 
     def finish(self) -> Optional[int]:
+        """Commits this update (its version); retried after that, answers the same version."""
         self._expect("vllm")
-        return self.commit() if self.staged else None
+        if self.staged:
+            self.last_packed, self.finished = None, self.commit()
+        return self.finished
 
     # -- both ----------------------------------------------------------------------------------
     def commit(self) -> int:
@@ -173,6 +232,7 @@ class WeightRelay:
             if self.channel is not None:
                 self.channel.close()
             self.channel, self.protocol, self.staged = None, None, {}
+            self.last_packed, self.finished = None, None
 
     def describe(self) -> dict:
         return {"backend": self.backend, "protocol": self.protocol, "staged_tensors": len(self.staged),
@@ -184,7 +244,7 @@ class WeightRelay:
             self.close()  # a trainer that restarted joins again: the old group is gone
         self.error = None
         self.channel = open_channel(self.backend, host, port, rank, 2, src, self.timeout_s)
-        self.protocol, self.staged = protocol, {}
+        self.protocol, self.staged, self.last_packed, self.finished = protocol, {}, None, None
 
     def _expect(self, protocol: str) -> None:
         self._raise_error()
@@ -196,6 +256,23 @@ class WeightRelay:
         if self.error:
             error, self.error = self.error, None
             raise RelayError("update", f"an earlier step failed: {error}")
+
+    def check_param(self, name, dtype, shape) -> tuple:
+        """What /update_named_param/ must carry, checked before its answer: (shape, torch dtype)."""
+        shape, dtype = self.check_tensor(name, shape, "name"), torch_dtype("dtype", dtype)
+        if self.max_bytes is not None and nbytes_of(shape, dtype) > self.max_bytes:
+            raise RelayError("shape", f"{shape} of {dtype} for {name!r}: {nbytes_of(shape, dtype)} bytes, more than "
+                                      f"the served model's bound of {self.max_bytes} (twice its size in float32)")
+        return shape, dtype
+
+    def _check_update_bytes(self, field: str, sizes: dict) -> None:
+        """Without a spec: the update, with these tensors staged (replacing any of their names), fits max_bytes."""
+        if self.max_bytes is None:
+            return
+        total = sum(t.nbytes for n, t in self.staged.items() if n not in sizes) + sum(sizes.values())
+        if total > self.max_bytes:
+            raise RelayError(field, f"{list(sizes)[:3]}: this update would hold {total} bytes, more than the served "
+                                    f"model's bound of {self.max_bytes} (twice its size in float32)")
 
     def check_tensor(self, name, shape, field: str) -> list:
         if not isinstance(name, str) or not name:

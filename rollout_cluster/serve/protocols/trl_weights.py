@@ -14,6 +14,13 @@ the relay hands each update to the whole fleet as push_weights does.
 A refused field answers 422 naming it (FastAPI's form, as both servers answer); a fleet that
 cannot load the update answers 409 with each replica's error (TRL retries a 500, and its retry
 would find nothing left to commit).
+
+Retries: TRL's client retries a POST whose answer was lost, with the same body, and the routes
+are idempotent where it does (transfer/relay.py, "Retries", says how each is recognized). A
+retried /init_communicator/ or /update_named_param/ is answered without queuing its step again;
+/start_weight_update, /close_communicator/ and /shutdown_weight_transfer_engine repeat
+harmlessly; a retried /init_weight_transfer_engine opens the group again, as a restarted
+trainer's must.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from ...transfer.relay import RelayError, WeightRelay, torch_dtype
+from ...transfer.relay import RelayError, WeightRelay
 from .batch import ProtocolContext, ProtocolError, read_json
 from .trl import parse_model, unprocessable
 
@@ -81,10 +88,14 @@ def fleet_commit(router, call_timeout_s: float, timeout_s: float = 600.0):
 
 
 def relay_runner(router, model_root: str, call_timeout_s: float) -> RelayRunner:
-    from ...engines.weight_checks import checkpoint_spec
+    from ...engines.weight_checks import served_weights
     from ...transfer.channels import relay_backend
 
-    return RelayRunner(WeightRelay(checkpoint_spec(model_root), fleet_commit(router, call_timeout_s), relay_backend()))
+    served = served_weights(model_root)  # with load_format dummy too: the config's names and shapes
+    log.info("weight relay: a trainer's tensors are bounded by %s (%s names, cap %s bytes)", served.source,
+             len(served.spec) if served.spec is not None else "any", served.max_bytes)
+    return RelayRunner(WeightRelay(served.spec, fleet_commit(router, call_timeout_s), relay_backend(),
+                                   max_bytes=served.max_bytes))
 
 
 class InitCommunicator(BaseModel):
@@ -137,7 +148,8 @@ def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
         try:
             req = await _body(ctx, request, InitCommunicator)
             relay.check_trl(req.host, req.port, req.world_size)
-            runner.background("open_trl", req.host, req.port, req.world_size)  # the trainer joins after the answer
+            if relay.announce("open_trl", req.host, req.port, req.world_size):  # else a retry, queued already
+                runner.background("open_trl", req.host, req.port, req.world_size)  # the trainer joins after the answer
             return {"message": "Request received, initializing communicator"}
         except Exception as e:
             return _refuse(e)
@@ -146,9 +158,9 @@ def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
     async def update_named_param(request: Request):
         try:
             req = await _body(ctx, request, NamedParam)
-            relay.check_tensor(req.name, req.shape, "name")
-            torch_dtype("dtype", req.dtype)
-            runner.background("receive_param", req.name, req.dtype, req.shape)
+            relay.check_param(req.name, req.dtype, req.shape)
+            if relay.announce("receive_param", req.name, req.dtype, req.shape):  # else a retry, queued already
+                runner.background("receive_param", req.name, req.dtype, req.shape)
             return {"message": "Request received, updating named parameter"}
         except Exception as e:
             return _refuse(e)
