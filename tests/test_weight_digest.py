@@ -109,7 +109,5 @@ def test_model_digest_and_the_combined_digest():
     assert two["digest"] != d["digest"] and set(two["params"]) == {"rank0/w", "rank0/b", "rank1/w", "rank1/b"}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_the_digest_on_a_gpu_equals_the_cpu_one():
-    t = torch.randn(3_000_001, dtype=torch.bfloat16)
-    assert bits_digest(t.cuda(), chunk=1 << 20) == bits_digest(t)
+# GPU == CPU is checked on a GPU machine by experiments/weights-colocated/digest_gpu_check.py
+# (90 cases and the 7B timing): CI has no GPU.
