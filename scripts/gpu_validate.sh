@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation steps, run on the lent H200 machine after ../shared/gpu's wheels are installed
 # (docs/benchmarks.md, "GPU"). Usage: [SEEDS=0] [POLICIES=static,pull,steal] [LIMIT_S=570] [TP=2] [SIZE=h,l,heads,vocab] \
-#   bash scripts/gpu_validate.sh policies|steal|overhead|calibrate|tp
+#   bash scripts/gpu_validate.sh policies|steal|overhead|overhead-control|colocated|calibrate|tp
 # Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log; `overhead`
 # also samples `top` every 5 s into $OUT/overhead/top.log and runs experiments/router-overhead/run.py.
 set -uo pipefail
@@ -38,6 +38,14 @@ case "$step" in
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
     timeout 560 $RC calibrate --config configs/h200x2-7b.yaml --out "$OUT/calibrate/h200-7b-calibrated.yaml" \
       --batches 1,16,64,256 --contexts 512,2048 --decode-tokens 64 --name h200-7b-calibrated ;;
+  overhead-control)  # issue 29: the cluster against two bare engines (the second one the control), paired rounds
+    SEEDS=${SEEDS:-0,1,2} ROUNDS=${ROUNDS:-2} SIZE=${SIZE:-1.5b} CONTROL=1 MEM=${MEM:-0.28} CORES=1 \
+      CORES_AFTER_S=${CORES_AFTER_S:-280} CORES_DURATION_S=${CORES_DURATION_S:-1500} LIMIT_S=$LIMIT_S \
+      bash experiments/router-overhead/gpu.sh ;;
+  colocated)  # issue 26: co-located trainer, IPC push against save_pretrained + update_weights, digests
+    timeout $LIMIT_S python3 experiments/weights-colocated/run.py --size ${SIZE:-7b} --no-object-store \
+      --budget-s $((LIMIT_S - 30)) --out "$OUT/colocated"
+    timeout 120 python3 experiments/weights-colocated/digest_gpu_check.py ;;
   tp)  # one replica whose engine spans both GPUs: a batch, a weights reload on every rank, the batch again
     timeout $LIMIT_S python3 experiments/gpu-weights-reload/run.py --tp ${TP:-2} --size ${SIZE:-256,2,4,2048} --out "$OUT/tp" ;;
   *) echo "unknown step $step"; exit 2 ;;
