@@ -153,3 +153,17 @@ def test_a_refused_ipc_bucket_leaves_the_engine_untouched_and_keep_refuses_ipc(h
     with pytest.raises(ValueError, match="running='keep' cannot take a push by CUDA IPC"):
         asyncio.run(swap())
     assert [m for m, _ in engine.calls] == ["rc_swap_drop"]
+
+
+def test_a_release_that_timed_out_still_closes_the_lease_to_a_later_replica(hold):
+    """Regression: release() that gave up waiting for a slow loader left the lease file open, so a
+    replica that came later (a joiner, a level-2 wake) took the lease and opened handles to
+    tensors the trainer was already changing again (push_weights had returned)."""
+    b = unpack(ipc_bucket(hold))
+    fd = hold_lease(b)
+    assert not hold.release(0.1)  # the slow loader keeps the tensors alive (never freed)
+    try:
+        with pytest.raises(RuntimeError, match="released its tensors"):
+            hold_lease(b)
+    finally:
+        os.close(fd)
