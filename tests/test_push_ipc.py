@@ -153,3 +153,63 @@ def test_a_refused_ipc_bucket_leaves_the_engine_untouched_and_keep_refuses_ipc(h
     with pytest.raises(ValueError, match="running='keep' cannot take a push by CUDA IPC"):
         asyncio.run(swap())
     assert [m for m, _ in engine.calls] == ["rc_swap_drop"]
+
+
+def test_a_release_that_timed_out_still_closes_the_lease_to_a_later_replica(hold):
+    """Regression: release() that gave up waiting for a slow loader left the lease file open, so a
+    replica that came later (a joiner, a level-2 wake) took the lease and opened handles to
+    tensors the trainer was already changing again (push_weights had returned)."""
+    b = unpack(ipc_bucket(hold))
+    fd = hold_lease(b)
+    assert not hold.release(0.1)  # the slow loader keeps the tensors alive (never freed)
+    try:
+        with pytest.raises(RuntimeError, match="released its tensors"):
+            hold_lease(b)
+    finally:
+        os.close(fd)
+
+
+def test_the_worker_waits_for_copies_out_of_the_trainers_memory_made_at_the_end_of_the_load(monkeypatch):
+    """Regression: vLLM's layerwise reload keeps a layer's tensors until the layer is complete and
+    processes what is left (attention layers, padded ones) in finalize_layerwise_reload, at
+    rc_tensors_end. Only rc_tensors_load_ipc synchronized the GPU, so copies out of the trainer's
+    memory queued at the end could still run once the replica let the lease go and the trainer
+    changed its tensors."""
+    import vllm.config
+
+    from rollout_cluster.engines.worker_loader import TensorLoader
+    from rollout_cluster.transfer import ipc
+
+    events = []
+
+    class Deferring:  # stands in for a reload that reads the tensors of an incomplete layer at the end
+        def __init__(self):
+            self.kept = []
+
+        def load(self, weights):
+            self.kept += weights
+            return {n for n, _ in weights}
+
+        def finish(self):
+            events.extend(("read", n) for n, _ in self.kept)
+
+    class Null:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Worker(TensorLoader):
+        model_runner, vllm_config = None, None
+
+    monkeypatch.setattr(vllm.config, "set_current_vllm_config", lambda cfg: Null())
+    monkeypatch.setattr(ipc, "device_uuid", lambda index: "GPU-trainer")
+    monkeypatch.setattr(ipc, "open_handles", lambda header, handles, index, gpu: [("a", torch.zeros(2))])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", device)))
+    w = Worker()
+    w._rc_expected, w._rc_loaded, w._rc_direct = {"a"}, set(), Deferring()
+    assert w.rc_tensors_load_ipc({"names": ["a"], "nbytes": 8}, b"") == 1
+    assert w.rc_tensors_end([]) == []
+    assert ("read", "a") in events and events[-1] == ("sync", 0)

@@ -318,3 +318,25 @@ def test_a_config_transformers_cannot_build_falls_back_to_a_cap_from_its_sizes(t
     assert served.spec is None and served.source == "config estimate"
     params = 2 * 64 * 16 + 2 * (4 * 16 * 16 + 3 * 16 * 32 + 4 * 16)  # >= the model's 7,248 parameters
     assert served.max_bytes == 8 * params
+
+
+def test_a_retried_finish_whose_commit_failed_fails_again_and_does_not_answer_success():
+    """Regression: a commit that failed (the fleet could not load) had already emptied the staged
+    tensors, so TRL's retry of a /finish_weight_update whose 409 was lost found nothing staged and
+    answered success: the trainer went on as if the fleet held its update."""
+    def failing(named: list) -> int:
+        raise RuntimeError("replica r1 could not load")
+
+    relay, sender = vllm_relay(failing)
+    new = tensors(seed=3)
+    relay.start()
+    t, _ = in_thread(lambda: [sender.send(x) for x in new.values()])
+    relay.receive_packed(announcement(new))
+    t.join(20)
+    with pytest.raises(RuntimeError, match="r1 could not load"):
+        relay.finish()
+    with pytest.raises(RuntimeError, match="r1 could not load"):
+        relay.finish()  # the retry
+    relay.start()  # a new update: its finish is its own
+    assert relay.finish() is None
+    relay.close()

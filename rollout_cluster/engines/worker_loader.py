@@ -99,6 +99,7 @@ class TensorLoader:
         mark("worker_load_start", bytes=header["nbytes"])
         dev = getattr(self, "device", None)
         index = dev.index if isinstance(dev, torch.device) and dev.type == "cuda" else torch.cuda.current_device()
+        self._rc_ipc = index  # rc_tensors_end synchronizes it too (the reload may read a kept tensor there)
         weights = open_handles(header, handles, index, device_uuid(index))
         n = self._rc_load(weights)
         # the copies out of the trainer's memory finish before it may change or free it
@@ -128,15 +129,22 @@ class TensorLoader:
 
         import torch
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            direct, self._rc_direct = getattr(self, "_rc_direct", None), None
-            if direct is not None:
-                # a layer no tensor reached although its names were loaded would be a loader
-                # that did nothing: report its parameters as missing
-                for layer in direct.finish() or ():
-                    self._rc_loaded -= {n for n in self._rc_loaded if n.startswith(layer + ".")}
-            else:
-                finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                direct, self._rc_direct = getattr(self, "_rc_direct", None), None
+                if direct is not None:
+                    # a layer no tensor reached although its names were loaded would be a loader
+                    # that did nothing: report its parameters as missing
+                    for layer in direct.finish() or ():
+                        self._rc_loaded -= {n for n in self._rc_loaded if n.startswith(layer + ".")}
+                else:
+                    finalize_layerwise_reload(self._rc_model(), self.vllm_config.model_config)
+        finally:
+            # vLLM's reload keeps an incomplete layer's tensors and processes what is left here: after
+            # an IPC load, its copies out of the trainer's memory finish before the lease goes
+            ipc, self._rc_ipc = getattr(self, "_rc_ipc", None), None
+            if ipc is not None:
+                torch.cuda.synchronize(ipc)
         maps = getattr(self, "_rc_slots", {})
         for sid in [k for k in maps if k not in (keep_slots or ())]:
             del maps[sid]

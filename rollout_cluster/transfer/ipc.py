@@ -105,7 +105,8 @@ class IpcHold:
     def release(self, timeout_s: float) -> bool:
         """Close the lease once no replica loads from it (within `timeout_s`), then let the tensors
         go. Returns False where a load still held it: the tensors are then kept (leaked to this
-        process's end) rather than freed under a reader."""
+        process's end) rather than freed under a reader, and the lease is unlinked all the same so
+        that no later replica opens them."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -114,6 +115,10 @@ class IpcHold:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     _KEPT.append(self.tensors)
+                    try:  # no replica may start on tensors the trainer changes from now on
+                        os.unlink(self.lease)
+                    except FileNotFoundError:
+                        pass
                     return False
                 time.sleep(0.05)
         try:

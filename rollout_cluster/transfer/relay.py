@@ -32,7 +32,7 @@ was without receiving again (a second receive would wait for bytes that never co
 - vLLM's API: the answer follows the tensors, so a retried /update_weights comes once the first
   one's receive is done: `receive_packed` returns at once for the announcement that the last
   receive of this update completed; and `finish` with nothing staged answers the version its
-  commit gave while no update has started since.
+  commit gave (or fails again where that commit failed) while no update has started since.
 A request naming a tensor this update already holds, but not the previous one retried, is a
 new send: received, it replaces the tensor.
 
@@ -108,6 +108,7 @@ class WeightRelay:
         self.announce_lock = threading.Lock()  # announce (the event loop) against _arrived (the relay's thread)
         self.last_packed: Optional[tuple] = None  # the announcement this update's last receive_packed completed
         self.finished: Optional[int] = None  # the version finish() committed, until the next update starts
+        self.finish_error: Optional[str] = None  # why finish()'s commit failed, until the next update starts
 
     # -- TRL <= 1.10 --------------------------------------------------------------------------
     @staticmethod
@@ -180,7 +181,7 @@ class WeightRelay:
 
     def start(self) -> None:
         self._expect("vllm")
-        self.staged, self.last_packed, self.finished = {}, None, None
+        self.staged, self.last_packed, self.finished, self.finish_error = {}, None, None, None
 
     def receive_packed(self, info: dict) -> None:
         """/update_weights: the announced tensors, in packed chunks (or one at a time)."""
@@ -196,7 +197,7 @@ class WeightRelay:
         announced = (tuple(names), tuple((tuple(s), d) for s, d in metas), bool(info.get("packed", True)))
         if announced == self.last_packed and all(n in self.staged for n in names):
             return  # the last request of this update, retried: its tensors arrived already
-        self.last_packed, self.finished = None, None
+        self.last_packed, self.finished, self.finish_error = None, None, None
         sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
         self._check_update_bytes("update_info.names", dict(zip(names, sizes)))
         if info.get("packed", True):
@@ -215,7 +216,14 @@ class WeightRelay:
         """Commits this update (its version); retried after that, answers the same version."""
         self._expect("vllm")
         if self.staged:
-            self.last_packed, self.finished = None, self.commit()
+            self.last_packed = None
+            try:
+                self.finished = self.commit()
+            except Exception as e:  # the staged tensors are gone: a retry must not answer success
+                self.finish_error = f"{type(e).__name__}: {e}"
+                raise
+        elif self.finish_error is not None:
+            raise RuntimeError(f"this update's commit failed: {self.finish_error}")
         return self.finished
 
     # -- both ----------------------------------------------------------------------------------
@@ -232,7 +240,7 @@ class WeightRelay:
             if self.channel is not None:
                 self.channel.close()
             self.channel, self.protocol, self.staged = None, None, {}
-            self.last_packed, self.finished = None, None
+            self.last_packed, self.finished, self.finish_error = None, None, None
 
     def describe(self) -> dict:
         return {"backend": self.backend, "protocol": self.protocol, "staged_tensors": len(self.staged),
@@ -245,6 +253,7 @@ class WeightRelay:
         self.error = None
         self.channel = open_channel(self.backend, host, port, rank, 2, src, self.timeout_s)
         self.protocol, self.staged, self.last_packed, self.finished = protocol, {}, None, None
+        self.finish_error = None
 
     def _expect(self, protocol: str) -> None:
         self._raise_error()
