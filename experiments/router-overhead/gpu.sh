@@ -36,6 +36,6 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu
 timeout $LIMIT_S python3 -m rollout_cluster.cli overhead --config $CONFIG $W --seeds $SEEDS --rounds $ROUNDS \
   --memory-fraction $MEM $EXTRA --out "$OUT/overhead-$SIZE" 2>&1 | grep --line-buffered -v " INFO \|^INFO" > "$DETAIL/run-full.log"
 tail -c 200000 "$DETAIL/run-full.log" > "$OUT/run.log"
-sleep 2; pkill -INT -f py-spy; pkill -f nvidia-smi; sleep 2
+sleep 2; pkill -INT -f "[p]y-spy record"; pkill -f "[n]vidia-smi --query"; sleep 2  # bracketed: never the calling shell
 tar czf "$OUT/detail.tar.gz" -C "$OUT" detail && rm -rf "$DETAIL"
 tail -c 4000 "$OUT/run.log"; ls -la "$OUT"

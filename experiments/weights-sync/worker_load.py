@@ -51,7 +51,7 @@ def main() -> None:
     from vllm.model_executor.layers import linear, vocab_parallel_embedding
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from rollout_cluster.engines import bucket_files as weight_loader  # pack_bucket, unpack_bucket
+    from rollout_cluster.engines import bucket_files
     from rollout_cluster.model_maker import make_model
 
     cfg = json.loads((Path(a.model) / "config.json").read_text())
@@ -70,7 +70,7 @@ def main() -> None:
                 cur, size = [], 0
             cur.append((name, t))
             size += t.numel() * t.element_size()
-        packed[k] = [weight_loader.pack_bucket(b) for b in buckets + [cur] if b]
+        packed[k] = [bucket_files.pack_bucket(b) for b in buckets + [cur] if b]
 
     llm = LLM(model=a.model, dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
               enable_prefix_caching=False)
@@ -98,7 +98,7 @@ def main() -> None:
             parts["initialize"] += time.perf_counter() - t
             for header, buf in packed[key]:
                 t = time.perf_counter()
-                model.load_weights(weight_loader.unpack_bucket(header, buf))
+                model.load_weights(bucket_files.unpack_bucket(header, buf))
                 parts["load_weights (buffer + loaders + the above)"] += time.perf_counter() - t
             t = time.perf_counter()
             layerwise.finalize_layerwise_reload(model, vcfg.model_config)
@@ -116,7 +116,7 @@ def main() -> None:
             parts["initialize"] += time.perf_counter() - t
             for header, buf in packed[key]:
                 t = time.perf_counter()
-                d.load(weight_loader.unpack_bucket(header, buf))
+                d.load(bucket_files.unpack_bucket(header, buf))
                 parts["load_weights (loaders + the above)"] += time.perf_counter() - t
             t = time.perf_counter()
             d.finish()
