@@ -26,8 +26,12 @@ profile "multiprocessing.spawn.*_serve_main|from multiprocessing.spawn" bare &
 if [ -n "${CORES:-}" ]; then  # both engines' EngineCore processes: their profiles, environment, niceness, affinity
   ( sleep ${CORES_AFTER_S:-330}; for pid in $(pgrep -f EngineCore); do
       ppid=$(ps -o ppid= -p $pid | tr -d ' '); who=$(ps -o args= -p $ppid | cut -c1-60 | tr -c 'a-zA-Z0-9\n' _)
-      { echo "== EngineCore $pid parent $ppid $who"; ps -o ni=,psr= -p $pid; taskset -cp $pid
-        tr '\0' '\n' < /proc/$pid/environ | sort; } >> "$DETAIL/cores.txt" 2>&1
+      # the parent's environment too: a bare engine's EngineCore rewrites its own environ with its
+      # process title (Ray's workers set SPT_NOENV), and Ray gives its workers OMP_NUM_THREADS=num_cpus
+      { echo "== EngineCore $pid parent $ppid $who"; ps -o ni=,psr=,nlwp= -p $pid; taskset -cp $pid
+        tr '\0' '\n' < /proc/$pid/environ | sort; echo "-- parent $ppid"
+        tr '\0' '\n' < /proc/$ppid/environ | grep -E '^(OMP|MKL|CUDA|RAY_|VLLM|TORCH|NCCL|PYTORCH)' | sort
+      } >> "$DETAIL/cores.txt" 2>&1
       /tmp/site/bin/py-spy record -r 100 -d ${CORES_DURATION_S:-130} -f raw --nonblocking -p $pid -o "$DETAIL/pyspy-core-$pid.txt" > /dev/null 2>&1 &
     done ) &
 fi
