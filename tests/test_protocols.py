@@ -450,3 +450,56 @@ def test_a_dummy_weight_model_bounds_announced_shapes_by_its_config(router, code
         r = http.post("/update_named_param/", headers=AUTH, json=body)
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "name"], r.text
         assert body["name"] in r.json()["detail"][0]["msg"]
+
+
+def test_a_refused_update_weights_takes_the_trainers_broadcast_so_the_trainer_hears_the_422(relay_http):
+    """Regression: TRL >= 1.11 posts /update_weights and broadcasts the announced tensors at the
+    same time; a 422 answered before they arrived left the trainer blocked in its broadcast
+    (until its group's timeout; NCCL's never ends). The relay now takes the refused tensors,
+    drops them, then answers 422 naming the field, and the group stays usable."""
+    import socket
+    import threading
+
+    import torch
+
+    from rollout_cluster.transfer.channels import CpuSender
+
+    http, commits = relay_http
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=True, timeout_s=8)  # the trainer hosts (rank 0)
+    r = http.post("/init_weight_transfer_engine", headers=AUTH, json={"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
+    assert r.status_code == 200, r.text
+    assert http.post("/start_weight_update", headers=AUTH, json={}).status_code == 200
+
+    def update(named: dict) -> tuple:
+        """As TRL's client: the POST and the broadcast at once; (answer, the trainer's error)."""
+        out = {}
+
+        def broadcast():
+            try:
+                for x in named.values():
+                    sender.send(x)
+            except Exception as e:  # noqa: BLE001 - handed to the test
+                out["error"] = e
+
+        t = threading.Thread(target=broadcast)
+        t.start()
+        info = {"names": list(named), "dtype_names": ["float32"] * len(named),
+                "shapes": [list(x.shape) for x in named.values()], "packed": False}
+        answer = http.post("/update_weights", headers=AUTH, json={"update_info": info})
+        t.join(20)
+        return answer, out.get("error")
+
+    answer, error = update({"w.weight": torch.randn(2, 3), "model.lora_A.weight": torch.randn(4, 4)})
+    assert error is None  # the trainer's broadcast completed
+    assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == ["body", "update_info.names[1]"]
+    assert "model.lora_A.weight" in answer.json()["detail"][0]["msg"]
+    new = {"w.weight": torch.randn(2, 3), "b.bias": torch.randn(4)}
+    answer, error = update(new)  # the group still lines up: the next update arrives whole
+    assert error is None and answer.status_code == 200, answer.text
+    assert http.post("/finish_weight_update", headers=AUTH, json={}).json()["version"] == 1
+    assert len(commits.named) == 1 and all(torch.equal(commits.named[0][k], v) for k, v in new.items())
+    assert http.post("/shutdown_weight_transfer_engine", headers=AUTH).status_code == 200

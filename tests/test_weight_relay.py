@@ -340,3 +340,22 @@ def test_a_retried_finish_whose_commit_failed_fails_again_and_does_not_answer_su
     relay.start()  # a new update: its finish is its own
     assert relay.finish() is None
     relay.close()
+
+
+def test_a_refused_announcement_too_large_to_take_is_refused_at_once_and_says_so():
+    """A refused /update_weights is received and dropped so that the trainer's broadcast ends
+    (test_protocols.py); a piece larger than any of the served model's is not received (no
+    allocation a client chooses), and the answer says the trainer's broadcast will time out."""
+    relay, _sender = vllm_relay(Recorder(), timeout_s=3)
+    relay.start()
+    bound = relay.drain_bound()
+    assert bound == relay.buffer_bytes + 8 * 12  # the chunk size plus a.weight's 12 elements at 8 bytes
+    huge = {"names": ["a.weight"], "dtype_names": ["float32"], "shapes": [[bound]], "packed": False}
+    with pytest.raises(RelayError) as e:
+        relay.receive_packed(huge)
+    assert e.value.field == "update_info.names[0]" and "was not received" in str(e.value)
+    assert relay.channel.received == 0
+    with pytest.raises(RelayError) as e:  # a shape that is no shape: refused for its form, nothing to take
+        relay.receive_packed({"names": ["a.weight"], "dtype_names": ["float32"], "shapes": [[4, -3]]})
+    assert e.value.field == "update_info.shapes[0]"
+    relay.close()

@@ -38,56 +38,21 @@ new send: received, it replaces the tensor.
 
 Bounds. `spec` ({name: shape}, engines/weight_checks.served_weights: the checkpoint's headers,
 else the model its config describes) refuses any other name or shape before a byte is
-allocated; without one, `max_bytes` caps a tensor and the tensors staged in one update.
+allocated; without one, `max_bytes` caps a tensor and the tensors staged in one update. A
+refused /update_weights is still received (and dropped) before its answer, as far as its pieces
+are bounded: the trainer broadcasts while it waits for that answer (`_drain`).
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Callable, Optional
 
 from .channels import nbytes_of, open_channel
+from .relay_checks import (DEFAULT_PACKED_BUFFER_BYTES, RelayError, check_address, check_shape, packed_chunks,
+                           torch_dtype)
 
-DEFAULT_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
-
-
-class RelayError(ValueError):
-    """A request the relay refuses; the message names the field and the value."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-def torch_dtype(field: str, name):
-    """torch.float32 from "float32" (vLLM's spelling) or "torch.float32" (TRL <= 1.10's)."""
-    import torch
-
-    dtype = getattr(torch, str(name).removeprefix("torch."), None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise RelayError(field, f"{name!r} is not a floating-point torch dtype")
-    return dtype
-
-
-def _check_address(host, port) -> None:
-    if not isinstance(host, str) or not host:
-        raise RelayError("host", f"{host!r}: must be a host name or address")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise RelayError("port", f"{port!r}: must be a TCP port")
-
-
-def packed_chunks(sizes: list, buffer_bytes: int) -> list:
-    """The tensors' indices per packed chunk, as vLLM's packer and its NCCL consumer cut them: a
-    chunk takes tensors until its size passes `buffer_bytes`."""
-    chunks, chunk, total = [], [], 0
-    for i, size in enumerate(sizes):
-        chunk.append(i)
-        total += size
-        if total > buffer_bytes:
-            chunks.append(chunk)
-            chunk, total = [], 0
-    if chunk:
-        chunks.append(chunk)
-    return chunks
+__all__ = ["RelayError", "WeightRelay", "packed_chunks", "torch_dtype"]
 
 
 class WeightRelay:
@@ -117,7 +82,7 @@ class WeightRelay:
         if world_size != 2:
             raise RelayError("world_size", f"{world_size!r}: must be 2 (the relay's rank 0 and the trainer's "
                                            "rank 1: /get_world_size/ answers 1)")
-        _check_address(host, port)
+        check_address(host, port)
 
     def announce(self, method: str, *args) -> bool:
         """Before /init_communicator/ or /update_named_param/ queues `method`: False where the step
@@ -184,33 +149,79 @@ class WeightRelay:
         self.staged, self.last_packed, self.finished, self.finish_error = {}, None, None, None
 
     def receive_packed(self, info: dict) -> None:
-        """/update_weights: the announced tensors, in packed chunks (or one at a time)."""
+        """/update_weights: the announced tensors, in packed chunks (or one at a time). A refused
+        announcement whose sizes are known is received all the same and dropped (`_drain`)."""
         self._expect("vllm")
+        names, metas, packed = self._announcement(info)
+        announced = (tuple(names), tuple((tuple(s), d) for s, d in metas), packed)
+        if announced == self.last_packed and all(n in self.staged for n in names):
+            return  # the last request of this update, retried: its tensors arrived already
+        self.last_packed, self.finished, self.finish_error = None, None, None
+        sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
+        try:
+            for i, (name, (shape, _)) in enumerate(zip(names, metas)):
+                self.check_tensor(name, shape, f"update_info.names[{i}]")
+            self._check_update_bytes("update_info.names", dict(zip(names, sizes)))
+        except RelayError as refusal:
+            raise self._drain(metas, sizes, packed, refusal) from None
+        for i, tensor in self._receive(metas, sizes, packed):
+            self.staged[names[i]] = tensor
+        self.last_packed = announced
+
+    def _announcement(self, info) -> tuple:
+        """(names, [(shape, torch dtype)], packed) of an /update_weights body, checked for form
+        (lists of one length, floating-point dtypes, shapes of integers >= 0): what a receive needs."""
         if not isinstance(info, dict):
             raise RelayError("update_info", f"{str(info)[:80]!r}: must be an object")
         names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
                 len(names) == len(dtypes) == len(shapes)):
             raise RelayError("update_info", "names, dtype_names and shapes must be lists of one length")
-        metas = [(self.check_tensor(n, s, f"update_info.names[{i}]"), torch_dtype(f"update_info.dtype_names[{i}]", d))
-                 for i, (n, d, s) in enumerate(zip(names, dtypes, shapes))]
-        announced = (tuple(names), tuple((tuple(s), d) for s, d in metas), bool(info.get("packed", True)))
-        if announced == self.last_packed and all(n in self.staged for n in names):
-            return  # the last request of this update, retried: its tensors arrived already
-        self.last_packed, self.finished, self.finish_error = None, None, None
-        sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
-        self._check_update_bytes("update_info.names", dict(zip(names, sizes)))
-        if info.get("packed", True):
+        metas = [(check_shape(s, f"update_info.shapes[{i}]"), torch_dtype(f"update_info.dtype_names[{i}]", d))
+                 for i, (d, s) in enumerate(zip(dtypes, shapes))]
+        return names, metas, bool(info.get("packed", True))
+
+    def _receive(self, metas: list, sizes: list, packed: bool):
+        """(index, tensor) of each announced tensor as it arrives."""
+        if packed:
             import torch
 
             for chunk in packed_chunks(sizes, self.buffer_bytes):
                 buf = self.channel.receive([sum(sizes[i] for i in chunk)], torch.uint8)
                 for i, part in zip(chunk, buf.split([sizes[i] for i in chunk])):
-                    self.staged[names[i]] = part.view(metas[i][1]).reshape(metas[i][0])
+                    yield i, part.view(metas[i][1]).reshape(metas[i][0])
         else:
-            for name, (shape, dtype) in zip(names, metas):
-                self.staged[name] = self.channel.receive(shape, dtype)
-        self.last_packed = announced
+            for i, (shape, dtype) in enumerate(metas):
+                yield i, self.channel.receive(shape, dtype)
+
+    def _drain(self, metas: list, sizes: list, packed: bool, refusal: RelayError) -> RelayError:
+        """The error to answer a refused announcement with, once its tensors are taken and dropped.
+        TRL >= 1.11 and vLLM's trainer broadcast while their /update_weights is in flight, and a
+        broadcast no one receives never ends (NCCL's has no timeout): answered at once, the
+        refusal would reach a trainer that is stuck. So the relay receives what was announced,
+        one piece at a time into memory dropped at once, where no piece is larger than one of the
+        served model's (`drain_bound`); a larger one is refused at once, and says why."""
+        pieces = [sum(sizes[i] for i in c) for c in packed_chunks(sizes, self.buffer_bytes)] if packed else sizes
+        bound = self.drain_bound()
+        if max(pieces, default=0) > bound:
+            return RelayError(refusal.field, f"{refusal.message} (its {max(pieces)}-byte piece was not received: "
+                                             f"more than {bound}; a trainer broadcasting it waits until its "
+                                             "group times out)")
+        try:
+            for _ in self._receive(metas, sizes, packed):
+                pass
+        except Exception as e:  # the trainer sent something else, or nothing: the refusal still names the field
+            return RelayError(refusal.field, f"{refusal.message} (receiving the refused tensors failed too: {e})")
+        return refusal
+
+    def drain_bound(self) -> int:
+        """The largest piece a refused announcement is received in: a packed chunk of the served
+        model (the chunk size plus its largest tensor at 8 bytes an element)."""
+        if self.spec:
+            largest = 8 * max(math.prod(shape) for shape in self.spec.values())
+        else:
+            largest = self.max_bytes or 0
+        return self.buffer_bytes + largest
 
     def finish(self) -> Optional[int]:
         """Commits this update (its version); retried after that, answers the same version."""
@@ -247,7 +258,7 @@ class WeightRelay:
                 "version": self.version, "error": self.error}
 
     def _open(self, protocol: str, host, port, rank: int, src: int) -> None:
-        _check_address(host, port)
+        check_address(host, port)
         if self.channel is not None:
             self.close()  # a trainer that restarted joins again: the old group is gone
         self.error = None
@@ -286,9 +297,7 @@ class WeightRelay:
     def check_tensor(self, name, shape, field: str) -> list:
         if not isinstance(name, str) or not name:
             raise RelayError(field, f"{name!r}: must be a tensor name")
-        if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                          for d in shape)):
-            raise RelayError(f"{field} shape", f"{shape!r}: must be a list of integers >= 0")
+        shape = check_shape(shape, f"{field} shape")
         if self.spec is not None:
             if name not in self.spec:
                 raise RelayError(field, f"{name!r}: the served model has no such weight")
