@@ -113,7 +113,7 @@ class VllmEngine(EngineAdapter):
         self.capacity = cfg.max_num_seqs
         self.on_cpu = on_cpu
         self.engine = None
-        self.weights_path = model  # the checkpoint whose tensors load_tensors checks names and shapes against
+        self.weights_path = model  # the checkpoint (or, load_format dummy, the config) load_tensors checks names and shapes against
         self.tasks: dict = {}  # (seq_id, attempt) -> asyncio.Task
         self.context: dict = {}  # (seq_id, attempt) -> context tokens
         self.seen: dict = {}  # (seq_id, attempt) -> output tokens received from vLLM so far
@@ -355,7 +355,7 @@ class VllmEngine(EngineAdapter):
         if self.tasks:  # as in load_weights: orphans of a restarted router
             log.warning("aborting %d requests left from before the tensors load", len(self.tasks))
             await self.give_up(list(self.tasks))
-        spec = weight_checks.checkpoint_spec(self.weights_path)
+        spec = await asyncio.to_thread(weight_checks.load_spec, self.weights_path)
         n = await weight_loader.load_into(self.engine, buckets, spec)
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"{n} tensors loaded, but the prefix cache could not be reset")
@@ -364,7 +364,7 @@ class VllmEngine(EngineAdapter):
     async def _swap(self, buckets, version: int) -> int:
         """running="keep": the tensors swapped in between two steps; each running attempt
         records the token where its weights changed (SeqProgress.swaps)."""
-        spec = weight_checks.checkpoint_spec(self.weights_path)
+        spec = await asyncio.to_thread(weight_checks.load_spec, self.weights_path)
         n, sampled = await weight_keep.swap_into(self.engine, buckets, spec)
         for key in list(self.tasks):
             made = sampled.get(f"{key[0]}#{key[1]}")

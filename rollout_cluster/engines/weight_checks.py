@@ -9,6 +9,7 @@ code); else, where transformers cannot build it, a cap on an update's bytes esti
 config's sizes."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -59,6 +60,19 @@ def served_weights(path: str) -> ServedWeights:
         log.warning("weights of %s: no checkpoint, and transformers cannot build its config (%s): an update "
                     "is capped at %s bytes", path, e, cap)
         return ServedWeights(None, cap, "config estimate" if cap else "none")
+
+
+def load_spec(path: str) -> dict | None:
+    """{name: shape} a load of named tensors into the model at `path` must fit: the checkpoint's
+    headers (read each time: a directory may be rewritten), else its config's model (built once
+    per path: a meta model of a large config takes a moment); None where neither gives one."""
+    spec = checkpoint_spec(path)
+    return spec if spec is not None else _config_spec_of(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _config_spec_of(path: str) -> dict | None:
+    return served_weights(path).spec
 
 
 def _config(path: str):

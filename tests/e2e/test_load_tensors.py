@@ -182,12 +182,13 @@ def test_a_refusal_after_the_first_bucket_went_in_breaks_the_weights_and_a_full_
 
 
 def test_an_engine_that_lost_a_layers_tensors_says_so_without_a_checkpoint_spec(engine, models, monkeypatch):
-    """Without safetensors to check against (load_format dummy), vLLM's worker reports the
-    parameters that got nothing; the weights are then a mix."""
+    """Without names and shapes to check against (load_format dummy of an architecture that
+    transformers cannot build), vLLM's worker reports the parameters that got nothing; the
+    weights are then a mix."""
     from rollout_cluster.engines import weight_checks
 
     a, b = models
-    monkeypatch.setattr(weight_checks, "checkpoint_spec", lambda path: None)
+    monkeypatch.setattr(weight_checks, "load_spec", lambda path: None)
     items = [(n, t) for n, t in tensors(a) if not n.startswith("model.layers.1.mlp.")]
     with pytest.raises(WeightsLoadBroken, match=r"2 of the model's parameters got no tensor, e\.g\. "
                                                 r"\['model\.layers\.1\.mlp\.down_proj\.weight'"):
