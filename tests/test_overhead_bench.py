@@ -31,13 +31,16 @@ def test_pct_over_is_how_much_longer_the_run_took():
 
 def test_the_control_is_summarized_against_the_first_bare_engine():
     pairs = [pair(0, 0, 52.0, 50.0, 46.0), pair(0, 1, 50.0, 50.0, 51.0), pair(1, 0, 40.0, 41.0, 41.0)]
-    assert control_stats(pairs) == {"control_median_pct": 0.0, "control_min_pct": -8.0, "control_max_pct": 2.0}
+    # the cluster against the mean of both bare engines: 52/48, 50/50.5, 40/41
+    assert control_stats(pairs) == {"control_median_pct": 0.0, "control_min_pct": -8.0, "control_max_pct": 2.0,
+                                    "vs_both_median_pct": -0.99, "vs_both_min_pct": -2.44, "vs_both_max_pct": 8.33}
     result = combine(pairs, CFG, ARGS)
     assert result["median_overhead_pct"] == 0.0 and result["max_pct"] == 4.0
     assert result["per_seed_median_pct"] == {0: 2.0, 1: -2.44}
     text = table(result)
     assert "| 46.00 | -8.00 % |" in text and "control (a second bare engine, started last)" in text
     assert "spread -8.00 to +2.00 %" in text
+    assert "mean of both bare engines, round by round: median -0.99 % (spread -2.44 to +8.33 %)" in text
 
 
 def test_without_a_control_there_is_no_control_column():

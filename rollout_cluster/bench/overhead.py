@@ -7,7 +7,8 @@ each running the batch on both, in an order that alternates from round to round 
 seed), with fresh prompt ids every run so that no run finds another's prefix cache. The answer is
 the median over all pairs of (cluster / bare - 1), with its spread and each seed's median.
 `--control` keeps a second bare engine up, started after the cluster, in the rotation: its
-difference from the first is what two engine instances differ by without any cluster.
+difference from the first is what two engine instances differ by without any cluster, and the
+cluster is also reported against the mean of both bare engines of its round.
 
 Both have the config's scheduler limits (max_num_seqs, max_num_batched_tokens); the bare engine
 runs every request of the batch at once, as an offline job would. With ROLLOUT_TIMELINE_DIR set,
@@ -70,6 +71,7 @@ def overhead(args) -> dict:
                 pair["overhead_pct"] = pct_over(pair["cluster"], pair["bare"])
                 if control is not None:
                     pair["control_pct"] = pct_over(pair["control"], pair["bare"])
+                    pair["vs_both_pct"] = pct_over_both(pair)
                 print(json.dumps(pair), flush=True)
                 pairs.append(pair)
     finally:
@@ -89,6 +91,13 @@ def overhead(args) -> dict:
 def pct_over(run: dict, base: dict) -> float:
     """How much longer `run` took than `base`, in percent."""
     return round(100 * (run["makespan_s"] / base["makespan_s"] - 1), 2)
+
+
+def pct_over_both(pair: dict) -> float:
+    """The cluster against the mean of both bare engines' makespans in its round, in percent:
+    neither bare engine is the reference (their own difference is the control's)."""
+    both = {"makespan_s": 0.5 * (pair["bare"]["makespan_s"] + pair["control"]["makespan_s"])}
+    return pct_over(pair["cluster"], both)
 
 
 def summary(makespan: float, finish_times: list, tokens: int) -> dict:
@@ -115,7 +124,9 @@ def control_stats(pairs: list) -> dict:
     pct = [p["control_pct"] for p in pairs if "control_pct" in p]
     if not pct:
         return {}
-    return {"control_median_pct": round(median(pct), 2), "control_min_pct": min(pct), "control_max_pct": max(pct)}
+    both = [p.get("vs_both_pct", pct_over_both(p)) for p in pairs if "control" in p]
+    return {"control_median_pct": round(median(pct), 2), "control_min_pct": min(pct), "control_max_pct": max(pct),
+            "vs_both_median_pct": round(median(both), 2), "vs_both_min_pct": min(both), "vs_both_max_pct": max(both)}
 
 
 def table(result: dict) -> str:
@@ -139,6 +150,9 @@ def table(result: dict) -> str:
         rows.append(f"control (a second bare engine, started last) against the first: median "
                     f"{result['control_median_pct']:+.2f} % (spread {result['control_min_pct']:+.2f} to "
                     f"{result['control_max_pct']:+.2f} %)")
+        rows.append(f"cluster against the mean of both bare engines, round by round: median "
+                    f"{result['vs_both_median_pct']:+.2f} % (spread {result['vs_both_min_pct']:+.2f} to "
+                    f"{result['vs_both_max_pct']:+.2f} %)")
     return "\n".join(rows) + "\n"
 
 
