@@ -120,3 +120,16 @@ def test_a_bucket_packed_by_the_trainer_unpacks_from_read_only_bytes_without_a_c
     assert got[0][1].data_ptr() == frozen.ctypes.data  # a view, not a copy
     assert all(torch.equal(t, want) for (_, t), (_, want) in zip(got, bucket))
     assert unpack_bucket({"names": [], "dtypes": [], "shapes": [], "offsets": [], "nbytes": 0}, b"") == []
+
+
+def test_a_tied_lm_head_sent_by_state_dict_is_refused_with_the_way_out():
+    """A model with tied embeddings (Qwen2.5 up to 3B, Llama 3.2) checkpoints lm_head once, as
+    embed_tokens; state_dict() yields it under both names. The refusal says what to send."""
+    spec = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
+    with pytest.raises(ValueError, match=r"tensor 'lm_head.weight': the served model has no such weight .*; the "
+                                         r"served model ties it to 'model.embed_tokens.weight' \(tie_word_embeddings\): "
+                                         r"send model.named_parameters\(\)"):
+        BucketCheck(spec).bucket([("lm_head.weight", torch.zeros(8, 4))])
+    with pytest.raises(ValueError) as e:  # any other unknown name: no hint
+        BucketCheck(spec).bucket([("model.extra.weight", torch.zeros(1))])
+    assert "ties it" not in str(e.value)

@@ -140,7 +140,8 @@ class BucketCheck:
                 continue
             if name not in spec:
                 raise ValueError(f"tensor {name!r}: the served model has no such weight "
-                                 f"(its checkpoint has {len(spec)} tensors, e.g. {next(iter(spec))!r})")
+                                 f"(its checkpoint has {len(spec)} tensors, e.g. {next(iter(spec))!r})"
+                                 + _tied_hint(name, spec))
             if tuple(t.shape) != spec[name]:
                 raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)}, the served model's is {spec[name]}")
 
@@ -155,6 +156,18 @@ class BucketCheck:
         if not self.seen:
             raise ValueError("buckets: no tensor given")
         return len(self.seen)
+
+
+def _tied_hint(name: str, spec: dict) -> str:
+    """Why a model with tied embeddings has no `lm_head.weight`: state_dict() yields the tied
+    tensor under both names, its checkpoint (and named_parameters()) once."""
+    if not name.endswith("lm_head.weight"):
+        return ""
+    embed = next((n for n in spec if n.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        return ""
+    return (f"; the served model ties it to {embed!r} (tie_word_embeddings): send model.named_parameters(), "
+            "which yields a tied weight once, or leave this name out")
 
 
 def as_tensor(name: str, t):
