@@ -15,8 +15,9 @@ next one that does not depend on it still runs):
   e save_pretrained to local disk + write the manifest + update_weights; batch C (== B but near-ties);
     the digest again (== d's: the checkpoint holds the pushed bits)
   f push_weights(transport="object_store") of the same tensors; batch E (== B but near-ties)
-  g the cluster down; a fresh vLLM LLM from e's checkpoint; batch D compared with B token by token;
-    the fresh engine's weights digest (our worker extension's rc_weights_digest) against d's, and
+  g the cluster down; a fresh vLLM LLM from e's checkpoint; batch D compared with B token by token,
+    and B's tokens scored by the fresh engine (where D first differs from B, how far B's token was
+    from the fresh engine's top one: a near-tie, or different logits); the fresh engine's weights digest (our worker extension's rc_weights_digest) against d's, and
     the first 20 parameters that differ
 
     python experiments/weights-colocated/run.py --size 7b --out $OUT        # one H200
@@ -88,6 +89,25 @@ def compare(x: list, y: list) -> dict:
     first = [next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
              for a, b in zip(x, y) if a != b]
     return {"identical": len(x) - len(first), "of": len(x), "first_diff_positions": first}
+
+
+NEAR_TIE = 0.05  # nats: a first difference where the two top tokens are this close is bf16 noise, not weights
+
+
+def tie_gaps(prompts: list, ref: list, other: list, scored: list) -> dict:
+    """Where `other` (the fresh engine's greedy tokens) first differs from `ref` (the pushed
+    engine's), how far ref's token was from the fresh engine's own top choice at that position,
+    scored by the fresh engine on prompt + ref's tokens (prompt_logprobs): a near-tie is a gap
+    of at most NEAR_TIE nats; a larger one says the engines compute different logits there."""
+    gaps = []
+    for p, r, o, s in zip(prompts, ref, other, scored):
+        j = next((i for i, (x, y) in enumerate(zip(r, o)) if x != y), None)
+        if j is None:
+            continue
+        position = s.prompt_logprobs[len(p) + j]  # {token: Logprob} given prompt + r[:j] (= o[:j])
+        top = max(lp.logprob for lp in position.values())
+        gaps.append(round(top - position[r[j]].logprob, 4))
+    return {"gaps_nats": gaps, "near_ties": sum(g <= NEAR_TIE for g in gaps), "threshold_nats": NEAR_TIE}
 
 
 def main() -> None:
@@ -263,6 +283,7 @@ def main() -> None:
                 time.sleep(1)  # the replica's engine process exits after shutdown() returns
         free_before, t0 = free_gib(), time.monotonic()
         llm = LLM(model=run.ckpt, dtype=dtype, enforce_eager=True, max_model_len=4096, max_num_seqs=64,
+                  max_num_batched_tokens=8192,  # the replica's limits
                   skip_tokenizer_init=True, worker_extension_cls=EXTENSION,  # rc_weights_digest
                   **({"gpu_memory_utilization": 0.5} if cuda else {}))
         info = {"llm_start_s": round(time.monotonic() - t0, 1), "free_gib_before_llm": free_before}
@@ -272,6 +293,11 @@ def main() -> None:
         for other in ("B", "C"):
             if other in run.batches:
                 info[f"D_vs_{other}"] = compare(run.batches[other], run.batches["D"])
+        for other in ("B", "A"):  # scored by the fresh engine: B's differences near-ties? A's (other weights) calibrate
+            if other in run.batches:
+                scored = llm.generate([TokensPrompt(prompt_token_ids=p + b) for p, b in zip(prompts, run.batches[other])],
+                                      SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+                info[f"D_vs_{other}_ties"] = tie_gaps(prompts, run.batches[other], run.batches["D"], scored)
         t0 = time.monotonic()
         run.digests["D"] = d = merge_workers(llm.collective_rpc("rc_weights_digest"), detail=True)
         info.update(digest_D=d["digest"], digest_D_s=round(time.monotonic() - t0, 2))
@@ -305,7 +331,8 @@ def summary(run: Run, first: str) -> None:
             "ratio_checkpoint_over_push": round(base / push_s, 2) if base and push_s else None,
             "free_gib_awake": got.get("free_gib_awake"), "free_gib_asleep": got.get("free_gib_asleep"),
             "B_vs_A": got.get("B_vs_A"), "C_vs_B": got.get("C_vs_B"), "E_vs_B": got.get("E_vs_B"),
-            "D_vs_B": got.get("D_vs_B"), "digest_B": got.get("digest_B"), "digest_C_vs_B": got.get("digest_C_vs_B"),
+            "D_vs_B": got.get("D_vs_B"), "D_vs_B_ties": got.get("D_vs_B_ties"),
+            "D_vs_A_ties": got.get("D_vs_A_ties"), "digest_B": got.get("digest_B"), "digest_C_vs_B": got.get("digest_C_vs_B"),
             "digest_D_vs_B": got.get("digest_D_vs_B"),
             "failed": [p["phase"] for p in run.report["phases"] if p.get("ok") is False]}
     print(json.dumps(line), flush=True)
