@@ -85,6 +85,8 @@ class TensorLoader:
         else:
             buf = map_shm(path, header["nbytes"]) if path is not None else data
         n = self._rc_load(unpack_bucket(header, buf))
+        if slot is not None and self._rc_direct is None:
+            _copy_kept_views(buf)
         mark("worker_load_end")
         return n
 
@@ -152,3 +154,20 @@ class TensorLoader:
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
         return sorted(getattr(self, "_rc_expected", set()) - getattr(self, "_rc_loaded", set()))
+
+
+def _copy_kept_views(buf) -> None:
+    """vLLM's layerwise reload keeps the tensors of a layer whose other tensors have not arrived
+    yet (and of a padded layer, until rc_tensors_end): views of `buf`, a shm slot the replica
+    writes another bucket into once this call returned. Each such tensor becomes a copy of its own."""
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    lo = buf.data_ptr()
+    hi = lo + buf.numel() * buf.element_size()
+    for info in list(LAYERWISE_INFO.values()):
+        for _, args in info.loaded_weights:
+            for key, value in args.arguments.items():
+                if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel()
+                        and lo <= value.data_ptr() < hi):
+                    args.arguments[key] = value.clone()

@@ -57,6 +57,7 @@ class EngineMoves:
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.loading = None  # (version, asyncio.Task) of a load in progress
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
+        self.noted_buckets: Optional[tuple] = None  # a noted push's buckets (a restarted router has lost them)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
         self.sleep_level, self.sleep_goal = 0, 0
@@ -128,7 +129,7 @@ class EngineMoves:
     def _note(self, order: NoteWeights) -> None:
         """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
         if order.version > max(self.weights_version, self.noted[0]):
-            self.noted = (order.version, order.path)
+            self.noted, self.noted_buckets = (order.version, order.path), order.buckets
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
         failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
@@ -243,6 +244,13 @@ class EngineMoves:
         if self.weights_error and self.weights_error_version == version:
             raise RuntimeError(self.weights_error)
 
+    def kept_buckets(self, path: str) -> Optional[tuple]:
+        """The buckets of the push `path` that this replica loaded or was noted (None: none kept).
+        A restarted router names a push it learned from the replicas without its handles."""
+        if path == self.weights_path and self.weights_buckets is not None:
+            return self.weights_buckets
+        return self.noted_buckets if path == self.noted[1] else None
+
     async def _load_weights(self, path: str, version: int, before=(), buckets: Optional[tuple] = None,
                             keep: bool = False) -> None:
         # keep: swapped in under the running sequences, which report where (SeqProgress.swaps)
@@ -250,6 +258,8 @@ class EngineMoves:
         try:
             if before:
                 await asyncio.gather(*before, return_exceptions=True)
+            if buckets is None and path.startswith(PUSH_SCHEME):
+                buckets = self.kept_buckets(path)
             if buckets is not None:  # pushed tensors: fetched bucket by bucket while the engine loads
                 await self.engine.load_tensors(fetched(buckets), keep_as)
             elif path.startswith(PUSH_SCHEME):
@@ -267,7 +277,7 @@ class EngineMoves:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
             self.weights_buckets = buckets
             if self.noted[0] <= version:
-                self.noted = (0, "")
+                self.noted, self.noted_buckets = (0, ""), None
         finally:
             if self.loading and self.loading[0] == version:  # not a later load's flag
                 self.loading = None
