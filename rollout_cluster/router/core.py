@@ -39,10 +39,10 @@ from .limits import BatchLimits
 from .outbox import Outbox
 from .sleep import FleetSleep
 from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
+from .tracing import RouterTrace, append_bounded
 from .weights import FleetWeights
 
 # A long-lived router serves batch after batch: its statistics keep a bounded recent window.
-STEP_SAMPLES_KEPT = 100_000
 DECISION_TIMES_KEPT = 100_000
 FINISHED_LENGTHS_KEPT = 4096
 # Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
@@ -69,12 +69,6 @@ def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
     """Progress report `p` without its first `skip` tokens (the router has them already)."""
     return replace(p, token_ids=p.token_ids[skip:], num_tokens=p.num_tokens - skip, offset=p.offset + skip,
                    logprobs=None if p.logprobs is None else p.logprobs[skip:], prompt_token_ids=None)
-
-
-def _append_bounded(values: list, value, keep: int) -> None:
-    values.append(value)
-    if len(values) > 2 * keep:  # trim in bulk: amortised O(1) per append
-        del values[:-keep]
 
 
 RUNNING_MODES = ("finish", "keep", "recompute", "abort")  # update_weights(running=...)
@@ -109,12 +103,27 @@ class RouterCore:
         self.sessions = SessionHomes(max_sessions)  # multi-turn sessions' home replicas (affinity)
         self.finished_lengths: list[int] = []  # recent finished sequences' lengths (the policy's evidence)
         self.decision_times: list[float] = []
-        self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
-        # While tracing: (running, context tokens, s per token per sequence) per report, for fitting a
-        # cost profile to the engines as they run here (calibrate --from-samples).
-        self.step_samples: list = []
+        self.tracing = RouterTrace([] if trace else None)  # what a driver's set_trace records
         self.finished_count = 0  # sequences finished, ever
         self.requeues = 0  # sequences put back in the queue, ever
+
+    # ---- what set_trace records (tracing.py), read and reset by the Serve router -------------------
+    @property
+    def trace(self) -> Optional[list]:
+        """(time, replica_id, sequences held) per pull; None: not tracing."""
+        return self.tracing.pulls
+
+    @trace.setter
+    def trace(self, pulls: Optional[list]) -> None:
+        self.tracing.pulls = pulls
+
+    @property
+    def step_samples(self) -> list:
+        return self.tracing.step_samples
+
+    @step_samples.setter
+    def step_samples(self, samples: list) -> None:
+        self.tracing.step_samples = samples
 
     # ---- driver side ------------------------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
@@ -302,8 +311,9 @@ class RouterCore:
 
     def trace_pull(self, replica_id: str, now: float) -> None:
         """While tracing: (time, replica, sequences it holds) once per pull, after its decision."""
-        if self.trace is not None and replica_id in self.fleet.replicas:
-            self.trace.append((now, replica_id, len(self.fleet.replicas[replica_id].seqs)))
+        rep = self.fleet.replicas.get(replica_id)
+        if rep is not None:
+            self.tracing.pull(now, replica_id, len(rep.seqs))
 
     def apply(self, report: Report, now: float) -> Applied:
         """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
@@ -338,7 +348,7 @@ class RouterCore:
             decision = self.policy.decide(self.view(now), replica_id)
             if timer:
                 dt = timer() - t0
-                _append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
+                append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
                 self.metrics.decision(dt)
             self._apply_decision(decision, now)
         orders = self.outbox.take(replica_id)
@@ -437,10 +447,7 @@ class RouterCore:
             self.control.apply_sleep(rep, report.sleep)
             if self.control.apply_weights(rep, report.weights, learn=not self.seqs):
                 self._fail_queued_if_no_replica_can_load(now)
-        st = report.stats
-        if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
-            _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
-                            STEP_SAMPLES_KEPT)
+        self.tracing.step(report.stats)
 
     def _apply_progress(self, rep: ReplicaState, report: Report, now: float) -> None:
         for p in report.progress:
@@ -663,7 +670,7 @@ class RouterCore:
                           now - seq.submitted_t, version, seq.resumed, list(seq.weight_versions))
         self.seqs.pop(seq.seq_id, None)
         if reason != "error":
-            _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
+            append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
             self.sessions.record(req.session, replica_id)  # its context is cached there now
         self.batches.group_finished(seq.group, seq.generated, counts_length=reason != "error")
         self.metrics.finished(replica_id or "-", reason)
