@@ -36,6 +36,7 @@ from .counters import RouterCounters, RouterMetrics
 from .digests import FleetDigests
 from .fleet import Fleet
 from .limits import BatchLimits
+from .moves import SeqMoves
 from .outbox import Outbox
 from .sleep import FleetSleep
 from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
@@ -44,7 +45,6 @@ from .weights import FleetWeights
 
 # A long-lived router serves batch after batch: its statistics keep a bounded recent window.
 DECISION_TIMES_KEPT = 100_000
-FINISHED_LENGTHS_KEPT = 4096
 # Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
 STALLED = ("stalled: no new token for router.stall_timeout_s while holding running sequences; "
            "they continue elsewhere from their last reported tokens")
@@ -89,7 +89,6 @@ class RouterCore:
         self.counters = RouterCounters()
         self.queue = WorkQueue()
         self.seqs: dict[str, SeqState] = {}  # seq_id -> state, every unfinished sequence of every batch
-        self.give_up_t: dict[str, tuple[float, Optional[str]]] = {}  # seq_id -> (when ordered, destination)
         self.model: Optional[ModelInfo] = None  # the first replica's; requests are checked against it
         self.batches = Batches(id_prefix, id_salt)  # id_salt: () -> 16 hex digits of a batch id (Serve: random)
         self.fleet = Fleet(expected_replicas, replica_timeout_s)
@@ -98,14 +97,13 @@ class RouterCore:
         self.sleep = FleetSleep()
         self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
         self.digests = FleetDigests(self.fleet, self.outbox, self.weights, self.sleep, id_prefix)  # weights_digest
-        self.adoption = OrphanAdoption(self, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
-                                       id_prefix)
         self.sessions = SessionHomes(max_sessions)  # multi-turn sessions' home replicas (affinity)
-        self.finished_lengths: list[int] = []  # recent finished sequences' lengths (the policy's evidence)
+        self.moves = SeqMoves(self.seqs, self.queue, self.batches, self.fleet, self.outbox, self.weights,
+                              self.sessions, self.counters, self.metrics)
+        self.adoption = OrphanAdoption(self.moves, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
+                                       id_prefix)
         self.decision_times: list[float] = []
         self.tracing = RouterTrace([] if trace else None)  # what a driver's set_trace records
-        self.finished_count = 0  # sequences finished, ever
-        self.requeues = 0  # sequences put back in the queue, ever
 
     # ---- what set_trace records (tracing.py), read and reset by the Serve router -------------------
     @property
@@ -148,7 +146,7 @@ class RouterCore:
             seq = SeqState(f"{bid}:{i}", bid, i, (bid, req.prompt_index), req, now)
             if error:
                 seq.error = error
-                self._finish(seq, "error", now, replica_id=None)
+                self.moves.finish(seq, "error", now, replica_id=None)
                 continue
             if req.output_token_ids:  # a partial rollout resumed: a continuation from the start
                 seq.resume(self.record_tokens)
@@ -212,9 +210,9 @@ class RouterCore:
             seq.cancelled = True
             if seq.status is SeqStatus.QUEUED:
                 self.queue.remove(seq)
-                self._finish(seq, "abort", now, None)
+                self.moves.finish(seq, "abort", now, None)
             elif seq.status is SeqStatus.RUNNING:
-                self._order_give_up(seq)
+                self.moves.order_give_up(seq)
         return len(seqs)
 
     def drop_abandoned(self, now: float, idle_s: float) -> list:
@@ -249,15 +247,7 @@ class RouterCore:
         in_flight = running != "finish"
         v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep")
         if in_flight and running != "keep":
-            for seq in self.seqs.values():
-                if seq.status is SeqStatus.RUNNING:
-                    if running == "abort":
-                        seq.cancelled = True  # its final "abort" ends it, tokens and all
-                    else:
-                        seq.give_up_cause = "weights_update"
-                    self._order_give_up(seq)
-                elif seq.status is SeqStatus.GIVING_UP and running == "abort":
-                    seq.cancelled = True
+            self.moves.give_up_running(abort=running == "abort")
         return v
 
     def sleep_fleet(self, level: int = 1) -> int:
@@ -286,17 +276,6 @@ class RouterCore:
         """It may get work: it holds the current weights, loads no others, and is awake."""
         return self.control.usable(rep)
 
-    def _fail_queued_if_no_replica_can_load(self, now: float) -> None:
-        if self.weights.none_can_load(self.fleet.replicas):
-            self._fail_queued(self.weights.failure(), now)
-
-    def _fail_queued(self, why: str, now: float) -> None:
-        """Queued work that no replica can run ends with an error (running work cannot exist)."""
-        for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED]:
-            self.queue.remove(seq)
-            seq.error = why
-            self._finish(seq, "error", now, None)
-
     # ---- replica side ------------------------------------------------------------------------------
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
         """A replica's pull: apply its report, then decide; returns its orders."""
@@ -319,7 +298,7 @@ class RouterCore:
         """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
         if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
             return Applied(None, stalled=self.fleet.was_stalled(report))
-        finished, requeues = self.finished_count, self.requeues
+        finished, requeues = self.moves.finished_count, self.moves.requeues
         rep = self._register(report, now)
         self._apply_engine_state(rep, report, now)
         if report.digest is not None:
@@ -333,8 +312,8 @@ class RouterCore:
             stalled = True
         elif report.listing is not None:
             self._reconcile(rep, report.listing.held, report.listing.aborting, now)
-        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving,
-                       stalled)
+        return Applied(rep.replica_id, self.moves.finished_count != finished, self.moves.requeues != requeues,
+                       report.leaving, stalled)
 
     def decide(self, replica_id: str, now: float, timer=None) -> Orders:
         """The policy's decision at this replica's pull; returns the orders waiting for it."""
@@ -372,7 +351,7 @@ class RouterCore:
         # first round, static's shares).
         failed = sum(rid in self.fleet.replicas for rid in self.weights.errors)
         return ClusterView(now, self.queue, replicas, self.batches.groups, self.seqs,
-                           max(1, self.fleet.expected - failed), self.finished_lengths,
+                           max(1, self.fleet.expected - failed), self.moves.finished_lengths,
                            self.counters.generated_tokens, self.counters.reprefill_tokens)
 
     def expire(self, now: float) -> list:
@@ -383,7 +362,7 @@ class RouterCore:
         if self.fleet.settle(now):
             # The last replica holding the weights died and none came back in a replica timeout:
             # if every one left failed loading them, nothing can run the queued work.
-            self._fail_queued_if_no_replica_can_load(now)
+            self.moves.fail_queued_if_no_replica_can_load(now)
         self.adoption.expire(now)
         return dead
 
@@ -422,12 +401,12 @@ class RouterCore:
         self.sleep.forget(replica_id)
         self.digests.forget(replica_id)
         for seq in list(rep.seqs.values()):
-            self.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
-            self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
+            self.moves.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
+            self.moves.requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
         self.queue.release_reserved(replica_id)
         self.policy.on_replica_removed(replica_id)
         if leaving:  # for good: if every replica left failed loading the weights, none can run its work
-            self._fail_queued_if_no_replica_can_load(now)
+            self.moves.fail_queued_if_no_replica_can_load(now)
 
     # ---- the steps of `apply` ---------------------------------------------------------------------
     def _register(self, report: Report, now: float) -> ReplicaState:
@@ -446,7 +425,7 @@ class RouterCore:
             rep.last_report_number = report.number
             self.control.apply_sleep(rep, report.sleep)
             if self.control.apply_weights(rep, report.weights, learn=not self.seqs):
-                self._fail_queued_if_no_replica_can_load(now)
+                self.moves.fail_queued_if_no_replica_can_load(now)
         self.tracing.step(report.stats)
 
     def _apply_progress(self, rep: ReplicaState, report: Report, now: float) -> None:
@@ -494,13 +473,13 @@ class RouterCore:
         del rep.seqs[seq.seq_id]
         if reason == "error":
             seq.error = p.error or "engine error"
-            self._finish(seq, "error", now, rep.replica_id)
+            self.moves.finish(seq, "error", now, rep.replica_id)
         elif reason == "abort" or self._segment_cut(seq, reason):
             # An abort nobody ordered is a replica handing its work back before it stops.
             cause = seq.give_up_cause or ("replica_left" if reason == "abort" else None)
-            self._requeue_after_segment(seq, rep.replica_id, now, cause)
+            self.moves.requeue_after_segment(seq, rep.replica_id, now, cause)
         else:
-            self._finish(seq, reason, now, rep.replica_id)
+            self.moves.finish(seq, reason, now, rep.replica_id)
 
     def _note_swaps(self, seq: SeqState, swaps: list) -> None:
         """The replica swapped weights under this attempt (running="keep"): its tokens from
@@ -534,8 +513,8 @@ class RouterCore:
         for seq in lost:
             del rep.seqs[seq.seq_id]
             self.counters.lost_orders += 1
-            self.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
-            self._requeue_after_segment(seq, rep.replica_id, now)
+            self.moves.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
+            self.moves.requeue_after_segment(seq, rep.replica_id, now)
         aborting = {(sid, attempt) for sid, attempt in aborting}
         # Attempts the replica runs that the router does not know: a restarted router's predecessor
         # sent them (or this replica was declared dead and its work requeued). Their tokens would be
@@ -570,126 +549,11 @@ class RouterCore:
             self.queue.remove(seq)
             if not rep.seqs:  # its first running sequence: its progress is measured from now
                 rep.progress_t = now
-            self._dispatch(seq, a.replica_id, a.segment_cap)
+            self.moves.dispatch(seq, a.replica_id, a.segment_cap)
         for g in decision.give_up:
             seq = g.seq
             if seq.status is not SeqStatus.RUNNING or seq.replica not in self.fleet.replicas:
                 self.counters.policy_errors += 1
                 continue
-            self.give_up_t[seq.seq_id] = (now, g.destination)
-            self._order_give_up(seq)
-
-    def _dispatch(self, seq: SeqState, replica_id: str, segment_cap: Optional[int]) -> None:
-        req = seq.request
-        seq.attempt += 1
-        seq.status, seq.replica = SeqStatus.RUNNING, replica_id
-        seq.segment_cap, seq.segment_start = segment_cap, seq.generated
-        seq.give_up_cause = None
-        held = self.fleet.replicas[replica_id].weights_version
-        if not seq.weight_versions or seq.weight_versions[-1][1] != held:
-            seq.weight_versions.append((seq.generated, held))
-        # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
-        # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
-        seq.give_up_pull = seq.delivered_pull = -1
-        if not seq.replicas or seq.replicas[-1] != replica_id:
-            seq.replicas.append(replica_id)
-        last = seq.migrations[-1] if seq.migrations else None
-        if last is not None and last.destination != replica_id and last.at_token == seq.generated:
-            # the continuation starts here, not where the move meant it to (gone, or never reached)
-            seq.migrations[-1] = replace(last, destination=replica_id)
-        stop_after = segment_cap
-        if req.hidden_length is not None:
-            left = max(1, req.hidden_length - seq.generated)
-            stop_after = left if stop_after is None else min(stop_after, left)
-        prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids.tolist()
-        # A continuation's earlier logprobs, for a take-over after a router restart; not for a
-        # chunked round's segment (every round of every sequence: their size grows as the square
-        # of the length), which a restarted router therefore generates again when logprobs are asked.
-        prior = (array("d", seq.logprobs) if seq.generated and seq.logprobs is not None and prompt is not None
-                 and segment_cap is None else None)
-        work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
-                    prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len,
-                    prior_logprobs=prior)
-        self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
-        self.outbox.to(replica_id).start.append(work)
-
-    def _order_give_up(self, seq: SeqState) -> None:
-        """Tell a running sequence's replica to give it up; its partials come back in a report."""
-        seq.status = SeqStatus.GIVING_UP
-        self.fleet.replicas[seq.replica].seqs.giving_up(seq)  # a RUNNING sequence's replica is live
-        self.outbox.to(seq.replica).give_up.append((seq.seq_id, seq.attempt))
-
-    def _requeue_after_segment(self, seq: SeqState, source: str, now: float, cause: Optional[str] = None) -> None:
-        """Queue the rest of `seq` after its segment on `source` ended short of the sequence's end:
-        a policy's give-up (a migration), a chunk cut, or `cause` (a replica leaving or lost)."""
-        if seq.cancelled:
-            self._finish(seq, "abort", now, source)
-            return
-        ordered = self.give_up_t.pop(seq.seq_id, None)
-        if seq.give_up_pull < 0:  # the order never reached the replica: it did not cause this end
-            ordered = None
-        destination = None
-        if ordered is None and cause is not None:
-            seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
-            if cause == "weights_update":
-                self.counters.weights_recomputed += 1
-            elif cause == "replica_left":
-                self.counters.handed_back += 1
-            else:
-                self.counters.recovered += 1
-            self.metrics.resumed(source, cause)
-        if ordered is not None:
-            t_ordered, destination = ordered
-            seq.moves += 1
-            seq.last_move_t = now
-            seq.migrations.append(Migration(source, destination, seq.generated, now - seq.submitted_t))
-            self.counters.migrations += 1
-            self.counters.reprefill_tokens += seq.context_tokens
-            self.metrics.migration(source, seq.context_tokens)
-            self.metrics.give_up_latency(now - t_ordered)
-        seq.status, seq.replica = SeqStatus.QUEUED, None
-        if destination is not None and destination not in self.fleet.replicas:
-            destination = None
-        self.queue.push(seq, reserved_for=destination)
-        self.requeues += 1
-
-    def _finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
-        seq.status = SeqStatus.DONE
-        seq.finish_reason = reason
-        seq.replica = None
-        self.give_up_t.pop(seq.seq_id, None)
-        batch = self.batches.get(seq.batch_id)
-        req = seq.request
-        wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
-        # (an invalid request may have no spec; one that asked but ended before its first token gets [])
-        logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
-        version = (seq.weight_versions[-1][1] if seq.weight_versions
-                   else batch.weights_version if batch else self.weights.version)
-        done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
-                          seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
-                          now - seq.submitted_t, version, seq.resumed, list(seq.weight_versions))
-        self.seqs.pop(seq.seq_id, None)
-        if reason != "error":
-            append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
-            self.sessions.record(req.session, replica_id)  # its context is cached there now
-        self.batches.group_finished(seq.group, seq.generated, counts_length=reason != "error")
-        self.metrics.finished(replica_id or "-", reason)
-        self.finished_count += 1
-        self.batches.record(seq.batch_id, seq.index, done)
-
-    # ---- what AdoptionHost asks of the router (adoption.py) --------------------------------------------
-    def seq(self, seq_id: str) -> Optional[SeqState]:
-        return self.seqs.get(seq_id)
-
-    def batch_version(self, batch_id: str) -> Optional[int]:
-        batch = self.batches.get(batch_id)
-        return None if batch is None else batch.weights_version
-
-    def requeue(self, seq: SeqState) -> None:
-        self.queue.push(seq)
-
-    def unqueue(self, seq: SeqState) -> None:
-        self.queue.remove(seq)
-
-    def finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
-        self._finish(seq, reason, now, replica_id)
+            self.moves.give_up_t[seq.seq_id] = (now, g.destination)
+            self.moves.order_give_up(seq)
