@@ -23,9 +23,8 @@ from array import array
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..policy.base import Decision, Policy
-from ..protocol import (Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
-                        SequenceRequest, Work, is_int)
+from ..policy.base import Policy
+from ..protocol import InputError, ModelInfo, Orders, Report, SeqProgress, SequenceRequest, is_int
 from ..parsing import shown
 from ..validation import check_place, check_request
 from .adoption import OrphanAdoption
@@ -34,17 +33,16 @@ from .control import FleetControl
 from .sessions import SessionHomes
 from .counters import RouterCounters, RouterMetrics
 from .digests import FleetDigests
+from .dispatch import Dispatcher
 from .fleet import Fleet
 from .limits import BatchLimits
 from .moves import SeqMoves
 from .outbox import Outbox
 from .sleep import FleetSleep
 from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
-from .tracing import RouterTrace, append_bounded
+from .tracing import RouterTrace
 from .weights import FleetWeights
 
-# A long-lived router serves batch after batch: its statistics keep a bounded recent window.
-DECISION_TIMES_KEPT = 100_000
 # Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
 STALLED = ("stalled: no new token for router.stall_timeout_s while holding running sequences; "
            "they continue elsewhere from their last reported tokens")
@@ -79,7 +77,6 @@ class RouterCore:
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
                  max_sessions: int = 65536, stall_timeout_s: float = 0.0):
-        self.policy = policy
         # A replica holding running sequences with no new token for this long is stalled (0: never).
         self.stall_timeout_s = stall_timeout_s
         self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
@@ -102,8 +99,23 @@ class RouterCore:
                               self.sessions, self.counters, self.metrics)
         self.adoption = OrphanAdoption(self.moves, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
                                        id_prefix)
-        self.decision_times: list[float] = []
+        self.dispatcher = Dispatcher(policy, self.seqs, self.queue, self.batches, self.fleet, self.outbox,
+                                     self.control, self.weights, self.moves, self.counters, self.metrics)
         self.tracing = RouterTrace([] if trace else None)  # what a driver's set_trace records
+
+    @property
+    def policy(self) -> Policy:
+        """The policy that decides at every pull (dispatch.py); set_policy replaces it between batches."""
+        return self.dispatcher.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.dispatcher.policy = policy
+
+    @property
+    def decision_times(self) -> list:
+        """Seconds per policy decision, while the driver passes a timer (a recent window)."""
+        return self.dispatcher.decision_times
 
     # ---- what set_trace records (tracing.py), read and reset by the Serve router -------------------
     @property
@@ -317,42 +329,11 @@ class RouterCore:
 
     def decide(self, replica_id: str, now: float, timer=None) -> Orders:
         """The policy's decision at this replica's pull; returns the orders waiting for it."""
-        rep = self.fleet.replicas.get(replica_id)
-        if rep is None:
-            return Orders()
-        # A replica without the current weights gets no work (its load order is in its outbox), nor
-        # one that sleeps or is on its way to or from sleep.
-        if (len(self.queue) or self.seqs) and self.usable(rep):
-            t0 = timer() if timer else None
-            decision = self.policy.decide(self.view(now), replica_id)
-            if timer:
-                dt = timer() - t0
-                append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
-                self.metrics.decision(dt)
-            self._apply_decision(decision, now)
-        orders = self.outbox.take(replica_id)
-        orders.work_waiting = len(self.queue) > 0
-        for work in orders.start:
-            seq = self.seqs.get(work.seq_id)
-            if seq is not None:
-                seq.delivered_pull = rep.pulls
-        for seq_id, _ in orders.give_up:
-            seq = self.seqs.get(seq_id)
-            if seq is not None:
-                seq.give_up_pull = rep.pulls
-        return orders
+        return self.dispatcher.decide(replica_id, now, timer)
 
     def view(self, now: float) -> ClusterView:
         """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
-        replicas = self.fleet.replicas
-        if not all(self.usable(r) for r in replicas.values()):
-            replicas = {rid: r for rid, r in replicas.items() if self.usable(r)}
-        # Replicas that failed loading the weights never become usable: not expected (chunked's
-        # first round, static's shares).
-        failed = sum(rid in self.fleet.replicas for rid in self.weights.errors)
-        return ClusterView(now, self.queue, replicas, self.batches.groups, self.seqs,
-                           max(1, self.fleet.expected - failed), self.moves.finished_lengths,
-                           self.counters.generated_tokens, self.counters.reprefill_tokens)
+        return self.dispatcher.view(now)
 
     def expire(self, now: float) -> list:
         """Declare replicas that stopped pulling dead (their work requeued); returns their ids."""
@@ -537,23 +518,3 @@ class RouterCore:
                 self.counters.lost_orders += 1
                 seq.give_up_pull = -1
                 self.outbox.to(rep.replica_id).give_up.append((seq.seq_id, seq.attempt))
-
-    # ---- a sequence's moves -----------------------------------------------------------------------
-    def _apply_decision(self, decision: Decision, now: float) -> None:
-        for a in decision.assign:
-            seq = a.seq
-            rep = self.fleet.replicas.get(a.replica_id)
-            if seq.status is not SeqStatus.QUEUED or rep is None or rep.weights_version != self.weights.version:
-                self.counters.policy_errors += 1
-                continue
-            self.queue.remove(seq)
-            if not rep.seqs:  # its first running sequence: its progress is measured from now
-                rep.progress_t = now
-            self.moves.dispatch(seq, a.replica_id, a.segment_cap)
-        for g in decision.give_up:
-            seq = g.seq
-            if seq.status is not SeqStatus.RUNNING or seq.replica not in self.fleet.replicas:
-                self.counters.policy_errors += 1
-                continue
-            self.moves.give_up_t[seq.seq_id] = (now, g.destination)
-            self.moves.order_give_up(seq)
