@@ -36,6 +36,7 @@ from .digests import FleetDigests
 from .dispatch import Dispatcher
 from .fleet import Fleet
 from .limits import BatchLimits
+from .membership import Membership
 from .moves import SeqMoves
 from .outbox import Outbox
 from .sleep import FleetSleep
@@ -77,8 +78,6 @@ class RouterCore:
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
                  max_sessions: int = 65536, stall_timeout_s: float = 0.0):
-        # A replica holding running sequences with no new token for this long is stalled (0: never).
-        self.stall_timeout_s = stall_timeout_s
         self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
@@ -86,7 +85,6 @@ class RouterCore:
         self.counters = RouterCounters()
         self.queue = WorkQueue()
         self.seqs: dict[str, SeqState] = {}  # seq_id -> state, every unfinished sequence of every batch
-        self.model: Optional[ModelInfo] = None  # the first replica's; requests are checked against it
         self.batches = Batches(id_prefix, id_salt)  # id_salt: () -> 16 hex digits of a batch id (Serve: random)
         self.fleet = Fleet(expected_replicas, replica_timeout_s)
         self.outbox = Outbox()
@@ -101,6 +99,9 @@ class RouterCore:
                                        id_prefix)
         self.dispatcher = Dispatcher(policy, self.seqs, self.queue, self.batches, self.fleet, self.outbox,
                                      self.control, self.weights, self.moves, self.counters, self.metrics)
+        self.membership = Membership(self.fleet, stall_timeout_s, self.queue, self.outbox, self.moves,
+                                     self.dispatcher, self.adoption, self.weights, self.sleep, self.digests,
+                                     self.counters, self.metrics)
         self.tracing = RouterTrace([] if trace else None)  # what a driver's set_trace records
 
     @property
@@ -111,6 +112,16 @@ class RouterCore:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self.dispatcher.policy = policy
+
+    @property
+    def model(self) -> Optional[ModelInfo]:
+        """The model the first replica said it runs (membership.py); requests are checked against it."""
+        return self.membership.model
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """A replica holding running sequences with no new token for this long is stalled (0: never)."""
+        return self.membership.stall_timeout_s
 
     @property
     def decision_times(self) -> list:
@@ -201,7 +212,7 @@ class RouterCore:
         if past_limit:
             return past_limit
         try:
-            check_request(req, self.model)
+            check_request(req, self.membership.model)
         except InputError as e:
             return str(e)
         except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
@@ -311,16 +322,16 @@ class RouterCore:
         if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
             return Applied(None, stalled=self.fleet.was_stalled(report))
         finished, requeues = self.moves.finished_count, self.moves.requeues
-        rep = self._register(report, now)
+        rep = self.membership.register(report, now)
         self._apply_engine_state(rep, report, now)
         if report.digest is not None:
             self.digests.record(rep.replica_id, report.digest)
         self._apply_progress(rep, report, now)
         stalled = False
         if report.leaving:
-            self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
-        elif self.stall_timeout_s > 0 and rep.stalled(now, self.stall_timeout_s):
-            self.remove_replica(rep.replica_id, now, stalled=True)
+            self.membership.remove(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
+        elif self.membership.stalls(rep, now):
+            self.membership.remove(rep.replica_id, now, stalled=True)
             stalled = True
         elif report.listing is not None:
             self._reconcile(rep, report.listing.held, report.listing.aborting, now)
@@ -336,14 +347,9 @@ class RouterCore:
         return self.dispatcher.view(now)
 
     def expire(self, now: float) -> list:
-        """Declare replicas that stopped pulling dead (their work requeued); returns their ids."""
-        dead = self.fleet.silent(now)
-        for rid in dead:
-            self.remove_replica(rid, now)
-        if self.fleet.settle(now):
-            # The last replica holding the weights died and none came back in a replica timeout:
-            # if every one left failed loading them, nothing can run the queued work.
-            self.moves.fail_queued_if_no_replica_can_load(now)
+        """Declare replicas that stopped pulling dead (their work requeued); returns their ids. Drop
+        the outputs of a predecessor's segments nobody came back for."""
+        dead = self.membership.expire(now)
         self.adoption.expire(now)
         return dead
 
@@ -352,52 +358,14 @@ class RouterCore:
         stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
         continue elsewhere from their last reported tokens, and their further pulls are answered
         with Orders.stop (the replica then fails its health check). Returns their ids."""
-        if self.stall_timeout_s <= 0:
-            return []
-        stalled = self.fleet.stalled(now, self.stall_timeout_s)
-        for rid in stalled:
-            self.remove_replica(rid, now, stalled=True)
-        return stalled
+        return self.membership.check_stalls(now)
 
     def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
                        stalled: bool = False) -> None:
-        """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
-        it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a
-        graceful shutdown, or its engine died), and a late pull of it is not a new replica.
-        `stalled`: the router declared it stalled; a late pull of it is told to stop."""
-        rep = self.fleet.pop(replica_id)
-        if rep is None:
-            return
-        self.adoption.note_listing(rep, frozenset())  # what it ran of a predecessor's runs nowhere now
-        self.fleet.removed(rep, now, leaving, goodbye, stalled)
-        if leaving:
-            self.counters.replica_leaves += 1
-        elif stalled:
-            self.counters.replica_stalls += 1
-            self.metrics.replica_stalled(replica_id)
-        else:
-            self.counters.replica_deaths += 1
-        self.outbox.drop(replica_id)
-        self.weights.forget(replica_id)
-        self.sleep.forget(replica_id)
-        self.digests.forget(replica_id)
-        for seq in list(rep.seqs.values()):
-            self.moves.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
-            self.moves.requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
-        self.queue.release_reserved(replica_id)
-        self.policy.on_replica_removed(replica_id)
-        if leaving:  # for good: if every replica left failed loading the weights, none can run its work
-            self.moves.fail_queued_if_no_replica_can_load(now)
+        """Take a replica out of the fleet, its sequences requeued (membership.py says how)."""
+        self.membership.remove(replica_id, now, leaving, goodbye, stalled)
 
     # ---- the steps of `apply` ---------------------------------------------------------------------
-    def _register(self, report: Report, now: float) -> ReplicaState:
-        if self.fleet.restarted(report):
-            self.remove_replica(report.replica_id, now)  # restarted: its old work is gone
-        rep = self.fleet.join(report, now)
-        if report.model is not None and self.model is None:
-            self.model = report.model
-        return rep
-
     def _apply_engine_state(self, rep: ReplicaState, report: Report, now: float) -> None:
         """Its sleep level and weights, unless a newer report's were applied already (a pull the
         router processed late carries an older state). Sleep first: a load waits for an engine
