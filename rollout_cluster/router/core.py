@@ -23,9 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..policy.base import Policy
-from ..protocol import InputError, ModelInfo, Orders, Report, SequenceRequest
-from ..parsing import shown
-from ..validation import check_place, check_request
+from ..protocol import InputError, ModelInfo, Orders, Report
 from .adoption import OrphanAdoption
 from .batches import Batches
 from .control import FleetControl
@@ -34,23 +32,20 @@ from .counters import RouterCounters, RouterMetrics
 from .digests import FleetDigests
 from .dispatch import Dispatcher
 from .fleet import Fleet
+from .intake import BatchIntake, NoLiveReplicaError  # noqa: F401  (callers import the error from here)
 from .limits import BatchLimits
 from .membership import Membership
 from .moves import SeqMoves
 from .outbox import Outbox
 from .reports import ReportApplier
 from .sleep import FleetSleep
-from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
+from .state import ClusterView, ReplicaState, SeqState, WorkQueue
 from .tracing import RouterTrace
 from .weights import FleetWeights
 
 # Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
 STALLED = ("stalled: no new token for router.stall_timeout_s while holding running sequences; "
            "they continue elsewhere from their last reported tokens")
-
-
-class NoLiveReplicaError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -99,6 +94,9 @@ class RouterCore:
         self.membership = Membership(self.fleet, stall_timeout_s, self.queue, self.outbox, self.moves,
                                      self.dispatcher, self.adoption, self.weights, self.sleep, self.digests,
                                      self.counters, self.metrics)
+        self.intake = BatchIntake(self.limits, self.seqs, self.queue, self.batches, self.fleet, self.membership,
+                                  self.control, self.weights, self.sleep, self.sessions, self.adoption, self.moves,
+                                  self.counters, self.metrics, record_tokens)
 
     @property
     def policy(self) -> Policy:
@@ -145,75 +143,9 @@ class RouterCore:
     # ---- driver side ------------------------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
                weights_version: Optional[int] = None, previous_ids: Optional[list] = None) -> str:
-        """Queue a batch of SequenceRequests. Invalid ones finish at once with an error. With
-        `weights_version`, the batch is refused unless the fleet's weights are that version.
-        `previous_ids` (one per request, or None): the ids the sequences had under a router that
-        restarted; what that router's segments generated is taken over (adoption.py).
-        Atomic: what would fail the batch is refused before anything is registered, and every
-        request is checked first, so that none registered can raise afterwards (a request that
-        passes check_request is runnable: its state builds without another check)."""
-        self._refuse_batch(weights_version)
-        self._refuse_malformed(requests, batch_id, previous_ids)
-        self.limits.check_batch(len(requests), len(self.seqs))
-        errors = [self._validate(req) for req in requests]
-        self.weights.learning = False  # this batch runs on the version known now, and awake
-        self.sleep.settle()
-        batch = self.batches.open(len(requests), now, self.weights.version, batch_id)
-        bid = batch.batch_id
-        self.batches.open_groups(bid, [r.prompt_index for r in requests])
-        for i, (req, error) in enumerate(zip(requests, errors)):
-            seq = SeqState(f"{bid}:{i}", bid, i, (bid, req.prompt_index), req, now)
-            if error:
-                seq.error = error
-                self.moves.finish(seq, "error", now, replica_id=None)
-                continue
-            if req.output_token_ids:  # a partial rollout resumed: a continuation from the start
-                seq.resume(self.record_tokens)
-                self.counters.partials_resumed += 1
-                self.counters.partial_tokens_resumed += seq.generated
-                self.metrics.resumed("-", "partial")
-            seq.home = self.sessions.home(req.session, self.fleet.replicas)
-            self.seqs[seq.seq_id] = seq
-            self.queue.push(seq)
-        if previous_ids is not None:
-            self.adoption.claim([self.seqs.get(f"{bid}:{i}") for i in range(len(requests))], previous_ids, now)
-        return bid
-
-    def _refuse_batch(self, weights_version: Optional[int]) -> None:
-        """Raise if no batch can run now: no replica, other weights, asleep, weights in doubt."""
-        if not self.fleet.replicas:
-            raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
-        self.control.refuse_batch(weights_version)
-        if self.weights.none_can_load(self.fleet.replicas):
-            raise NoLiveReplicaError(self.weights.failure())
-
-    @staticmethod
-    def _refuse_malformed(requests: list, batch_id, previous_ids) -> None:
-        """What the driver's code (not its user) got wrong refuses the whole batch: a request that
-        is none, or has no place in it (its group is keyed by prompt_index), ids of the wrong kind."""
-        if not isinstance(requests, list):
-            raise InputError("requests", requests, "must be a list of SequenceRequests")
-        for i, req in enumerate(requests):
-            if not isinstance(req, SequenceRequest):
-                raise InputError(f"requests[{i}]", req, "must be a SequenceRequest")
-            check_place(req, f"requests[{i}].")
-        if batch_id is not None and (not isinstance(batch_id, str) or not batch_id):
-            raise InputError("batch_id", batch_id, "must be null or a non-empty string")
-        if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)
-                                         or not all(p is None or isinstance(p, str) for p in previous_ids)):
-            raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
-
-    def _validate(self, req: SequenceRequest) -> Optional[str]:
-        past_limit = self.limits.n_error(getattr(req.sampling, "n", None))
-        if past_limit:
-            return past_limit
-        try:
-            check_request(req, self.membership.model)
-        except InputError as e:
-            return str(e)
-        except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
-            return f"invalid request: {type(e).__name__}: {shown(str(e))}"
-        return None
+        """Queue a batch of SequenceRequests; returns its id. Invalid ones finish at once with an
+        error; what would fail the whole batch refuses it before anything is registered (intake.py)."""
+        return self.intake.submit(requests, now, batch_id, weights_version, previous_ids)
 
     def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple:
         """(completions finished since `cursor`, new cursor, batch done)."""
@@ -222,28 +154,11 @@ class RouterCore:
     def cancel(self, batch_id: str, now: float) -> int:
         """Stop a batch (the driver timed out or gave up): queued sequences finish as "abort"
         at once, running ones when their replica confirms the give-up. Returns how many."""
-        seqs = [s for s in self.seqs.values() if s.batch_id == batch_id]
-        if batch_id in self.batches:
-            self.batches[batch_id].cancelled = True
-        for seq in seqs:
-            seq.cancelled = True
-            if seq.status is SeqStatus.QUEUED:
-                self.queue.remove(seq)
-                self.moves.finish(seq, "abort", now, None)
-            elif seq.status is SeqStatus.RUNNING:
-                self.moves.order_give_up(seq)
-        return len(seqs)
+        return self.intake.cancel(batch_id, now)
 
     def drop_abandoned(self, now: float, idle_s: float) -> list:
-        """Cancel and forget every batch nobody fetched from for `idle_s` seconds: its driver died
-        (a trainer that crashed mid-step). Its running sequences are given up, its queued ones never
-        start, and its tokens leave the router's memory. Returns the dropped ids."""
-        gone = self.batches.abandoned(now, idle_s)
-        for bid in gone:
-            self.batches.drop(bid, now)  # (its reason, from the state before the cancel)
-            self.cancel(bid, now)
-            self.metrics.batches_abandoned(1)
-        return gone
+        """Cancel and forget every batch nobody fetched from for `idle_s` seconds; returns their ids."""
+        return self.intake.drop_abandoned(now, idle_s)
 
     def release(self, batch_id: str) -> None:
         """The driver fetched the whole batch: forget it."""
