@@ -11,11 +11,17 @@ report) declares stalled those that pull on while their sequences make no progre
 continues elsewhere as a dead replica's does, and their further pulls are answered with an order
 to stop. Migration semantics: docs/semantics.md.
 
-The state a sequence moves through is here (submit, dispatch, apply progress, give up, requeue,
-finish); the parts with state of their own are components it holds and calls: `batches`
-(batches.py), `fleet` (fleet.py), `weights` (weights.py), `sleep` (sleep.py), `adoption`
-(adoption.py), `outbox` (outbox.py), and `control` (control.py), which orders weights and sleep;
-a request's rules are in validation.py.
+This class is a table of contents: each part is a component that owns its state, built here
+with the objects it shares (the live sequences `seqs`, the `queue`, the `batches`, the `fleet`,
+the `outbox`, the `counters`):
+- intake.py: a driver's batches in (refused, checked, queued) and out (cancel, abandoned);
+- reports.py: a replica's report taken in (engine state, progress, listing);
+- dispatch.py: the policy and its decision at a pull, and the orders that leave with it;
+- moves.py: a sequence's moves (dispatch, give-up, requeue, finish), for all of the above;
+- membership.py: replicas joining, and leaving with their work requeued;
+- control.py (weights.py, sleep.py), digests.py, adoption.py, sessions.py, tracing.py: the
+  fleet's weights and sleep, weights digests, a predecessor router's outputs, session homes,
+  and what set_trace records. A request's rules are in validation.py.
 """
 from __future__ import annotations
 
@@ -27,7 +33,6 @@ from ..protocol import InputError, ModelInfo, Orders, Report
 from .adoption import OrphanAdoption
 from .batches import Batches
 from .control import FleetControl
-from .sessions import SessionHomes
 from .counters import RouterCounters, RouterMetrics
 from .digests import FleetDigests
 from .dispatch import Dispatcher
@@ -38,6 +43,7 @@ from .membership import Membership
 from .moves import SeqMoves
 from .outbox import Outbox
 from .reports import ReportApplier
+from .sessions import SessionHomes
 from .sleep import FleetSleep
 from .state import ClusterView, ReplicaState, SeqState, WorkQueue
 from .tracing import RouterTrace
@@ -71,12 +77,14 @@ class RouterCore:
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
         self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
+        # Plain state the components share (each gets what it needs, no component gets the core).
         self.counters = RouterCounters()
         self.queue = WorkQueue()
         self.seqs: dict[str, SeqState] = {}  # seq_id -> state, every unfinished sequence of every batch
         self.batches = Batches(id_prefix, id_salt)  # id_salt: () -> 16 hex digits of a batch id (Serve: random)
         self.fleet = Fleet(expected_replicas, replica_timeout_s)
         self.outbox = Outbox()
+        # The parts, in the order they depend on each other.
         self.weights = FleetWeights()
         self.sleep = FleetSleep()
         self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
@@ -98,49 +106,78 @@ class RouterCore:
                                   self.control, self.weights, self.sleep, self.sessions, self.adoption, self.moves,
                                   self.counters, self.metrics, record_tokens)
 
-    @property
-    def policy(self) -> Policy:
-        """The policy that decides at every pull (dispatch.py); set_policy replaces it between batches."""
-        return self.dispatcher.policy
+    # ---- a replica's pull: apply its report, decide, hand it its orders ------------------------------
+    def on_report(self, report: Report, now: float, timer=None) -> Orders:
+        """A replica's pull: apply its report, then decide; returns its orders."""
+        applied = self.apply(report, now)
+        if applied.stalled:
+            return Orders(stop=STALLED)
+        if applied.replica_id is None or applied.left:
+            return Orders()
+        orders = self.decide(applied.replica_id, now, timer)
+        self.trace_pull(applied.replica_id, now)
+        return orders
 
-    @policy.setter
-    def policy(self, policy: Policy) -> None:
-        self.dispatcher.policy = policy
+    def trace_pull(self, replica_id: str, now: float) -> None:
+        """While tracing: (time, replica, sequences it holds) once per pull, after its decision."""
+        rep = self.fleet.replicas.get(replica_id)
+        if rep is not None:
+            self.tracing.pull(now, replica_id, len(rep.seqs))
 
-    @property
-    def model(self) -> Optional[ModelInfo]:
-        """The model the first replica said it runs (membership.py); requests are checked against it."""
-        return self.membership.model
+    def apply(self, report: Report, now: float) -> Applied:
+        """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
+        if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
+            return Applied(None, stalled=self.fleet.was_stalled(report))
+        finished, requeues = self.moves.finished_count, self.moves.requeues
+        rep = self.membership.register(report, now)
+        self.reports.engine_state(rep, report, now)
+        if report.digest is not None:
+            self.digests.record(rep.replica_id, report.digest)
+        self.reports.progress(rep, report, now)
+        stalled = False
+        if report.leaving:
+            self.membership.remove(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
+        elif self.membership.stalls(rep, now):
+            self.membership.remove(rep.replica_id, now, stalled=True)
+            stalled = True
+        elif report.listing is not None:
+            self.reports.reconcile(rep, report.listing.held, report.listing.aborting, now)
+        return Applied(rep.replica_id, self.moves.finished_count != finished, self.moves.requeues != requeues,
+                       report.leaving, stalled)
 
-    @property
-    def stall_timeout_s(self) -> float:
-        """A replica holding running sequences with no new token for this long is stalled (0: never)."""
-        return self.membership.stall_timeout_s
+    def decide(self, replica_id: str, now: float, timer=None) -> Orders:
+        """The policy's decision at this replica's pull; returns the orders waiting for it."""
+        return self.dispatcher.decide(replica_id, now, timer)
 
-    @property
-    def decision_times(self) -> list:
-        """Seconds per policy decision, while the driver passes a timer (a recent window)."""
-        return self.dispatcher.decision_times
+    def view(self, now: float) -> ClusterView:
+        """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
+        return self.dispatcher.view(now)
 
-    # ---- what set_trace records (tracing.py), read and reset by the Serve router -------------------
-    @property
-    def trace(self) -> Optional[list]:
-        """(time, replica_id, sequences held) per pull; None: not tracing."""
-        return self.tracing.pulls
+    # ---- replicas leaving (membership.py) and the fleet's size --------------------------------------
+    def expire(self, now: float) -> list:
+        """Declare replicas that stopped pulling dead (their work requeued); returns their ids. Drop
+        the outputs of a predecessor's segments nobody came back for."""
+        dead = self.membership.expire(now)
+        self.adoption.expire(now)
+        return dead
 
-    @trace.setter
-    def trace(self, pulls: Optional[list]) -> None:
-        self.tracing.pulls = pulls
+    def check_stalls(self, now: float) -> list:
+        """Declare stalled the replicas that hold running sequences and reported no new token for
+        stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
+        continue elsewhere from their last reported tokens, and their further pulls are answered
+        with Orders.stop (the replica then fails its health check). Returns their ids."""
+        return self.membership.check_stalls(now)
 
-    @property
-    def step_samples(self) -> list:
-        return self.tracing.step_samples
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
+                       stalled: bool = False) -> None:
+        """Take a replica out of the fleet, its sequences requeued (membership.py says how)."""
+        self.membership.remove(replica_id, now, leaving, goodbye, stalled)
 
-    @step_samples.setter
-    def step_samples(self, samples: list) -> None:
-        self.tracing.step_samples = samples
+    def set_fleet_target(self, replicas: int, now: float) -> None:
+        """A driver told Serve to run `replicas` (RolloutClient.scale): Fleet.set_target."""
+        self.fleet.set_target(replicas, now)
 
-    # ---- driver side ------------------------------------------------------------------------------
+    # ---- a driver's batches (intake.py) ---------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
                weights_version: Optional[int] = None, previous_ids: Optional[list] = None) -> str:
         """Queue a batch of SequenceRequests; returns its id. Invalid ones finish at once with an
@@ -202,76 +239,48 @@ class RouterCore:
     def sleep_status(self) -> dict:
         return self.sleep.status()
 
-    def set_fleet_target(self, replicas: int, now: float) -> None:
-        """A driver told Serve to run `replicas` (RolloutClient.scale): Fleet.set_target."""
-        self.fleet.set_target(replicas, now)
-
     def usable(self, rep: ReplicaState) -> bool:
         """It may get work: it holds the current weights, loads no others, and is awake."""
         return self.control.usable(rep)
 
-    # ---- replica side ------------------------------------------------------------------------------
-    def on_report(self, report: Report, now: float, timer=None) -> Orders:
-        """A replica's pull: apply its report, then decide; returns its orders."""
-        applied = self.apply(report, now)
-        if applied.stalled:
-            return Orders(stop=STALLED)
-        if applied.replica_id is None or applied.left:
-            return Orders()
-        orders = self.decide(applied.replica_id, now, timer)
-        self.trace_pull(applied.replica_id, now)
-        return orders
+    # ---- state the Serve router and the simulator read (and set_policy, set_trace reset) ----------------
+    @property
+    def policy(self) -> Policy:
+        """The policy that decides at every pull (dispatch.py); set_policy replaces it between batches."""
+        return self.dispatcher.policy
 
-    def trace_pull(self, replica_id: str, now: float) -> None:
-        """While tracing: (time, replica, sequences it holds) once per pull, after its decision."""
-        rep = self.fleet.replicas.get(replica_id)
-        if rep is not None:
-            self.tracing.pull(now, replica_id, len(rep.seqs))
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.dispatcher.policy = policy
 
-    def apply(self, report: Report, now: float) -> Applied:
-        """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
-        if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
-            return Applied(None, stalled=self.fleet.was_stalled(report))
-        finished, requeues = self.moves.finished_count, self.moves.requeues
-        rep = self.membership.register(report, now)
-        self.reports.engine_state(rep, report, now)
-        if report.digest is not None:
-            self.digests.record(rep.replica_id, report.digest)
-        self.reports.progress(rep, report, now)
-        stalled = False
-        if report.leaving:
-            self.membership.remove(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
-        elif self.membership.stalls(rep, now):
-            self.membership.remove(rep.replica_id, now, stalled=True)
-            stalled = True
-        elif report.listing is not None:
-            self.reports.reconcile(rep, report.listing.held, report.listing.aborting, now)
-        return Applied(rep.replica_id, self.moves.finished_count != finished, self.moves.requeues != requeues,
-                       report.leaving, stalled)
+    @property
+    def model(self) -> Optional[ModelInfo]:
+        """The model the first replica said it runs (membership.py); requests are checked against it."""
+        return self.membership.model
 
-    def decide(self, replica_id: str, now: float, timer=None) -> Orders:
-        """The policy's decision at this replica's pull; returns the orders waiting for it."""
-        return self.dispatcher.decide(replica_id, now, timer)
+    @property
+    def stall_timeout_s(self) -> float:
+        """A replica holding running sequences with no new token for this long is stalled (0: never)."""
+        return self.membership.stall_timeout_s
 
-    def view(self, now: float) -> ClusterView:
-        """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
-        return self.dispatcher.view(now)
+    @property
+    def decision_times(self) -> list:
+        """Seconds per policy decision, while the driver passes a timer (a recent window)."""
+        return self.dispatcher.decision_times
 
-    def expire(self, now: float) -> list:
-        """Declare replicas that stopped pulling dead (their work requeued); returns their ids. Drop
-        the outputs of a predecessor's segments nobody came back for."""
-        dead = self.membership.expire(now)
-        self.adoption.expire(now)
-        return dead
+    @property
+    def trace(self) -> Optional[list]:
+        """(time, replica_id, sequences held) per pull; None: not tracing."""
+        return self.tracing.pulls
 
-    def check_stalls(self, now: float) -> list:
-        """Declare stalled the replicas that hold running sequences and reported no new token for
-        stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
-        continue elsewhere from their last reported tokens, and their further pulls are answered
-        with Orders.stop (the replica then fails its health check). Returns their ids."""
-        return self.membership.check_stalls(now)
+    @trace.setter
+    def trace(self, pulls: Optional[list]) -> None:
+        self.tracing.pulls = pulls
 
-    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
-                       stalled: bool = False) -> None:
-        """Take a replica out of the fleet, its sequences requeued (membership.py says how)."""
-        self.membership.remove(replica_id, now, leaving, goodbye, stalled)
+    @property
+    def step_samples(self) -> list:
+        return self.tracing.step_samples
+
+    @step_samples.setter
+    def step_samples(self, samples: list) -> None:
+        self.tracing.step_samples = samples
