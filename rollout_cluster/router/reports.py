@@ -51,10 +51,12 @@ class ReportApplier:
         self.tracing.step(report.stats)
 
     def progress(self, rep: ReplicaState, report: Report, now: float) -> None:
+        """Every sequence's progress in the report (a leaving replica's finals hand its work back)."""
         for p in report.progress:
             self.seq_progress(rep, p, now, report.leaving)
 
     def seq_progress(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False) -> None:
+        """One sequence's new tokens, and its segment's end if this is its final report."""
         seq = self.seqs.get(p.seq_id)
         if seq is None and self.adoption.take_final(rep, p, now, leaving):
             return
