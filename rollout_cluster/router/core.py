@@ -73,10 +73,8 @@ class RouterCore:
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
                  max_sessions: int = 65536, stall_timeout_s: float = 0.0):
-        self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
-        self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
         # Plain state the components share (each gets what it needs, no component gets the core).
         self.counters = RouterCounters()
         self.queue = WorkQueue()
@@ -102,9 +100,9 @@ class RouterCore:
         self.membership = Membership(self.fleet, stall_timeout_s, self.queue, self.outbox, self.moves,
                                      self.dispatcher, self.adoption, self.weights, self.sleep, self.digests,
                                      self.counters, self.metrics)
-        self.intake = BatchIntake(self.limits, self.seqs, self.queue, self.batches, self.fleet, self.membership,
-                                  self.control, self.weights, self.sleep, self.sessions, self.adoption, self.moves,
-                                  self.counters, self.metrics, record_tokens)
+        self.intake = BatchIntake(limits or BatchLimits(), self.seqs, self.queue, self.batches, self.fleet,
+                                  self.membership, self.control, self.weights, self.sleep, self.sessions,
+                                  self.adoption, self.moves, self.counters, self.metrics, record_tokens)
 
     # ---- a replica's pull: apply its report, decide, hand it its orders ------------------------------
     def on_report(self, report: Report, now: float, timer=None) -> Orders:
