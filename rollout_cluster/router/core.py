@@ -6,10 +6,10 @@ tests call it directly. A replica's pull is two calls, as vLLM v1's scheduler sp
     applied = core.apply(report, now)       # register, take its state, its tokens, its listing
     orders = core.decide(replica_id, now)   # the policy's decision, and what waits for it
 (`on_report` does both.) Drivers call `submit`, `fetch` and `cancel`; a periodic `expire` declares
-silent replicas dead and drops abandoned batches, and a periodic `check_stalls` (also run at each
-report) declares stalled those that pull on while their sequences make no progress: their work
-continues elsewhere as a dead replica's does, and their further pulls are answered with an order
-to stop. Migration semantics: docs/semantics.md.
+silent replicas dead, a periodic `drop_abandoned` drops the batches nobody fetches, and a periodic
+`check_stalls` (also run at each report) declares stalled those that pull on while their sequences
+make no progress: their work continues elsewhere as a dead replica's does, and their further
+pulls are answered with an order to stop. Migration semantics: docs/semantics.md.
 
 This class is a table of contents: each part is a component that owns its state, built here
 with the objects it shares (the live sequences `seqs`, the `queue`, the `batches`, the `fleet`,
