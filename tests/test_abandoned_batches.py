@@ -42,7 +42,7 @@ def test_an_unfetched_batch_is_cancelled_dropped_and_named_when_fetched_late(cor
     # their aborts arrive after the batch is gone: nothing breaks, nothing is kept
     core.on_report(report("a", [SeqProgress(w.seq_id, w.attempt, [], None, "abort", offset=2 if i == 0 else 0)
                                 for i, w in enumerate(running)]), 101.0)
-    assert not core.seqs and not core.give_up_t
+    assert not core.seqs and not core.moves.give_up_t
     with pytest.raises(KeyError, match=r"dropped 100 s after submission: no fetch for 100 s .* 0 of 3"):
         core.fetch(bid, 0)
 

@@ -577,7 +577,7 @@ class Chaos:
         core = RouterCore(make_policy(POLICIES[self.policy], self.cost), expected_replicas=self.initial_replicas,
                           replica_timeout_s=REPLICA_TIMEOUT_S, id_prefix=prefix)
         self.cores.append(core)
-        fail_queued, on_report, restarted = core._fail_queued, core.on_report, self.routers > 1
+        fail_queued, on_report, restarted = core.moves.fail_queued, core.on_report, self.routers > 1
 
         def watched(why: str, now: float) -> None:  # (observed, unchanged)
             self._check_no_replica_can_run(core)
@@ -595,7 +595,7 @@ class Chaos:
             if restarted and report.listing is not None and not report.leaving:
                 self._check_orphans_given_up(core, report, orders)
             return orders
-        core._fail_queued, core.on_report = watched, watched_report
+        core.moves.fail_queued, core.on_report = watched, watched_report
         return core
 
     # -- plumbing
@@ -1384,7 +1384,7 @@ def check_router_holds_nothing(core: RouterCore) -> None:
     assert not core.seqs, f"sequences left: {list(core.seqs)}"
     assert len(core.queue) == 0 and not core.queue.reserved
     assert all(len(r.seqs) == 0 for r in core.fleet.replicas.values()), {r: list(s.seqs) for r, s in core.fleet.replicas.items()}
-    assert not core.give_up_t and not core.batches and not core.batches.groups
+    assert not core.moves.give_up_t and not core.batches and not core.batches.groups
 
 
 def check_engines_idle(chaos: Chaos) -> None:

@@ -48,6 +48,7 @@ from rollout_cluster.policy.pull import PullPolicy
 from rollout_cluster.protocol import SamplingSpec, SequenceRequest
 from rollout_cluster.router.batches import Batches
 from rollout_cluster.router.core import RouterCore
+from rollout_cluster.router.reports import ReportApplier
 from rollout_cluster.router.state import ClusterView, SeqStatus
 
 RACES = 10_000
@@ -320,17 +321,17 @@ def test_ten_thousand_forced_races_lose_and_duplicate_no_final():
 
 # ---- the drill can fail: a router that breaks an invariant is caught ----------------------------------
 def test_the_drill_catches_a_resent_delta_counted_twice(monkeypatch):
-    apply = RouterCore._apply
+    apply = ReportApplier.seq_progress
 
     def without_offsets(self, rep, p, now, leaving=False):  # no duplicate check: p.offset "not tracked"
         apply(self, rep, replace(p, offset=-1) if p.prompt_token_ids is None else p, now, leaving)
 
-    monkeypatch.setattr(RouterCore, "_apply", without_offsets)
+    monkeypatch.setattr(ReportApplier, "seq_progress", without_offsets)
     assert run_drill(400)["races_with_wrong_tokens"] > 0
 
 
 def test_the_drill_catches_lost_work_never_sent_again(monkeypatch):
-    monkeypatch.setattr(RouterCore, "_reconcile", lambda self, rep, held, aborting, now: None)
+    monkeypatch.setattr(ReportApplier, "reconcile", lambda self, rep, held, aborting, now: None)
     assert run_drill(400)["lost"] > 0
 
 

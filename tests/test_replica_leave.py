@@ -89,7 +89,7 @@ def test_a_give_up_the_leaving_replica_never_received_is_not_counted_as_the_poli
     bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, 0)], 0.0)
     (work,) = core.decide("a", 0.1).start
     core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [7], offset=0)]), 0.2)
-    core._apply_decision(Decision(give_up=[GiveUp(core.seqs[work.seq_id], destination="b")]), 0.3)  # in a's outbox
+    core.dispatcher.apply_decision(Decision(give_up=[GiveUp(core.seqs[work.seq_id], destination="b")]), 0.3)  # in a's outbox
     core.on_report(report("a", [SeqProgress(work.seq_id, work.attempt, [8], None, "abort", offset=1)], leaving=True), 0.4)
     assert core.counters.migrations == 0 and core.counters.handed_back == 1
     assert core.counters.reprefill_tokens == 0

@@ -313,7 +313,7 @@ def test_steal_vectorised_estimate_equals_the_scalar_one():
 
 def test_long_lived_router_keeps_bounded_statistics():
     """Regression: decision times and finished lengths grew by one entry per pull / sequence forever."""
-    from rollout_cluster.router import core as router_core
+    from rollout_cluster.router.tracing import append_bounded
 
     core = _core()
     _register(core, "a", capacity=64)
@@ -325,11 +325,11 @@ def test_long_lived_router_keeps_bounded_statistics():
                               stats=EngineStats(), model=None, capacity=64), b + 0.5)
         assert core.fetch(bid, 0)[2]
         core.release(bid)
-    assert len(core.finished_lengths) == 120
+    assert len(core.moves.finished_lengths) == 120
     small = 10
     for i in range(100):
-        router_core._append_bounded(core.finished_lengths, i, small)
-    assert small <= len(core.finished_lengths) <= 2 * small and core.finished_lengths[-1] == 99
+        append_bounded(core.moves.finished_lengths, i, small)
+    assert small <= len(core.moves.finished_lengths) <= 2 * small and core.moves.finished_lengths[-1] == 99
 
 
 def test_step_time_reports_are_kept_only_while_tracing():

@@ -158,8 +158,8 @@ def test_a_stall_releases_the_continuations_reserved_for_it():
     submit(core, 1)
     (wb,) = core.decide("b", 0.0).start
     seq = core.seqs[wb.seq_id]
-    core.give_up_t[seq.seq_id] = (0.5, "a")  # a migration to "a", as steal orders them
-    core._order_give_up(seq)
+    core.moves.give_up_t[seq.seq_id] = (0.5, "a")  # a migration to "a", as steal orders them
+    core.moves.order_give_up(seq)
     assert core.decide("b", 0.5).give_up == [(wb.seq_id, 1)]
     core.on_report(report("b", [tok(seq_id=wb.seq_id, tokens=[3], reason="abort")]), 1.0)
     assert list(core.queue.reserved["a"]) == [wb.seq_id]

@@ -55,7 +55,7 @@ class OrphanOutput:
 
 
 class AdoptionHost(Protocol):
-    """What adoption needs of the router's sequences: RouterCore provides it."""
+    """What adoption needs of the router's sequences: SeqMoves (moves.py) provides it."""
 
     def seq(self, seq_id: str) -> Optional[SeqState]: ...  # a live sequence
     def batch_version(self, batch_id: str) -> Optional[int]: ...  # its batch's weights version (None: gone)

@@ -6,7 +6,7 @@ reports where its engine is, an order goes out once per replica (again only when
 took it), and a replica that is not at the target gets no work. Both change between batches
 only, so that a batch never mixes weights and never waits on a sleeping engine.
 
-No clock and no I/O: orders go into the outbox, and RouterCore fails the queued work when no
+No clock and no I/O: orders go into the outbox, and SeqMoves fails the queued work when no
 replica can load the weights (apply_weights says when).
 """
 from __future__ import annotations

@@ -6,52 +6,52 @@ tests call it directly. A replica's pull is two calls, as vLLM v1's scheduler sp
     applied = core.apply(report, now)       # register, take its state, its tokens, its listing
     orders = core.decide(replica_id, now)   # the policy's decision, and what waits for it
 (`on_report` does both.) Drivers call `submit`, `fetch` and `cancel`; a periodic `expire` declares
-silent replicas dead and drops abandoned batches, and a periodic `check_stalls` (also run at each
-report) declares stalled those that pull on while their sequences make no progress: their work
-continues elsewhere as a dead replica's does, and their further pulls are answered with an order
-to stop. Migration semantics: docs/semantics.md.
+silent replicas dead, a periodic `drop_abandoned` drops the batches nobody fetches, and a periodic
+`check_stalls` (also run at each report) declares stalled those that pull on while their sequences
+make no progress: their work continues elsewhere as a dead replica's does, and their further
+pulls are answered with an order to stop. Migration semantics: docs/semantics.md.
 
-The state a sequence moves through is here (submit, dispatch, apply progress, give up, requeue,
-finish); the parts with state of their own are components it holds and calls: `batches`
-(batches.py), `fleet` (fleet.py), `weights` (weights.py), `sleep` (sleep.py), `adoption`
-(adoption.py), `outbox` (outbox.py), and `control` (control.py), which orders weights and sleep;
-a request's rules are in validation.py.
+This class is a table of contents: each part is a component that owns its state, built here
+with the objects it shares (the live sequences `seqs`, the `queue`, the `batches`, the `fleet`,
+the `outbox`, the `counters`):
+- intake.py: a driver's batches in (refused, checked, queued) and out (cancel, abandoned);
+- reports.py: a replica's report taken in (engine state, progress, listing);
+- dispatch.py: the policy and its decision at a pull, and the orders that leave with it;
+- moves.py: a sequence's moves (dispatch, give-up, requeue, finish), for all of the above;
+- membership.py: replicas joining, and leaving with their work requeued;
+- control.py (weights.py, sleep.py), digests.py, adoption.py, sessions.py, tracing.py: the
+  fleet's weights and sleep, weights digests, a predecessor router's outputs, session homes,
+  and what set_trace records. A request's rules are in validation.py.
 """
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
-from ..policy.base import Decision, Policy
-from ..protocol import (Completion, InputError, Migration, ModelInfo, Orders, Report, SamplingSpec, SeqProgress,
-                        SequenceRequest, Work, is_int)
-from ..parsing import shown
-from ..validation import check_place, check_request
+from ..policy.base import Policy
+from ..protocol import InputError, ModelInfo, Orders, Report
 from .adoption import OrphanAdoption
 from .batches import Batches
 from .control import FleetControl
-from .sessions import SessionHomes
 from .counters import RouterCounters, RouterMetrics
 from .digests import FleetDigests
+from .dispatch import Dispatcher
 from .fleet import Fleet
+from .intake import BatchIntake, NoLiveReplicaError  # noqa: F401  (callers import the error from here)
 from .limits import BatchLimits
+from .membership import Membership
+from .moves import SeqMoves
 from .outbox import Outbox
+from .reports import ReportApplier
+from .sessions import SessionHomes
 from .sleep import FleetSleep
-from .state import ClusterView, ReplicaState, SeqState, SeqStatus, WorkQueue
+from .state import ClusterView, ReplicaState, SeqState, WorkQueue
+from .tracing import RouterTrace
 from .weights import FleetWeights
 
-# A long-lived router serves batch after batch: its statistics keep a bounded recent window.
-STEP_SAMPLES_KEPT = 100_000
-DECISION_TIMES_KEPT = 100_000
-FINISHED_LENGTHS_KEPT = 4096
 # Orders.stop for a replica declared stalled (check_stalls); its health check then fails with it.
 STALLED = ("stalled: no new token for router.stall_timeout_s while holding running sequences; "
            "they continue elsewhere from their last reported tokens")
-
-
-class NoLiveReplicaError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -65,18 +65,6 @@ class Applied:
     stalled: bool = False  # the replica was declared stalled (now or before): answer with Orders.stop
 
 
-def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
-    """Progress report `p` without its first `skip` tokens (the router has them already)."""
-    return replace(p, token_ids=p.token_ids[skip:], num_tokens=p.num_tokens - skip, offset=p.offset + skip,
-                   logprobs=None if p.logprobs is None else p.logprobs[skip:], prompt_token_ids=None)
-
-
-def _append_bounded(values: list, value, keep: int) -> None:
-    values.append(value)
-    if len(values) > 2 * keep:  # trim in bulk: amortised O(1) per append
-        del values[:-keep]
-
-
 RUNNING_MODES = ("finish", "keep", "recompute", "abort")  # update_weights(running=...)
 
 
@@ -85,109 +73,114 @@ class RouterCore:
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
                  max_sessions: int = 65536, stall_timeout_s: float = 0.0):
-        self.policy = policy
-        # A replica holding running sequences with no new token for this long is stalled (0: never).
-        self.stall_timeout_s = stall_timeout_s
-        self.limits = limits or BatchLimits()  # bounds on a batch (the config's `limits`)
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
-        self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
+        # Plain state the components share (each gets what it needs, no component gets the core).
         self.counters = RouterCounters()
         self.queue = WorkQueue()
         self.seqs: dict[str, SeqState] = {}  # seq_id -> state, every unfinished sequence of every batch
-        self.give_up_t: dict[str, tuple[float, Optional[str]]] = {}  # seq_id -> (when ordered, destination)
-        self.model: Optional[ModelInfo] = None  # the first replica's; requests are checked against it
         self.batches = Batches(id_prefix, id_salt)  # id_salt: () -> 16 hex digits of a batch id (Serve: random)
         self.fleet = Fleet(expected_replicas, replica_timeout_s)
         self.outbox = Outbox()
+        # The parts, in the order they depend on each other.
         self.weights = FleetWeights()
         self.sleep = FleetSleep()
         self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
         self.digests = FleetDigests(self.fleet, self.outbox, self.weights, self.sleep, id_prefix)  # weights_digest
-        self.adoption = OrphanAdoption(self, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
-                                       id_prefix)
         self.sessions = SessionHomes(max_sessions)  # multi-turn sessions' home replicas (affinity)
-        self.finished_lengths: list[int] = []  # recent finished sequences' lengths (the policy's evidence)
-        self.decision_times: list[float] = []
-        self.trace: Optional[list] = [] if trace else None  # (time, replica_id, sequences held) per pull
-        # While tracing: (running, context tokens, s per token per sequence) per report, for fitting a
-        # cost profile to the engines as they run here (calibrate --from-samples).
-        self.step_samples: list = []
-        self.finished_count = 0  # sequences finished, ever
-        self.requeues = 0  # sequences put back in the queue, ever
+        self.moves = SeqMoves(self.seqs, self.queue, self.batches, self.fleet, self.outbox, self.weights,
+                              self.sessions, self.counters, self.metrics)
+        self.adoption = OrphanAdoption(self.moves, self.fleet, self.outbox, self.counters, self.metrics, record_tokens,
+                                       id_prefix)
+        self.dispatcher = Dispatcher(policy, self.seqs, self.queue, self.batches, self.fleet, self.outbox,
+                                     self.control, self.weights, self.moves, self.counters, self.metrics)
+        self.tracing = RouterTrace([] if trace else None)  # what a driver's set_trace records
+        self.reports = ReportApplier(self.seqs, self.control, self.moves, self.adoption, self.outbox, self.tracing,
+                                     self.counters, record_tokens)
+        self.membership = Membership(self.fleet, stall_timeout_s, self.queue, self.outbox, self.moves,
+                                     self.dispatcher, self.adoption, self.weights, self.sleep, self.digests,
+                                     self.counters, self.metrics)
+        self.intake = BatchIntake(limits or BatchLimits(), self.seqs, self.queue, self.batches, self.fleet,
+                                  self.membership, self.control, self.weights, self.sleep, self.sessions,
+                                  self.adoption, self.moves, self.counters, self.metrics, record_tokens)
 
-    # ---- driver side ------------------------------------------------------------------------------
+    # ---- a replica's pull: apply its report, decide, hand it its orders ------------------------------
+    def on_report(self, report: Report, now: float, timer=None) -> Orders:
+        """A replica's pull: apply its report, then decide; returns its orders."""
+        applied = self.apply(report, now)
+        if applied.stalled:
+            return Orders(stop=STALLED)
+        if applied.replica_id is None or applied.left:
+            return Orders()
+        orders = self.decide(applied.replica_id, now, timer)
+        self.trace_pull(applied.replica_id, now)
+        return orders
+
+    def trace_pull(self, replica_id: str, now: float) -> None:
+        """While tracing: (time, replica, sequences it holds) once per pull, after its decision."""
+        rep = self.fleet.replicas.get(replica_id)
+        if rep is not None:
+            self.tracing.pull(now, replica_id, len(rep.seqs))
+
+    def apply(self, report: Report, now: float) -> Applied:
+        """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
+        if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
+            return Applied(None, stalled=self.fleet.was_stalled(report))
+        finished, requeues = self.moves.finished_count, self.moves.requeues
+        rep = self.membership.register(report, now)
+        self.reports.engine_state(rep, report, now)
+        if report.digest is not None:
+            self.digests.record(rep.replica_id, report.digest)
+        self.reports.progress(rep, report, now)
+        stalled = False
+        if report.leaving:
+            self.membership.remove(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
+        elif self.membership.stalls(rep, now):
+            self.membership.remove(rep.replica_id, now, stalled=True)
+            stalled = True
+        elif report.listing is not None:
+            self.reports.reconcile(rep, report.listing.held, report.listing.aborting, now)
+        return Applied(rep.replica_id, self.moves.finished_count != finished, self.moves.requeues != requeues,
+                       report.leaving, stalled)
+
+    def decide(self, replica_id: str, now: float, timer=None) -> Orders:
+        """The policy's decision at this replica's pull; returns the orders waiting for it."""
+        return self.dispatcher.decide(replica_id, now, timer)
+
+    def view(self, now: float) -> ClusterView:
+        """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
+        return self.dispatcher.view(now)
+
+    # ---- replicas leaving (membership.py) and the fleet's size --------------------------------------
+    def expire(self, now: float) -> list:
+        """Declare replicas that stopped pulling dead (their work requeued); returns their ids. Drop
+        the outputs of a predecessor's segments nobody came back for."""
+        dead = self.membership.expire(now)
+        self.adoption.expire(now)
+        return dead
+
+    def check_stalls(self, now: float) -> list:
+        """Declare stalled the replicas that hold running sequences and reported no new token for
+        stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
+        continue elsewhere from their last reported tokens, and their further pulls are answered
+        with Orders.stop (the replica then fails its health check). Returns their ids."""
+        return self.membership.check_stalls(now)
+
+    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
+                       stalled: bool = False) -> None:
+        """Take a replica out of the fleet, its sequences requeued (membership.py says how)."""
+        self.membership.remove(replica_id, now, leaving, goodbye, stalled)
+
+    def set_fleet_target(self, replicas: int, now: float) -> None:
+        """A driver told Serve to run `replicas` (RolloutClient.scale): Fleet.set_target."""
+        self.fleet.set_target(replicas, now)
+
+    # ---- a driver's batches (intake.py) ---------------------------------------------------------------
     def submit(self, requests: list, now: float, batch_id: Optional[str] = None,
                weights_version: Optional[int] = None, previous_ids: Optional[list] = None) -> str:
-        """Queue a batch of SequenceRequests. Invalid ones finish at once with an error. With
-        `weights_version`, the batch is refused unless the fleet's weights are that version.
-        `previous_ids` (one per request, or None): the ids the sequences had under a router that
-        restarted; what that router's segments generated is taken over (adoption.py).
-        Atomic: what would fail the batch is refused before anything is registered, and every
-        request is checked first, so that none registered can raise afterwards (a request that
-        passes check_request is runnable: its state builds without another check)."""
-        self._refuse_batch(weights_version)
-        self._refuse_malformed(requests, batch_id, previous_ids)
-        self.limits.check_batch(len(requests), len(self.seqs))
-        errors = [self._validate(req) for req in requests]
-        self.weights.learning = False  # this batch runs on the version known now, and awake
-        self.sleep.settle()
-        batch = self.batches.open(len(requests), now, self.weights.version, batch_id)
-        bid = batch.batch_id
-        self.batches.open_groups(bid, [r.prompt_index for r in requests])
-        for i, (req, error) in enumerate(zip(requests, errors)):
-            seq = SeqState(f"{bid}:{i}", bid, i, (bid, req.prompt_index), req, now)
-            if error:
-                seq.error = error
-                self._finish(seq, "error", now, replica_id=None)
-                continue
-            if req.output_token_ids:  # a partial rollout resumed: a continuation from the start
-                seq.resume(self.record_tokens)
-                self.counters.partials_resumed += 1
-                self.counters.partial_tokens_resumed += seq.generated
-                self.metrics.resumed("-", "partial")
-            seq.home = self.sessions.home(req.session, self.fleet.replicas)
-            self.seqs[seq.seq_id] = seq
-            self.queue.push(seq)
-        if previous_ids is not None:
-            self.adoption.claim([self.seqs.get(f"{bid}:{i}") for i in range(len(requests))], previous_ids, now)
-        return bid
-
-    def _refuse_batch(self, weights_version: Optional[int]) -> None:
-        """Raise if no batch can run now: no replica, other weights, asleep, weights in doubt."""
-        if not self.fleet.replicas:
-            raise NoLiveReplicaError("no live engine replica: the batch cannot run (is the cluster up?)")
-        self.control.refuse_batch(weights_version)
-        if self.weights.none_can_load(self.fleet.replicas):
-            raise NoLiveReplicaError(self.weights.failure())
-
-    @staticmethod
-    def _refuse_malformed(requests: list, batch_id, previous_ids) -> None:
-        """What the driver's code (not its user) got wrong refuses the whole batch: a request that
-        is none, or has no place in it (its group is keyed by prompt_index), ids of the wrong kind."""
-        if not isinstance(requests, list):
-            raise InputError("requests", requests, "must be a list of SequenceRequests")
-        for i, req in enumerate(requests):
-            if not isinstance(req, SequenceRequest):
-                raise InputError(f"requests[{i}]", req, "must be a SequenceRequest")
-            check_place(req, f"requests[{i}].")
-        if batch_id is not None and (not isinstance(batch_id, str) or not batch_id):
-            raise InputError("batch_id", batch_id, "must be null or a non-empty string")
-        if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)
-                                         or not all(p is None or isinstance(p, str) for p in previous_ids)):
-            raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
-
-    def _validate(self, req: SequenceRequest) -> Optional[str]:
-        past_limit = self.limits.n_error(getattr(req.sampling, "n", None))
-        if past_limit:
-            return past_limit
-        try:
-            check_request(req, self.model)
-        except InputError as e:
-            return str(e)
-        except Exception as e:  # a value no check foresaw: this sequence fails, the batch runs
-            return f"invalid request: {type(e).__name__}: {shown(str(e))}"
-        return None
+        """Queue a batch of SequenceRequests; returns its id. Invalid ones finish at once with an
+        error; what would fail the whole batch refuses it before anything is registered (intake.py)."""
+        return self.intake.submit(requests, now, batch_id, weights_version, previous_ids)
 
     def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple:
         """(completions finished since `cursor`, new cursor, batch done)."""
@@ -196,28 +189,11 @@ class RouterCore:
     def cancel(self, batch_id: str, now: float) -> int:
         """Stop a batch (the driver timed out or gave up): queued sequences finish as "abort"
         at once, running ones when their replica confirms the give-up. Returns how many."""
-        seqs = [s for s in self.seqs.values() if s.batch_id == batch_id]
-        if batch_id in self.batches:
-            self.batches[batch_id].cancelled = True
-        for seq in seqs:
-            seq.cancelled = True
-            if seq.status is SeqStatus.QUEUED:
-                self.queue.remove(seq)
-                self._finish(seq, "abort", now, None)
-            elif seq.status is SeqStatus.RUNNING:
-                self._order_give_up(seq)
-        return len(seqs)
+        return self.intake.cancel(batch_id, now)
 
     def drop_abandoned(self, now: float, idle_s: float) -> list:
-        """Cancel and forget every batch nobody fetched from for `idle_s` seconds: its driver died
-        (a trainer that crashed mid-step). Its running sequences are given up, its queued ones never
-        start, and its tokens leave the router's memory. Returns the dropped ids."""
-        gone = self.batches.abandoned(now, idle_s)
-        for bid in gone:
-            self.batches.drop(bid, now)  # (its reason, from the state before the cancel)
-            self.cancel(bid, now)
-            self.metrics.batches_abandoned(1)
-        return gone
+        """Cancel and forget every batch nobody fetched from for `idle_s` seconds; returns their ids."""
+        return self.intake.drop_abandoned(now, idle_s)
 
     def release(self, batch_id: str) -> None:
         """The driver fetched the whole batch: forget it."""
@@ -240,15 +216,7 @@ class RouterCore:
         in_flight = running != "finish"
         v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep")
         if in_flight and running != "keep":
-            for seq in self.seqs.values():
-                if seq.status is SeqStatus.RUNNING:
-                    if running == "abort":
-                        seq.cancelled = True  # its final "abort" ends it, tokens and all
-                    else:
-                        seq.give_up_cause = "weights_update"
-                    self._order_give_up(seq)
-                elif seq.status is SeqStatus.GIVING_UP and running == "abort":
-                    seq.cancelled = True
+            self.moves.give_up_running(abort=running == "abort")
         return v
 
     def sleep_fleet(self, level: int = 1) -> int:
@@ -269,420 +237,48 @@ class RouterCore:
     def sleep_status(self) -> dict:
         return self.sleep.status()
 
-    def set_fleet_target(self, replicas: int, now: float) -> None:
-        """A driver told Serve to run `replicas` (RolloutClient.scale): Fleet.set_target."""
-        self.fleet.set_target(replicas, now)
-
     def usable(self, rep: ReplicaState) -> bool:
         """It may get work: it holds the current weights, loads no others, and is awake."""
         return self.control.usable(rep)
 
-    def _fail_queued_if_no_replica_can_load(self, now: float) -> None:
-        if self.weights.none_can_load(self.fleet.replicas):
-            self._fail_queued(self.weights.failure(), now)
+    # ---- state the Serve router and the simulator read (and set_policy, set_trace reset) ----------------
+    @property
+    def policy(self) -> Policy:
+        """The policy that decides at every pull (dispatch.py); set_policy replaces it between batches."""
+        return self.dispatcher.policy
 
-    def _fail_queued(self, why: str, now: float) -> None:
-        """Queued work that no replica can run ends with an error (running work cannot exist)."""
-        for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED]:
-            self.queue.remove(seq)
-            seq.error = why
-            self._finish(seq, "error", now, None)
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.dispatcher.policy = policy
 
-    # ---- replica side ------------------------------------------------------------------------------
-    def on_report(self, report: Report, now: float, timer=None) -> Orders:
-        """A replica's pull: apply its report, then decide; returns its orders."""
-        applied = self.apply(report, now)
-        if applied.stalled:
-            return Orders(stop=STALLED)
-        if applied.replica_id is None or applied.left:
-            return Orders()
-        orders = self.decide(applied.replica_id, now, timer)
-        self.trace_pull(applied.replica_id, now)
-        return orders
+    @property
+    def model(self) -> Optional[ModelInfo]:
+        """The model the first replica said it runs (membership.py); requests are checked against it."""
+        return self.membership.model
 
-    def trace_pull(self, replica_id: str, now: float) -> None:
-        """While tracing: (time, replica, sequences it holds) once per pull, after its decision."""
-        if self.trace is not None and replica_id in self.fleet.replicas:
-            self.trace.append((now, replica_id, len(self.fleet.replicas[replica_id].seqs)))
+    @property
+    def stall_timeout_s(self) -> float:
+        """A replica holding running sequences with no new token for this long is stalled (0: never)."""
+        return self.membership.stall_timeout_s
 
-    def apply(self, report: Report, now: float) -> Applied:
-        """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
-        if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
-            return Applied(None, stalled=self.fleet.was_stalled(report))
-        finished, requeues = self.finished_count, self.requeues
-        rep = self._register(report, now)
-        self._apply_engine_state(rep, report, now)
-        if report.digest is not None:
-            self.digests.record(rep.replica_id, report.digest)
-        self._apply_progress(rep, report, now)
-        stalled = False
-        if report.leaving:
-            self.remove_replica(rep.replica_id, now, leaving=not report.engine_dead, goodbye=True)
-        elif self.stall_timeout_s > 0 and rep.stalled(now, self.stall_timeout_s):
-            self.remove_replica(rep.replica_id, now, stalled=True)
-            stalled = True
-        elif report.listing is not None:
-            self._reconcile(rep, report.listing.held, report.listing.aborting, now)
-        return Applied(rep.replica_id, self.finished_count != finished, self.requeues != requeues, report.leaving,
-                       stalled)
+    @property
+    def decision_times(self) -> list:
+        """Seconds per policy decision, while the driver passes a timer (a recent window)."""
+        return self.dispatcher.decision_times
 
-    def decide(self, replica_id: str, now: float, timer=None) -> Orders:
-        """The policy's decision at this replica's pull; returns the orders waiting for it."""
-        rep = self.fleet.replicas.get(replica_id)
-        if rep is None:
-            return Orders()
-        # A replica without the current weights gets no work (its load order is in its outbox), nor
-        # one that sleeps or is on its way to or from sleep.
-        if (len(self.queue) or self.seqs) and self.usable(rep):
-            t0 = timer() if timer else None
-            decision = self.policy.decide(self.view(now), replica_id)
-            if timer:
-                dt = timer() - t0
-                _append_bounded(self.decision_times, dt, DECISION_TIMES_KEPT)
-                self.metrics.decision(dt)
-            self._apply_decision(decision, now)
-        orders = self.outbox.take(replica_id)
-        orders.work_waiting = len(self.queue) > 0
-        for work in orders.start:
-            seq = self.seqs.get(work.seq_id)
-            if seq is not None:
-                seq.delivered_pull = rep.pulls
-        for seq_id, _ in orders.give_up:
-            seq = self.seqs.get(seq_id)
-            if seq is not None:
-                seq.give_up_pull = rep.pulls
-        return orders
+    @property
+    def trace(self) -> Optional[list]:
+        """(time, replica_id, sequences held) per pull; None: not tracing."""
+        return self.tracing.pulls
 
-    def view(self, now: float) -> ClusterView:
-        """What the policy sees; a replica without the current weights, or not awake, is not part of it."""
-        replicas = self.fleet.replicas
-        if not all(self.usable(r) for r in replicas.values()):
-            replicas = {rid: r for rid, r in replicas.items() if self.usable(r)}
-        # Replicas that failed loading the weights never become usable: not expected (chunked's
-        # first round, static's shares).
-        failed = sum(rid in self.fleet.replicas for rid in self.weights.errors)
-        return ClusterView(now, self.queue, replicas, self.batches.groups, self.seqs,
-                           max(1, self.fleet.expected - failed), self.finished_lengths,
-                           self.counters.generated_tokens, self.counters.reprefill_tokens)
+    @trace.setter
+    def trace(self, pulls: Optional[list]) -> None:
+        self.tracing.pulls = pulls
 
-    def expire(self, now: float) -> list:
-        """Declare replicas that stopped pulling dead (their work requeued); returns their ids."""
-        dead = self.fleet.silent(now)
-        for rid in dead:
-            self.remove_replica(rid, now)
-        if self.fleet.settle(now):
-            # The last replica holding the weights died and none came back in a replica timeout:
-            # if every one left failed loading them, nothing can run the queued work.
-            self._fail_queued_if_no_replica_can_load(now)
-        self.adoption.expire(now)
-        return dead
+    @property
+    def step_samples(self) -> list:
+        return self.tracing.step_samples
 
-    def check_stalls(self, now: float) -> list:
-        """Declare stalled the replicas that hold running sequences and reported no new token for
-        stall_timeout_s (an engine paused or hung under a replica that still pulls): their sequences
-        continue elsewhere from their last reported tokens, and their further pulls are answered
-        with Orders.stop (the replica then fails its health check). Returns their ids."""
-        if self.stall_timeout_s <= 0:
-            return []
-        stalled = self.fleet.stalled(now, self.stall_timeout_s)
-        for rid in stalled:
-            self.remove_replica(rid, now, stalled=True)
-        return stalled
-
-    def remove_replica(self, replica_id: str, now: float, leaving: bool = False, goodbye: bool = False,
-                       stalled: bool = False) -> None:
-        """Requeue the replica's sequences from their last reported tokens. `leaving`: Serve stopped
-        it on purpose (a graceful shutdown) rather than it died. `goodbye`: it said so itself (a
-        graceful shutdown, or its engine died), and a late pull of it is not a new replica.
-        `stalled`: the router declared it stalled; a late pull of it is told to stop."""
-        rep = self.fleet.pop(replica_id)
-        if rep is None:
-            return
-        self.adoption.note_listing(rep, frozenset())  # what it ran of a predecessor's runs nowhere now
-        self.fleet.removed(rep, now, leaving, goodbye, stalled)
-        if leaving:
-            self.counters.replica_leaves += 1
-        elif stalled:
-            self.counters.replica_stalls += 1
-            self.metrics.replica_stalled(replica_id)
-        else:
-            self.counters.replica_deaths += 1
-        self.outbox.drop(replica_id)
-        self.weights.forget(replica_id)
-        self.sleep.forget(replica_id)
-        self.digests.forget(replica_id)
-        for seq in list(rep.seqs.values()):
-            self.give_up_t.pop(seq.seq_id, None)  # whatever was ordered, its partials never came
-            self._requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
-        self.queue.release_reserved(replica_id)
-        self.policy.on_replica_removed(replica_id)
-        if leaving:  # for good: if every replica left failed loading the weights, none can run its work
-            self._fail_queued_if_no_replica_can_load(now)
-
-    # ---- the steps of `apply` ---------------------------------------------------------------------
-    def _register(self, report: Report, now: float) -> ReplicaState:
-        if self.fleet.restarted(report):
-            self.remove_replica(report.replica_id, now)  # restarted: its old work is gone
-        rep = self.fleet.join(report, now)
-        if report.model is not None and self.model is None:
-            self.model = report.model
-        return rep
-
-    def _apply_engine_state(self, rep: ReplicaState, report: Report, now: float) -> None:
-        """Its sleep level and weights, unless a newer report's were applied already (a pull the
-        router processed late carries an older state). Sleep first: a load waits for an engine
-        that sleeps. Then the reported engine stats, sampled while tracing."""
-        if not report.number or report.number > rep.last_report_number:
-            rep.last_report_number = report.number
-            self.control.apply_sleep(rep, report.sleep)
-            if self.control.apply_weights(rep, report.weights, learn=not self.seqs):
-                self._fail_queued_if_no_replica_can_load(now)
-        st = report.stats
-        if self.trace is not None and st.seq_tokens_per_s > 0 and st.running > 0:
-            _append_bounded(self.step_samples, (st.running, st.context_tokens, 1.0 / st.seq_tokens_per_s),
-                            STEP_SAMPLES_KEPT)
-
-    def _apply_progress(self, rep: ReplicaState, report: Report, now: float) -> None:
-        for p in report.progress:
-            self._apply(rep, p, now, report.leaving)
-
-    def _apply(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False) -> None:
-        seq = self.seqs.get(p.seq_id)
-        if seq is None and self.adoption.take_final(rep, p, now, leaving):
-            return
-        if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
-                or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
-            self.counters.stale_reports += 1
-            return
-        have = seq.generated - seq.segment_start
-        if 0 <= p.offset < have:  # sent again after a lost reply, or a final sent whole
-            if p.finish_reason is None or p.offset + p.num_tokens < have:
-                self.counters.duplicate_reports += 1
-                return
-            p = _without_first(p, have - p.offset)  # a whole final: the tokens it adds, and the end
-            self.counters.finals_whole_trimmed += 1
-        if p.swaps:
-            self._note_swaps(seq, p.swaps)
-        if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
-            context = seq.request.prompt_len + seq.segment_start
-            self.counters.reprefilled_tokens += max(0, context - p.cached_tokens)
-            self.counters.reprefill_segments_measured += 1
-        elif p.cached_tokens >= 0:  # a fresh segment's first report: how much of its prompt was cached
-            self.counters.prompt_tokens_measured += seq.request.prompt_len
-            self.counters.prompt_cached_tokens += min(p.cached_tokens, seq.request.prompt_len)
-        if p.num_tokens:
-            rep.progress_t = now  # (check_stalls)
-            seq.generated += p.num_tokens
-            rep.seqs.progressed(seq)
-            self.counters.generated_tokens += p.num_tokens
-            if self.record_tokens:
-                seq.token_ids.extend(p.token_ids)
-                if p.logprobs is not None:
-                    if seq.logprobs is None:
-                        seq.logprobs = array("d")
-                    seq.logprobs.extend(p.logprobs)
-        reason = p.finish_reason
-        if reason is None:
-            return
-        del rep.seqs[seq.seq_id]
-        if reason == "error":
-            seq.error = p.error or "engine error"
-            self._finish(seq, "error", now, rep.replica_id)
-        elif reason == "abort" or self._segment_cut(seq, reason):
-            # An abort nobody ordered is a replica handing its work back before it stops.
-            cause = seq.give_up_cause or ("replica_left" if reason == "abort" else None)
-            self._requeue_after_segment(seq, rep.replica_id, now, cause)
-        else:
-            self._finish(seq, reason, now, rep.replica_id)
-
-    def _note_swaps(self, seq: SeqState, swaps: list) -> None:
-        """The replica swapped weights under this attempt (running="keep"): its tokens from
-        segment_start + offset on are the new version's. Every report after the swap carries it
-        again: a version already last in weight_versions is not added twice."""
-        for offset, version in swaps:
-            if not (is_int(offset) and is_int(version)) or offset < 0:
-                continue
-            if seq.weight_versions and seq.weight_versions[-1][1] == version:
-                continue
-            at = max(seq.segment_start + offset, seq.weight_versions[-1][0] if seq.weight_versions else 0)
-            seq.weight_versions.append((at, version))
-            self.counters.weights_kept += 1
-
-    def _segment_cut(self, seq: SeqState, reason: str) -> bool:
-        """A policy's segment cap (not the sequence's own end) stopped this segment."""
-        if reason != "length" or seq.segment_cap is None:
-            return False
-        hidden = seq.request.hidden_length
-        return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
-                and (hidden is None or seq.generated < hidden))
-
-    def _reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float) -> None:
-        """Work sent in the reply to an earlier pull that the replica does not hold never arrived
-        (the reply was lost: the replica applies a reply's orders before it pulls again). It runs
-        again from its last reported tokens, like the work of a dead replica. A give-up sent in such
-        a reply is sent again: the replica holds the attempt and does not list it as aborting."""
-        have = {(sid, attempt) for sid, attempt in held}
-        lost = [s for s in rep.seqs.values()
-                if 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
-        for seq in lost:
-            del rep.seqs[seq.seq_id]
-            self.counters.lost_orders += 1
-            self.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
-            self._requeue_after_segment(seq, rep.replica_id, now)
-        aborting = {(sid, attempt) for sid, attempt in aborting}
-        # Attempts the replica runs that the router does not know: a restarted router's predecessor
-        # sent them (or this replica was declared dead and its work requeued). Their tokens would be
-        # ignored; give them up to free the slots. Only when two listings in a row show them: a
-        # final report can be drained while its attempt is still listed.
-        known = {(s.seq_id, s.attempt) for s in rep.seqs.values()}
-        self.adoption.note_listing(rep, frozenset(sid for sid, attempt in have if (sid, attempt) not in known))
-        unknown = frozenset(k for k in have if k not in known and k not in aborting)
-        orphans = sorted(unknown & rep.unknown_held)
-        rep.unknown_held = unknown.difference(orphans)
-        if orphans:
-            self.counters.orphans_given_up += len(orphans)
-            orders = self.outbox.to(rep.replica_id)
-            orders.give_up.extend(orphans)
-            orders.report_whole.extend(orphans)  # the driver may submit them again: continue them then
-        for seq in rep.seqs.values():
-            key = (seq.seq_id, seq.attempt)
-            if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
-                    and key in have and key not in aborting):
-                self.counters.lost_orders += 1
-                seq.give_up_pull = -1
-                self.outbox.to(rep.replica_id).give_up.append((seq.seq_id, seq.attempt))
-
-    # ---- a sequence's moves -----------------------------------------------------------------------
-    def _apply_decision(self, decision: Decision, now: float) -> None:
-        for a in decision.assign:
-            seq = a.seq
-            rep = self.fleet.replicas.get(a.replica_id)
-            if seq.status is not SeqStatus.QUEUED or rep is None or rep.weights_version != self.weights.version:
-                self.counters.policy_errors += 1
-                continue
-            self.queue.remove(seq)
-            if not rep.seqs:  # its first running sequence: its progress is measured from now
-                rep.progress_t = now
-            self._dispatch(seq, a.replica_id, a.segment_cap)
-        for g in decision.give_up:
-            seq = g.seq
-            if seq.status is not SeqStatus.RUNNING or seq.replica not in self.fleet.replicas:
-                self.counters.policy_errors += 1
-                continue
-            self.give_up_t[seq.seq_id] = (now, g.destination)
-            self._order_give_up(seq)
-
-    def _dispatch(self, seq: SeqState, replica_id: str, segment_cap: Optional[int]) -> None:
-        req = seq.request
-        seq.attempt += 1
-        seq.status, seq.replica = SeqStatus.RUNNING, replica_id
-        seq.segment_cap, seq.segment_start = segment_cap, seq.generated
-        seq.give_up_cause = None
-        held = self.fleet.replicas[replica_id].weights_version
-        if not seq.weight_versions or seq.weight_versions[-1][1] != held:
-            seq.weight_versions.append((seq.generated, held))
-        # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
-        # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
-        seq.give_up_pull = seq.delivered_pull = -1
-        if not seq.replicas or seq.replicas[-1] != replica_id:
-            seq.replicas.append(replica_id)
-        last = seq.migrations[-1] if seq.migrations else None
-        if last is not None and last.destination != replica_id and last.at_token == seq.generated:
-            # the continuation starts here, not where the move meant it to (gone, or never reached)
-            seq.migrations[-1] = replace(last, destination=replica_id)
-        stop_after = segment_cap
-        if req.hidden_length is not None:
-            left = max(1, req.hidden_length - seq.generated)
-            stop_after = left if stop_after is None else min(stop_after, left)
-        prompt = None if req.prompt_token_ids is None else req.prompt_token_ids + seq.token_ids.tolist()
-        # A continuation's earlier logprobs, for a take-over after a router restart; not for a
-        # chunked round's segment (every round of every sequence: their size grows as the square
-        # of the length), which a restarted router therefore generates again when logprobs are asked.
-        prior = (array("d", seq.logprobs) if seq.generated and seq.logprobs is not None and prompt is not None
-                 and segment_cap is None else None)
-        work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
-                    prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len,
-                    prior_logprobs=prior)
-        self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
-        self.outbox.to(replica_id).start.append(work)
-
-    def _order_give_up(self, seq: SeqState) -> None:
-        """Tell a running sequence's replica to give it up; its partials come back in a report."""
-        seq.status = SeqStatus.GIVING_UP
-        self.fleet.replicas[seq.replica].seqs.giving_up(seq)  # a RUNNING sequence's replica is live
-        self.outbox.to(seq.replica).give_up.append((seq.seq_id, seq.attempt))
-
-    def _requeue_after_segment(self, seq: SeqState, source: str, now: float, cause: Optional[str] = None) -> None:
-        """Queue the rest of `seq` after its segment on `source` ended short of the sequence's end:
-        a policy's give-up (a migration), a chunk cut, or `cause` (a replica leaving or lost)."""
-        if seq.cancelled:
-            self._finish(seq, "abort", now, source)
-            return
-        ordered = self.give_up_t.pop(seq.seq_id, None)
-        if seq.give_up_pull < 0:  # the order never reached the replica: it did not cause this end
-            ordered = None
-        destination = None
-        if ordered is None and cause is not None:
-            seq.migrations.append(Migration(source, None, seq.generated, now - seq.submitted_t, cause))
-            if cause == "weights_update":
-                self.counters.weights_recomputed += 1
-            elif cause == "replica_left":
-                self.counters.handed_back += 1
-            else:
-                self.counters.recovered += 1
-            self.metrics.resumed(source, cause)
-        if ordered is not None:
-            t_ordered, destination = ordered
-            seq.moves += 1
-            seq.last_move_t = now
-            seq.migrations.append(Migration(source, destination, seq.generated, now - seq.submitted_t))
-            self.counters.migrations += 1
-            self.counters.reprefill_tokens += seq.context_tokens
-            self.metrics.migration(source, seq.context_tokens)
-            self.metrics.give_up_latency(now - t_ordered)
-        seq.status, seq.replica = SeqStatus.QUEUED, None
-        if destination is not None and destination not in self.fleet.replicas:
-            destination = None
-        self.queue.push(seq, reserved_for=destination)
-        self.requeues += 1
-
-    def _finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
-        seq.status = SeqStatus.DONE
-        seq.finish_reason = reason
-        seq.replica = None
-        self.give_up_t.pop(seq.seq_id, None)
-        batch = self.batches.get(seq.batch_id)
-        req = seq.request
-        wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
-        # (an invalid request may have no spec; one that asked but ended before its first token gets [])
-        logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
-        version = (seq.weight_versions[-1][1] if seq.weight_versions
-                   else batch.weights_version if batch else self.weights.version)
-        done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,
-                          seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
-                          now - seq.submitted_t, version, seq.resumed, list(seq.weight_versions))
-        self.seqs.pop(seq.seq_id, None)
-        if reason != "error":
-            _append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
-            self.sessions.record(req.session, replica_id)  # its context is cached there now
-        self.batches.group_finished(seq.group, seq.generated, counts_length=reason != "error")
-        self.metrics.finished(replica_id or "-", reason)
-        self.finished_count += 1
-        self.batches.record(seq.batch_id, seq.index, done)
-
-    # ---- what AdoptionHost asks of the router (adoption.py) --------------------------------------------
-    def seq(self, seq_id: str) -> Optional[SeqState]:
-        return self.seqs.get(seq_id)
-
-    def batch_version(self, batch_id: str) -> Optional[int]:
-        batch = self.batches.get(batch_id)
-        return None if batch is None else batch.weights_version
-
-    def requeue(self, seq: SeqState) -> None:
-        self.queue.push(seq)
-
-    def unqueue(self, seq: SeqState) -> None:
-        self.queue.remove(seq)
-
-    def finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None:
-        self._finish(seq, reason, now, replica_id)
+    @step_samples.setter
+    def step_samples(self, samples: list) -> None:
+        self.tracing.step_samples = samples

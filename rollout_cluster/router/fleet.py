@@ -12,8 +12,8 @@ follows a driver's `scale` (set_target), and corrects itself from what it sees:
   between, lowers it to the live count (replicas that cannot be scheduled, a router restarted
   after an in-place scale-down).
 
-Plain bookkeeping: no clock (time is an argument), no I/O. RouterCore requeues a removed
-replica's sequences; this only says who left.
+Plain bookkeeping: no clock (time is an argument), no I/O. Membership (membership.py) requeues
+a removed replica's sequences; this only says who left.
 """
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""ReportApplier: what a replica's report says, taken in.
+
+The first step of a pull (RouterCore.apply), after the replica is registered: its engine's state
+(sleep level, weights, step stats), its sequences' progress, and, every few seconds, its listing
+of the attempts it holds, reconciled with what the router sent it. Progress is accepted only
+from the replica that holds the sequence and only for its current attempt (state.py); tokens
+sent again after a lost reply are dropped by their offset, so none is counted twice. A segment's
+end finishes its sequence or requeues the rest (SeqMoves). Its own state: none; what it learns
+goes to the sequences, the counters and the components that own the rest.
+
+No clock (time is an argument), no I/O.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import replace
+
+from ..protocol import Report, SeqProgress, is_int
+from .adoption import OrphanAdoption
+from .control import FleetControl
+from .counters import RouterCounters
+from .moves import SeqMoves
+from .outbox import Outbox
+from .state import ReplicaState, SeqState, SeqStatus
+from .tracing import RouterTrace
+
+
+def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
+    """Progress report `p` without its first `skip` tokens (the router has them already)."""
+    return replace(p, token_ids=p.token_ids[skip:], num_tokens=p.num_tokens - skip, offset=p.offset + skip,
+                   logprobs=None if p.logprobs is None else p.logprobs[skip:], prompt_token_ids=None)
+
+
+class ReportApplier:
+    def __init__(self, seqs: dict[str, SeqState], control: FleetControl, moves: SeqMoves, adoption: OrphanAdoption,
+                 outbox: Outbox, tracing: RouterTrace, counters: RouterCounters, record_tokens: bool):
+        self.seqs = seqs  # the router's live sequences: a report's progress names them
+        self.control, self.moves, self.adoption, self.outbox = control, moves, adoption, outbox
+        self.tracing, self.counters = tracing, counters
+        self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
+
+    def engine_state(self, rep: ReplicaState, report: Report, now: float) -> None:
+        """Its sleep level and weights, unless a newer report's were applied already (a pull the
+        router processed late carries an older state). Sleep first: a load waits for an engine
+        that sleeps. Then the reported engine stats, sampled while tracing."""
+        if not report.number or report.number > rep.last_report_number:
+            rep.last_report_number = report.number
+            self.control.apply_sleep(rep, report.sleep)
+            if self.control.apply_weights(rep, report.weights, learn=not self.seqs):
+                self.moves.fail_queued_if_no_replica_can_load(now)
+        self.tracing.step(report.stats)
+
+    def progress(self, rep: ReplicaState, report: Report, now: float) -> None:
+        """Every sequence's progress in the report (a leaving replica's finals hand its work back)."""
+        for p in report.progress:
+            self.seq_progress(rep, p, now, report.leaving)
+
+    def seq_progress(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False) -> None:
+        """One sequence's new tokens, and its segment's end if this is its final report."""
+        seq = self.seqs.get(p.seq_id)
+        if seq is None and self.adoption.take_final(rep, p, now, leaving):
+            return
+        if (seq is None or seq.replica != rep.replica_id or seq.attempt != p.attempt
+                or seq.status not in (SeqStatus.RUNNING, SeqStatus.GIVING_UP)):
+            self.counters.stale_reports += 1
+            return
+        have = seq.generated - seq.segment_start
+        if 0 <= p.offset < have:  # sent again after a lost reply, or a final sent whole
+            if p.finish_reason is None or p.offset + p.num_tokens < have:
+                self.counters.duplicate_reports += 1
+                return
+            p = _without_first(p, have - p.offset)  # a whole final: the tokens it adds, and the end
+            self.counters.finals_whole_trimmed += 1
+        if p.swaps:
+            self.note_swaps(seq, p.swaps)
+        if p.cached_tokens >= 0 and seq.segment_start > 0:  # a continuation's first report
+            context = seq.request.prompt_len + seq.segment_start
+            self.counters.reprefilled_tokens += max(0, context - p.cached_tokens)
+            self.counters.reprefill_segments_measured += 1
+        elif p.cached_tokens >= 0:  # a fresh segment's first report: how much of its prompt was cached
+            self.counters.prompt_tokens_measured += seq.request.prompt_len
+            self.counters.prompt_cached_tokens += min(p.cached_tokens, seq.request.prompt_len)
+        if p.num_tokens:
+            rep.progress_t = now  # (check_stalls)
+            seq.generated += p.num_tokens
+            rep.seqs.progressed(seq)
+            self.counters.generated_tokens += p.num_tokens
+            if self.record_tokens:
+                seq.token_ids.extend(p.token_ids)
+                if p.logprobs is not None:
+                    if seq.logprobs is None:
+                        seq.logprobs = array("d")
+                    seq.logprobs.extend(p.logprobs)
+        reason = p.finish_reason
+        if reason is None:
+            return
+        del rep.seqs[seq.seq_id]
+        if reason == "error":
+            seq.error = p.error or "engine error"
+            self.moves.finish(seq, "error", now, rep.replica_id)
+        elif reason == "abort" or self.segment_cut(seq, reason):
+            # An abort nobody ordered is a replica handing its work back before it stops.
+            cause = seq.give_up_cause or ("replica_left" if reason == "abort" else None)
+            self.moves.requeue_after_segment(seq, rep.replica_id, now, cause)
+        else:
+            self.moves.finish(seq, reason, now, rep.replica_id)
+
+    def note_swaps(self, seq: SeqState, swaps: list) -> None:
+        """The replica swapped weights under this attempt (running="keep"): its tokens from
+        segment_start + offset on are the new version's. Every report after the swap carries it
+        again: a version already last in weight_versions is not added twice."""
+        for offset, version in swaps:
+            if not (is_int(offset) and is_int(version)) or offset < 0:
+                continue
+            if seq.weight_versions and seq.weight_versions[-1][1] == version:
+                continue
+            at = max(seq.segment_start + offset, seq.weight_versions[-1][0] if seq.weight_versions else 0)
+            seq.weight_versions.append((at, version))
+            self.counters.weights_kept += 1
+
+    def segment_cut(self, seq: SeqState, reason: str) -> bool:
+        """A policy's segment cap (not the sequence's own end) stopped this segment."""
+        if reason != "length" or seq.segment_cap is None:
+            return False
+        hidden = seq.request.hidden_length
+        return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
+                and (hidden is None or seq.generated < hidden))
+
+    def reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float) -> None:
+        """Work sent in the reply to an earlier pull that the replica does not hold never arrived
+        (the reply was lost: the replica applies a reply's orders before it pulls again). It runs
+        again from its last reported tokens, like the work of a dead replica. A give-up sent in such
+        a reply is sent again: the replica holds the attempt and does not list it as aborting."""
+        have = {(sid, attempt) for sid, attempt in held}
+        lost = [s for s in rep.seqs.values()
+                if 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
+        for seq in lost:
+            del rep.seqs[seq.seq_id]
+            self.counters.lost_orders += 1
+            self.moves.give_up_t.pop(seq.seq_id, None)  # it never ran there: not a migration
+            self.moves.requeue_after_segment(seq, rep.replica_id, now)
+        aborting = {(sid, attempt) for sid, attempt in aborting}
+        # Attempts the replica runs that the router does not know: a restarted router's predecessor
+        # sent them (or this replica was declared dead and its work requeued). Their tokens would be
+        # ignored; give them up to free the slots. Only when two listings in a row show them: a
+        # final report can be drained while its attempt is still listed.
+        known = {(s.seq_id, s.attempt) for s in rep.seqs.values()}
+        self.adoption.note_listing(rep, frozenset(sid for sid, attempt in have if (sid, attempt) not in known))
+        unknown = frozenset(k for k in have if k not in known and k not in aborting)
+        orphans = sorted(unknown & rep.unknown_held)
+        rep.unknown_held = unknown.difference(orphans)
+        if orphans:
+            self.counters.orphans_given_up += len(orphans)
+            orders = self.outbox.to(rep.replica_id)
+            orders.give_up.extend(orphans)
+            orders.report_whole.extend(orphans)  # the driver may submit them again: continue them then
+        for seq in rep.seqs.values():
+            key = (seq.seq_id, seq.attempt)
+            if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
+                    and key in have and key not in aborting):
+                self.counters.lost_orders += 1
+                seq.give_up_pull = -1
+                self.outbox.to(rep.replica_id).give_up.append((seq.seq_id, seq.attempt))
