@@ -4,7 +4,6 @@ LoadWeights(keep). The replica starts that work only after the swap (EngineMoves
 so every one of its tokens comes from the new weights; its Completion must say so."""
 import asyncio
 
-import pytest
 
 from rollout_cluster.config import ClusterConfig, EngineConfig, PolicyConfig, RouterConfig
 from rollout_cluster.engines.cost_model import load_profile
@@ -18,9 +17,8 @@ from rollout_cluster.serve.pull_loop import PullLoop
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
-@pytest.mark.xfail(strict=True, reason="router/core.py labels the Work with the version its replica held at "
-                   "dispatch; update_weights(running='keep') must relabel Work still in an outbox (it starts "
-                   "after the swap) with the new version. core.py is being refactored on another branch")
+# Regression: the Work was labelled with the version its replica held at dispatch, so its
+# Completion said weight_versions == [(0, 0)] although every token came from version 1.
 def test_work_sent_with_a_keep_load_is_labelled_with_the_new_version():
     core = RouterCore(make_policy(PolicyConfig(name="least-loaded"), COST), expected_replicas=2)
     cfg = ClusterConfig(engine=EngineConfig(kind="sim", model="sim"))
