@@ -43,7 +43,9 @@ case "$step" in
       CORES_AFTER_S=${CORES_AFTER_S:-280} CORES_DURATION_S=${CORES_DURATION_S:-1500} LIMIT_S=$LIMIT_S \
       bash experiments/router-overhead/gpu.sh ;;
   colocated)  # issue 26: co-located trainer, IPC push against save_pretrained + update_weights, digests
-    timeout $LIMIT_S python3 experiments/weights-colocated/run.py --size ${SIZE:-7b} --no-object-store \
+    # OBJECT_STORE=1 adds phase f (a push through the object store: vLLM's layerwise reload from shm slots)
+    timeout $LIMIT_S python3 experiments/weights-colocated/run.py --size ${SIZE:-7b} \
+      $([ -n "${OBJECT_STORE:-}" ] || echo --no-object-store) \
       --budget-s $((LIMIT_S - 30)) --out "$OUT/colocated"
     timeout 120 python3 experiments/weights-colocated/digest_gpu_check.py ;;
   tp)  # one replica whose engine spans both GPUs: a batch, a weights reload on every rank, the batch again
