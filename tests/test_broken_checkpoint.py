@@ -85,3 +85,49 @@ def test_a_load_that_succeeds_after_the_break_shows_the_failure_was_the_replicas
     assert loads(report(core, "a", 0.5, incarnation="i2")) == [LoadWeights("/ckpt/1", 1)]
     bid = batch(core, n=2, now=0.6)
     assert report(core, "b", 0.7, version=1).start and core.batches[bid].weights_version == 1
+
+
+def died_loading(core, rid, now, v, incarnation="i1"):
+    from rollout_cluster.protocol import Report
+
+    core.on_report(Report(rid, incarnation, stats=EngineStats(), model=MODEL, capacity=8, leaving=True,
+                          engine_dead=True, weights=WeightsState(version=0, loading=v)), now)
+
+
+def test_a_load_that_kills_two_replicas_is_broken_and_the_next_replacement_is_not_ordered_it():
+    """Regression: an engine killed by a load (out of memory, a crash in vLLM's loader) says
+    goodbye with no weights error, so nothing was broken: Serve's replacement was ordered the same
+    load and died the same way, in a loop of restarts, while the driver waited out its timeout. One
+    death may have another cause, and the replacement gets the version; a second is a break."""
+    core = core_with(("a", "b"))
+    v = ordered(core, "/ckpt/1", "a", "b")
+    report(core, "b", 0.2, loading=v)
+    died_loading(core, "b", 0.3, v)  # b's engine died in the load: once
+    assert core.weights_status()["broken"] == []
+    assert loads(report(core, "b", 1.0, incarnation="i2")) == [LoadWeights("/ckpt/1", v)]  # the replacement: ordered
+    died_loading(core, "b", 1.1, v, incarnation="i2")  # and dies the same way
+    assert core.weights_status()["broken"] == [{
+        "path": "/ckpt/1", "version": v, "replica": "b",
+        "error": f"replicas b, b died while loading version {v} (a load that kills engines is not ordered again)"}]
+    again = report(core, "b", 2.0, incarnation="i3")  # the next replacement: held back, with the reason
+    assert loads(again) == [] and "died while loading" in core.weights_status()["errors"]["b"]
+    report(core, "a", 2.1, version=v)  # a loads it: the deaths were b's own; b gets its order
+    assert core.weights_status()["broken"] == []
+    assert loads(report(core, "b", 2.2, incarnation="i3")) == [LoadWeights("/ckpt/1", v)]
+
+
+def test_a_replica_that_leaves_on_purpose_or_dies_holding_the_weights_counts_no_death():
+    from rollout_cluster.protocol import Report
+
+    core = core_with(("a", "b", "c"))
+    v = ordered(core, "/ckpt/1", "a", "b")  # c has not pulled since: its order waits
+    core.on_report(Report("a", "i1", stats=EngineStats(), model=MODEL, capacity=8, leaving=True,
+                          weights=WeightsState(version=0, loading=v)), 0.3)  # scaled down mid-load
+    report(core, "b", 0.3, version=v)
+    core.on_report(Report("b", "i1", stats=EngineStats(), model=MODEL, capacity=8, leaving=True, engine_dead=True,
+                          weights=WeightsState(version=v)), 0.4)  # died holding it: not during a load
+    died_loading(core, "c", 0.5, v)  # c's one death during its load
+    assert core.weights_status()["broken"] == [] and core.weights.load_deaths == {("/ckpt/1", v): ["c"]}
+    assert loads(report(core, "c", 0.6, incarnation="i2")) == [LoadWeights("/ckpt/1", v)]
+    report(core, "c", 0.7, incarnation="i2", version=v)  # it loads: the death was its own
+    assert core.weights.load_deaths == {}

@@ -91,6 +91,8 @@ class Membership:
         else:
             self.counters.replica_deaths += 1
         self.outbox.drop(replica_id)
+        if not (leaving or stalled):  # died: during a load, that load may be what killed it
+            self.weights.died_loading(rep)
         self.weights.forget(replica_id)
         self.sleep.forget(replica_id)
         self.digests.forget(replica_id)

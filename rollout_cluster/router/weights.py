@@ -8,9 +8,10 @@ restarted during the sleep still knows the update. A fresh router (a restart) le
 from the replicas' reports until a driver first submits or updates: the highest any replica holds
 or noted is the latest update.
 
-A (path, version) whose load failed on a replica is broken: no replica is ordered it again, not
-the failed one's replacement (a load that broke an engine would break the next, in a loop of
-restarts), not a replica that joins later, not one whose order was lost. Such a replica counts as
+A (path, version) whose load failed on a replica, or during whose loads DEATHS_TO_BREAK replicas
+died, is broken: no replica is ordered it again, not the failed one's replacement (a load that broke or
+killed an engine would do it to the next, in a loop of restarts), not a replica that joins
+later, not one whose order was lost. Such a replica counts as
 failed (`errors` names the break): the driver's update_weights raises, queued work fails once no
 replica can run it, and the replicas that hold the version keep serving it. An update to a broken
 path is refused. A replica that loads the version after the break (one ordered before it, or a
@@ -31,6 +32,7 @@ from .state import ReplicaState
 
 
 BROKEN_KEPT = 64  # a long-lived router remembers this many breaks, the latest
+DEATHS_TO_BREAK = 2  # replicas that died during one version's loads before it counts as broken
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class FleetWeights:
         self.keep = False  # the version's loads swap under running sequences (update_weights running="keep")
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
+        self.load_deaths: dict[tuple[str, int], list] = {}  # (path, version) -> replicas that died loading it
         self.held_back: set[str] = set()  # replicas not ordered the current version because it broke (in errors)
         # A fresh router learns the version from the replicas until a driver submits or updates.
         self.learning = True
@@ -80,6 +83,7 @@ class FleetWeights:
         self.keep = keep
         self.errors.clear()
         self.held_back.clear()
+        self.load_deaths.clear()  # (they count toward the current version's break only)
 
     def check_batch(self, version, replicas: int) -> None:
         """A batch that names its weights version runs on it or is refused: a trainer that updated
@@ -149,6 +153,22 @@ class FleetWeights:
         return ((self.path, v) in self.broken and rep.weights_version != v and rep.weights_ordered != v
                 and rep.weights_loading != v and rep.weights_noted != v)
 
+    def died_loading(self, rep: ReplicaState) -> None:
+        """`rep` died (its engine, or its process) with the current version ordered or loading and
+        not held. An engine that a load kills says no error, and its replacement, ordered the same
+        load, would die the same way, in a loop of restarts; but a replica also dies of other causes,
+        and its replacement must get the version. So the DEATHS_TO_BREAK-th death during one
+        version's loads is a break, as a failed load is; a replica that loads the version shows the
+        deaths were their own (`_loaded` forgets the break)."""
+        v = self.version
+        if rep.weights_version == v or v not in (rep.weights_ordered, rep.weights_loading):
+            return
+        died = self.load_deaths.setdefault((self.path, v), [])
+        died.append(rep.replica_id)
+        if len(died) >= DEATHS_TO_BREAK:
+            self._broke(rep.replica_id, f"replicas {', '.join(died)} died while loading version {v} (a load that "
+                                        "kills engines is not ordered again)")
+
     def _broke(self, replica_id: str, error: str) -> None:
         key = (self.path, self.version)
         if self.path is not None and key not in self.broken:
@@ -159,6 +179,7 @@ class FleetWeights:
     def _loaded(self) -> None:
         """A replica just loaded the current version: if it broke a load before, it loads after all
         (the failure was that replica's), and the replicas held back get their order."""
+        self.load_deaths.pop((self.path, self.version), None)
         if self.broken.pop((self.path, self.version), None) is not None:
             for rid in self.held_back:
                 self.errors.pop(rid, None)
