@@ -319,9 +319,28 @@ def relay_http(router, codec):
     return TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(), ctx, runner)), commits
 
 
-def test_trl_legacy_weight_routes_relay_an_update_before_the_prefix_cache_reset(relay_http, router):
+def free_port() -> int:
     import socket
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_group(http, timeout_s: float):
+    """The trainer's side of vLLM's weight-transfer group (it hosts, as rank 0), joined by the
+    relay through /init_weight_transfer_engine: the stand-in for TRL >= 1.11's NCCL sender."""
+    from rollout_cluster.transfer.channels import CpuSender
+
+    port = free_port()
+    sender = CpuSender("127.0.0.1", port, 2, hosts_store=True, timeout_s=timeout_s)
+    r = http.post("/init_weight_transfer_engine", headers=AUTH, json={"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
+    assert r.status_code == 200, r.text
+    return sender
+
+
+def test_trl_legacy_weight_routes_relay_an_update_before_the_prefix_cache_reset(relay_http, router):
     import torch
 
     from rollout_cluster.transfer.channels import CpuSender
@@ -329,9 +348,7 @@ def test_trl_legacy_weight_routes_relay_an_update_before_the_prefix_cache_reset(
     http, commits = relay_http
     info = http.get("/server_info", headers=AUTH).json()["vllm_config"]
     assert info["weight_transfer_config"] == {"backend": "cpu"}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     r = http.post("/init_communicator/", headers=AUTH,
                   json={"host": "0.0.0.0", "port": port, "world_size": 2, "client_device_uuid": "cpu"})
     assert r.status_code == 200, r.text
@@ -373,16 +390,12 @@ def test_a_retried_update_named_param_queues_no_second_receive(relay_http, route
     /update_named_param/ queued a second receive of the tensor, which the trainer sends once, so
     the receive took the next tensor's bytes (or waited until the channel's timeout) and the
     update failed at /reset_prefix_cache/."""
-    import socket
-
     import torch
 
     from rollout_cluster.transfer.channels import CpuSender
 
     http, commits = relay_http
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     body = {"host": "0.0.0.0", "port": port, "world_size": 2, "client_device_uuid": "cpu"}
     for _ in range(2):  # the second is the first retried: the group opens once
         assert http.post("/init_communicator/", headers=AUTH, json=body).status_code == 200
@@ -403,21 +416,12 @@ def test_a_retried_update_named_param_queues_no_second_receive(relay_http, route
 def test_retried_update_weights_and_finish_answer_as_the_first_did(relay_http):
     """Regression: a retried /update_weights waited for tensors the trainer had sent already (and
     failed at the channel's timeout); a retried /finish_weight_update answered no version."""
-    import socket
     import threading
 
     import torch
 
-    from rollout_cluster.transfer.channels import CpuSender
-
     http, commits = relay_http
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    sender = CpuSender("127.0.0.1", port, 2, hosts_store=True, timeout_s=20)  # the trainer hosts (rank 0)
-    r = http.post("/init_weight_transfer_engine", headers=AUTH, json={"init_info": {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
-    assert r.status_code == 200, r.text
+    sender = vllm_group(http, timeout_s=20)
     new = {"w.weight": torch.randn(2, 3), "b.bias": torch.randn(4)}
     info = {"names": list(new), "dtype_names": ["float32"] * 2, "shapes": [[2, 3], [4]], "packed": False}
     assert http.post("/start_weight_update", headers=AUTH, json={}).status_code == 200
@@ -457,21 +461,12 @@ def test_a_refused_update_weights_takes_the_trainers_broadcast_so_the_trainer_he
     same time; a 422 answered before they arrived left the trainer blocked in its broadcast
     (until its group's timeout; NCCL's never ends). The relay now takes the refused tensors,
     drops them, then answers 422 naming the field, and the group stays usable."""
-    import socket
     import threading
 
     import torch
 
-    from rollout_cluster.transfer.channels import CpuSender
-
     http, commits = relay_http
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    sender = CpuSender("127.0.0.1", port, 2, hosts_store=True, timeout_s=8)  # the trainer hosts (rank 0)
-    r = http.post("/init_weight_transfer_engine", headers=AUTH, json={"init_info": {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
-    assert r.status_code == 200, r.text
+    sender = vllm_group(http, timeout_s=8)
     assert http.post("/start_weight_update", headers=AUTH, json={}).status_code == 200
 
     def update(named: dict) -> tuple:

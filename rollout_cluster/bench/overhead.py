@@ -124,7 +124,7 @@ def control_stats(pairs: list) -> dict:
     pct = [p["control_pct"] for p in pairs if "control_pct" in p]
     if not pct:
         return {}
-    both = [p.get("vs_both_pct", pct_over_both(p)) for p in pairs if "control" in p]
+    both = [pct_over_both(p) for p in pairs if "control" in p]
     return {"control_median_pct": round(median(pct), 2), "control_min_pct": min(pct), "control_max_pct": max(pct),
             "vs_both_median_pct": round(median(both), 2), "vs_both_min_pct": min(both), "vs_both_max_pct": max(both)}
 

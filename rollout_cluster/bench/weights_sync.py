@@ -63,7 +63,7 @@ def weights_sync(args) -> dict:
                         client.update_weights(d)
                         row["checkpoint_save_s"] = round(saved - t0, 3)
                 else:
-                    client.push_weights(trainer.state_dict().items(), bucket_bytes=int(args.bucket_mb * 2**20))
+                    client.push_weights(trainer.named_parameters(), bucket_bytes=int(args.bucket_mb * 2**20))
                 mark(way + "_end")
                 row[way + "_s"] = round(time.monotonic() - t0, 3)
             rounds.append(row)

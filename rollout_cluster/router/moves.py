@@ -76,12 +76,10 @@ class SeqMoves:
         self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
         self.outbox.to(replica_id).start.append(work)
 
-    def relabel_waiting(self, version: int) -> int:
+    def relabel_waiting(self, version: int) -> None:
         """running="keep": Work still in an outbox goes out in the same reply as its replica's
         LoadWeights(keep), and the replica starts work only once that load is done, so every token
-        of it is `version`'s (labelled at dispatch with the version its replica held). Returns how
-        many attempts were relabelled."""
-        n = 0
+        of it is `version`'s (labelled at dispatch with the version its replica held)."""
         for rid in self.outbox.replica_ids():
             for work in self.outbox[rid].start:
                 seq = self.seqs.get(work.seq_id)
@@ -92,8 +90,6 @@ class SeqMoves:
                     wv[-1] = (seq.generated, version)
                 else:
                     wv.append((seq.generated, version))
-                n += 1
-        return n
 
     def order_give_up(self, seq: SeqState) -> None:
         """Tell a running sequence's replica to give it up; its partials come back in a report."""
