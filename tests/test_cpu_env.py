@@ -1,8 +1,8 @@
-"""cpu_env: the environment a vLLM-CPU engine starts with (engines/vllm_engine.py)."""
+"""cpu_env: the environment a vLLM-CPU engine starts with (engines/engine_env.py)."""
 import os
 
 from rollout_cluster.config.models import EngineConfig
-from rollout_cluster.engines.vllm_engine import cpu_env
+from rollout_cluster.engines.engine_env import cpu_env
 
 
 def test_each_replica_gets_a_core_of_its_own():

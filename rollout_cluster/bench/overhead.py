@@ -195,11 +195,11 @@ def _serve_main(engine_cfg, model: str, conn, name: str) -> None:
 async def _serve(engine_cfg, model: str, conn, name: str) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from ..engines.vllm_engine import cpu_env, engine_args, is_cpu_build
+    from ..engines.engine_env import apply_engine_env
+    from ..engines.vllm_engine import engine_args, is_cpu_build
     from ..serve.timeline import Timeline
 
-    if is_cpu_build():
-        os.environ.update(cpu_env(engine_cfg, 0))  # the replica's core
+    apply_engine_env(engine_cfg, 0, is_cpu_build())  # the replica's core on a CPU; its threads on a GPU
     engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
     timeline = Timeline.from_env(name)
     if timeline is not None:

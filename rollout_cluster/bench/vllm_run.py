@@ -243,10 +243,10 @@ async def bare_batches(engine_cfg, model: str, batches: list, warmup: list) -> l
     batch its makespan, tokens and finish times."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from ..engines.vllm_engine import cpu_env, engine_args, is_cpu_build
+    from ..engines.engine_env import apply_engine_env
+    from ..engines.vllm_engine import engine_args, is_cpu_build
 
-    if is_cpu_build():
-        os.environ.update(cpu_env(engine_cfg, 0))
+    apply_engine_env(engine_cfg, 0, is_cpu_build())
     engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
     try:
         await all_in_flight(engine, warmup, "warmup")

@@ -64,6 +64,10 @@ class EngineConfig(Section):
     # an engine inheriting that loses its core to any nice-0 process.
     niceness: Optional[int] = Field(0, ge=-20, le=19, description=(
         "the replica's engine thread and processes run at this niceness (null: keep Ray's 15)"))
+    # Ray sets OMP_NUM_THREADS = resources.num_cpus in its workers; a bare AsyncLLM has none set.
+    omp_num_threads: Optional[int] = Field(None, ge=1, description=(
+        "GPU engines: OMP_NUM_THREADS of the engine's processes (torch's CPU threads); null: unset, as "
+        "a bare AsyncLLM's (the replica removes the value Ray gives its workers). Not used on the CPU build"))
     cpu_kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE in GiB (CPU build only)")
     cpu_bind_cores: bool = Field(True, description="pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)")
     sim_profile: str = Field("a100-80g-7b", description="kind=sim: built-in profile name or YAML file", **_also(

@@ -21,18 +21,9 @@ from ..transfer.trace import mark
 from . import weight_checks, weight_digest, weight_keep, weight_loader
 from .base import EngineAdapter, SleepRefused, WeightsLoadBroken
 from .checkpoint import check_checkpoint
+from .engine_env import apply_engine_env
 
 log = logging.getLogger(__name__)
-
-
-def cpu_env(cfg: EngineConfig, rank: int) -> dict:
-    """Environment for a vLLM-CPU engine: bounded KV space, one core of its own per replica (per
-    rank where it is tensor parallel: replica k's ranks on cores k*tp .. k*tp+tp-1, "c0|c1|...")."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.cpu_kv_cache_gib)))}
-    if cfg.cpu_bind_cores:
-        ncores, tp = os.cpu_count() or 1, max(1, cfg.tensor_parallel_size)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str((rank * tp + r) % ncores) for r in range(tp))
-    return env
 
 
 def engine_args(cfg: EngineConfig, model: str):
@@ -141,8 +132,10 @@ class VllmEngine(EngineAdapter):
 
         if self.on_cpu is None:
             self.on_cpu = is_cpu_build()
-        if self.on_cpu:
-            os.environ.update(cpu_env(self.cfg, self.rank))
+        changed = apply_engine_env(self.cfg, self.rank, self.on_cpu)
+        if changed and not self.on_cpu:
+            log.info("engine environment: %s replaced by %s (engine_env.py)", changed,
+                     {k: os.environ.get(k) for k in changed})
         warning = set_niceness(self.cfg.niceness)
         if warning:
             log.warning(warning)
