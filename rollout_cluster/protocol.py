@@ -227,6 +227,8 @@ class Migration:
     # back with every token. "replica_lost": its replica died or restarted; it continued from its
     # last reported tokens (what the replica made after its last report was generated again).
     # "router_restart": the router that ran it restarted; the new one took over its output so far.
+    # "weights_update": an update with running="recompute" gave it up. "report_gap": a report of
+    # its replica skipped tokens; it continued from the tokens the router held.
     reason: str = "policy"
 
 

@@ -141,3 +141,36 @@ def test_the_sim_replica_stops_listing_what_it_gives_up():
         eng.submit(w)
     asyncio.run(eng.give_up([(works[0].seq_id, works[0].attempt)]))
     assert eng.held() == [(works[1].seq_id, works[1].attempt)]
+
+
+def test_a_report_past_the_tokens_held_is_not_applied_and_the_sequence_continues_from_them():
+    """Tokens 2-3 never came: the report that starts at 4 is dropped, the replica is told to give
+    the attempt up, and the sequence continues from [7, 8] elsewhere; its completion has no hole."""
+    core, bid = setup(n=1, max_tokens=6)
+    (work,) = core.decide("a", 0.0).start
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [7, 8], offset=0)]), 0.1)
+    orders = core.on_report(report([SeqProgress(work.seq_id, work.attempt, [11], offset=4)]), 0.2)
+    assert core.counters.report_gaps == 1 and core.counters.generated_tokens == 2
+    assert (work.seq_id, work.attempt) in orders.give_up
+    # the give-up's final is a delta past the hole too: the segment ends at the tokens held
+    orders = core.on_report(report([SeqProgress(work.seq_id, work.attempt, [12], None, "abort", offset=5)]), 0.3)
+    (again,) = orders.start or core.decide("a", 0.35).start
+    assert again.attempt == work.attempt + 1 and again.prompt_token_ids == [1, 2, 7, 8]
+    assert again.sampling.max_tokens == 4
+    core.on_report(report([SeqProgress(again.seq_id, again.attempt, [9, 10, 11, 12], None, "length", offset=0)]), 0.4)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and done[0].token_ids == [7, 8, 9, 10, 11, 12]
+    assert core.counters.report_gaps == 2 and core.counters.generated_tokens == 6
+    assert [m.reason for m in done[0].migrations] == ["report_gap"]
+
+
+def test_a_final_past_the_tokens_held_makes_its_end_again():
+    core, bid = setup(n=1, max_tokens=6)
+    (work,) = core.decide("a", 0.0).start
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [7, 8], offset=0)]), 0.1)
+    orders = core.on_report(report([SeqProgress(work.seq_id, work.attempt, [12], None, "length", offset=5)]), 0.2)
+    (again,) = orders.start or core.decide("a", 0.25).start
+    assert again.prompt_token_ids == [1, 2, 7, 8] and again.sampling.max_tokens == 4
+    core.on_report(report([SeqProgress(again.seq_id, again.attempt, [9, 10, 11, 12], None, "length", offset=0)]), 0.3)
+    done, _, finished = core.fetch(bid, 0)
+    assert finished and done[0].token_ids == [7, 8, 9, 10, 11, 12] and core.counters.report_gaps == 1

@@ -26,6 +26,9 @@ class RouterCounters:
     generated_tokens: int = 0  # tokens accepted from the replicas
     stale_reports: int = 0  # progress of an attempt the router no longer runs there (dropped)
     duplicate_reports: int = 0  # progress sent again after a lost reply (dropped)
+    # reports that started past the tokens the router held (tokens between them lost): not applied,
+    # the sequence continued from what the router held
+    report_gaps: int = 0
     finals_whole_trimmed: int = 0  # whole finals of which only the tokens the router lacked were kept
     policy_errors: int = 0  # assignments or give-ups the policy made of sequences no longer eligible
     replica_deaths: int = 0  # replicas that stopped pulling, restarted, or whose engine died

@@ -12,6 +12,7 @@ No clock (time is an argument), no I/O.
 """
 from __future__ import annotations
 
+import logging
 from array import array
 from dataclasses import replace
 
@@ -23,6 +24,8 @@ from .moves import SeqMoves
 from .outbox import Outbox
 from .state import ReplicaState, SeqState, SeqStatus
 from .tracing import RouterTrace
+
+log = logging.getLogger(__name__)
 
 
 def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
@@ -65,6 +68,9 @@ class ReportApplier:
             self.counters.stale_reports += 1
             return
         have = seq.generated - seq.segment_start
+        if p.offset > have:
+            self.report_gap(rep, seq, p, now)
+            return
         if 0 <= p.offset < have:  # sent again after a lost reply, or a final sent whole
             if p.finish_reason is None or p.offset + p.num_tokens < have:
                 self.counters.duplicate_reports += 1
@@ -104,6 +110,27 @@ class ReportApplier:
             self.moves.requeue_after_segment(seq, rep.replica_id, now, cause)
         else:
             self.moves.finish(seq, reason, now, rep.replica_id)
+
+    def report_gap(self, rep: ReplicaState, seq: SeqState, p: SeqProgress, now: float) -> None:
+        """A report whose offset lies past the tokens the router holds: the tokens between never
+        came (the pull protocol resends a lost report, so this should not happen; if it does, a
+        completion must not silently lack them). It is not applied: the sequence continues from the
+        tokens the router holds, exactly as a migration does."""
+        self.counters.report_gaps += 1
+        log.warning("report of %s attempt %d from %s starts at token %d, the router holds %d: continuing "
+                    "from the tokens it holds", seq.seq_id, p.attempt, rep.replica_id, p.offset,
+                    seq.generated - seq.segment_start)
+        if p.finish_reason is None:
+            if seq.status is SeqStatus.RUNNING:
+                seq.give_up_cause = "report_gap"
+                self.moves.order_give_up(seq)
+            return
+        del rep.seqs[seq.seq_id]
+        if p.finish_reason == "error":
+            seq.error = p.error or "engine error"
+            self.moves.finish(seq, "error", now, rep.replica_id)
+        else:  # its end (and the tokens before it) must be made again
+            self.moves.requeue_after_segment(seq, rep.replica_id, now, seq.give_up_cause or "report_gap")
 
     def note_swaps(self, seq: SeqState, swaps: list) -> None:
         """The replica swapped weights under this attempt (running="keep"): its tokens from
