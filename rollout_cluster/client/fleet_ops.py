@@ -101,20 +101,32 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
     def held(st: dict) -> list:
         return [rid for rid, rv in st["weights"]["replicas"].items() if rv == v]
 
+    def failed(st: dict) -> dict:
+        """replica -> why it will not load `v` now: its load failed, or its engine did not wake
+        (it notes the version and loads it when a wake() succeeds)."""
+        out = {rid: f"replica {rid} did not wake ({e}): it loads version {v} once wake() succeeds"
+               for rid, e in st["sleep"]["errors"].items() if rid in st["weights"]["replicas"] and rid not in held(st)}
+        return {**out, **st["weights"]["errors"]}
+
     def settled(st: dict):
         w = st["weights"]
         if w["version"] != v:
             raise RuntimeError(f"{op}: version {v} was replaced by {w['version']} meanwhile")
-        if len(held(st)) + len(w["errors"]) < max(expected, len(w["replicas"])):
+        bad = failed(st)
+        if len(held(st)) + len(bad) < max(expected, len(w["replicas"])):
             return None
-        if w["errors"]:
-            raise RuntimeError(f"{op} to version {v} ({path}) failed on {len(w['errors'])} "
-                               f"replica(s): {'; '.join(sorted(w['errors'].values()))}")
+        if bad:
+            raise RuntimeError(f"{op} to version {v} ({path}) failed on {len(bad)} "
+                               f"replica(s): {'; '.join(sorted(bad.values()))}")
         return v
 
-    return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, lambda st: TimeoutError(
-        f"{op}: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
-        f"version {v} after {timeout_s:.0f} s"))
+    def timed_out(st: dict) -> TimeoutError:
+        lacking = sorted(rid for rid in st["weights"]["replicas"] if rid not in held(st) and rid not in failed(st))
+        return TimeoutError(f"{op}: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
+                            f"version {v} after {timeout_s:.0f} s; still without it: {', '.join(lacking) or 'none'}"
+                            + (f" (sleep level of each: {st['sleep']['replicas']})" if lacking else ""))
+
+    return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, timed_out)
 
 
 def weights_digest(client, detail: bool, timeout_s: float) -> dict:
@@ -134,9 +146,11 @@ def weights_digest(client, detail: bool, timeout_s: float) -> dict:
 
 
 def _loads_settled(st: dict):
-    """Every awake replica holds the current weights or failed loading them."""
-    w = st["weights"]
-    if st["sleep"]["level"] or all(v == w["version"] or rid in w["errors"] for rid, v in w["replicas"].items()):
+    """Every awake replica holds the current weights or failed loading them (or failed to wake: it
+    loads them at its next wake, and no update waits for it)."""
+    w, woke_not = st["weights"], st["sleep"]["errors"]
+    if st["sleep"]["level"] or all(v == w["version"] or rid in w["errors"] or rid in woke_not
+                                   for rid, v in w["replicas"].items()):
         return st
     return None
 
