@@ -10,7 +10,7 @@ from array import array
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Optional, Union
 
-from .parsing import shown
+from ..parsing import shown
 
 # vLLM's engine core receives requests as MessagePack, whose integers are 64-bit, and seeds a
 # torch.Generator, which takes 64 bits: a count or a seed must fit in a signed 64-bit integer.
