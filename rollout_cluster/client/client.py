@@ -6,33 +6,26 @@
     async for c in client.stream(prompts, sampling): ...
 
 Every call is bounded: a router that does not answer within `timeout_s` raises TimeoutError.
-A batch is followed by the sans-I/O BatchFollower (follower.py) through loops.py's drivers; the
-fleet operations wait in fleet_ops.py.
+The methods carry the docstrings; the work is done by the modules beside this one, as functions
+of the client: lifecycle.py starts, joins and deletes the app; a batch is followed by the sans-I/O
+BatchFollower (follower.py) through loops.py's drivers (batches.py); the fleet operations wait in
+fleet_ops.py.
 """
 from __future__ import annotations
 
-import asyncio
-import os
-import time
 from typing import AsyncIterator, Optional, Sequence, Union
 
-from ..config import ClusterConfig, SecurityConfig, load_config
+from ..config import ClusterConfig
 from ..protocol import Completion, SamplingSpec
-from ..security.secrets import read_keys
-from ..security.signed_router import SignedRouter
-from ..security.signing import Signer
-from . import fleet_ops
+from . import batches, fleet_ops, lifecycle
 from .expand import expand
-from .follower import DEFAULT_TIMEOUT_S, BatchFollower
-from .loops import follow_batch, run_sync
+from .follower import DEFAULT_TIMEOUT_S
 
 
 class RolloutClient:
     def __init__(self, app_name: str = "rollout", timeout_s: float = DEFAULT_TIMEOUT_S,
                  config: Optional[ClusterConfig] = None, owns_cluster: bool = False,
                  max_router_restarts: int = 3, control_keys_file: Optional[str] = None):
-        from ray import serve
-
         self.app_name = app_name
         self.timeout_s = timeout_s
         # A router that restarts loses its batches: generate/stream submit what they have not
@@ -41,12 +34,7 @@ class RolloutClient:
         self.router_restarts = 0  # batches this client submitted again after a router restart
         self.config = config
         self.owns_cluster = owns_cluster
-        # Control calls (update_weights, sleep, wake, scale, set_policy, set_trace, cancel) go out
-        # signed with the first key of security.control_keys_file / $ROLLOUT_CONTROL_KEYS.
-        security = config.security if config else SecurityConfig()
-        if control_keys_file:
-            security = security.model_copy(update={"control_keys_file": control_keys_file})
-        self.router = SignedRouter(serve.get_deployment_handle("Router", app_name), Signer(read_keys(security)))
+        self.router = lifecycle.signed_router(app_name, config, control_keys_file)
         self.call_timeout_s = config.router.call_timeout_s if config else 120.0
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -54,46 +42,14 @@ class RolloutClient:
     def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str] = None,
               wait_ready_s: float = 600.0, **ray_init) -> "RolloutClient":
         """Start (or join) Ray, deploy the application, and wait until every replica is up."""
-        import ray
-        from ray import serve
-
-        from ..security.local import ensure_local_secrets
-        from ..serve.app import build_app
-        from ..serve.deploy import deploy
-
-        cfg = load_config(config)
-        # a cluster this driver starts gets its token and control keys made (security/local.py)
-        ensure_local_secrets(cfg)
-        if not ray.is_initialized():
-            env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
-            ray.init(address=address, runtime_env=env, **ray_init)
-        serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
-        t0 = time.monotonic()
-        deploy(build_app(cfg), cfg, wait_ready_s)
-        client = cls(cfg.app_name, config=cfg, owns_cluster=address is None)
-        client.wait_ready(cfg.replicas, max(1.0, wait_ready_s - (time.monotonic() - t0)))
-        return client
+        return lifecycle.start(cls, config, address, wait_ready_s, ray_init)
 
     @classmethod
     def connect(cls, app_name: str = "rollout", address: str = "auto", wait_s: float = 0.0,
                 **kw) -> "RolloutClient":
         """Join an app that runs (or, within `wait_s`, appears: `serve deploy` and a RayService
         build the app after they return)."""
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=address)
-        from ray.serve.exceptions import RayServeException
-
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return cls(app_name, **kw)
-            except (KeyError, RayServeException):  # no such app yet, or Serve itself not up yet
-                if time.monotonic() >= deadline:
-                    raise KeyError(f"app_name={app_name!r}: no such Serve application with a Router "
-                                   f"after {wait_s:.0f} s (`serve status` lists the applications)") from None
-                time.sleep(0.5)
+        return lifecycle.connect(cls, app_name, address, wait_s, kw)
 
     def wait_ready(self, replicas: int, timeout_s: float = 600.0) -> dict:
         return fleet_ops.wait_ready(self, replicas, timeout_s)
@@ -215,13 +171,7 @@ class RolloutClient:
     def shutdown(self) -> None:
         """Delete this client's app. Disconnects from Ray if `start` connected; a local cluster
         that `start` created ends with it, a cluster it joined (`ray start`) keeps running."""
-        from ray import serve
-
-        serve.delete(self.app_name)
-        if self.owns_cluster:
-            import ray
-
-            ray.shutdown()
+        lifecycle.shutdown(self)
 
     # ---- generation -----------------------------------------------------------------------
     def submit(self, requests: list, wait_for_replica_s: Optional[float] = None,
@@ -263,15 +213,8 @@ class RolloutClient:
     def run_requests(self, requests: list, progress: bool = False, timeout_s: Optional[float] = None,
                      wait_for_replica_s: Optional[float] = None, weights_version: Optional[int] = None,
                      finish_fraction: Optional[float] = None, finish_by: str = "sample") -> list:
-        follower = BatchFollower(requests, timeout_s or self.timeout_s, self.call_timeout_s, self.max_router_restarts,
-                                 weights_version, finish_fraction, finish_by, wait_for_replica_s)
-        bar = _bar(len(requests), progress)
-        try:
-            return run_sync(self.router, follower, self.call_timeout_s, on_submitted=self._note_batch,
-                            on_restart=self._count_restart, on_placed=_counter(bar))
-        finally:
-            if bar:
-                bar.close()
+        return batches.run_requests(self, requests, progress, timeout_s, wait_for_replica_s, weights_version,
+                                    finish_fraction, finish_by)
 
     async def stream(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,
                      timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
@@ -280,13 +223,8 @@ class RolloutClient:
         """Completions as they finish (not in input order). Without `sampling`, and with
         `weights_version`, `finish_fraction`, `finish_by` and `sessions`, as generate. A router restart resubmits what was
         not yielded yet, on the same weights, as generate does."""
-        if sampling is None:
-            status = await asyncio.wait_for(self.router.status.remote(), self.call_timeout_s)
-            sampling = SamplingSpec(**status.get("sampling_defaults", {}))
-        async for c in follow_batch(self.router, expand(prompts, sampling, sessions=sessions), timeout_s or self.timeout_s,
-                                    self.call_timeout_s, self.max_router_restarts, weights_version,
-                                    on_restart=self._count_restart, finish_fraction=finish_fraction,
-                                    finish_by=finish_by):
+        async for c in batches.stream(self, prompts, sampling, timeout_s, weights_version, finish_fraction, finish_by,
+                                      sessions):
             yield c
 
     def _count_restart(self) -> None:
@@ -294,19 +232,3 @@ class RolloutClient:
 
     def _note_batch(self, batch_id: str) -> None:
         self.last_batch_id = batch_id
-
-
-def _bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="sequences", unit="seq")
-
-
-def _counter(bar):
-    return None if bar is None else (lambda placed: bar.update(len(placed)))
-
-
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,81 @@
+"""How a RolloutClient comes to a fleet and leaves it: `start` starts (or joins) Ray, deploys the
+application and waits for its replicas; `connect` joins an app that runs (or appears);
+`signed_router` is the router handle its calls go out through; `shutdown` deletes the app.
+RolloutClient's methods carry the docstrings; these functions take the class or the client.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional, Union
+
+from ..config import ClusterConfig, SecurityConfig, load_config
+from ..security.secrets import read_keys
+from ..security.signed_router import SignedRouter
+from ..security.signing import Signer
+
+
+def signed_router(app_name: str, config: Optional[ClusterConfig], control_keys_file: Optional[str]) -> SignedRouter:
+    from ray import serve
+
+    # Control calls (update_weights, sleep, wake, scale, set_policy, set_trace, cancel) go out
+    # signed with the first key of security.control_keys_file / $ROLLOUT_CONTROL_KEYS.
+    security = config.security if config else SecurityConfig()
+    if control_keys_file:
+        security = security.model_copy(update={"control_keys_file": control_keys_file})
+    return SignedRouter(serve.get_deployment_handle("Router", app_name), Signer(read_keys(security)))
+
+
+def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str], wait_ready_s: float,
+          ray_init: dict):
+    import ray
+    from ray import serve
+
+    from ..security.local import ensure_local_secrets
+    from ..serve.app import build_app
+    from ..serve.deploy import deploy
+
+    cfg = load_config(config)
+    # a cluster this driver starts gets its token and control keys made (security/local.py)
+    ensure_local_secrets(cfg)
+    if not ray.is_initialized():
+        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
+        ray.init(address=address, runtime_env=env, **ray_init)
+    serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
+    t0 = time.monotonic()
+    deploy(build_app(cfg), cfg, wait_ready_s)
+    client = cls(cfg.app_name, config=cfg, owns_cluster=address is None)
+    client.wait_ready(cfg.replicas, max(1.0, wait_ready_s - (time.monotonic() - t0)))
+    return client
+
+
+def connect(cls, app_name: str, address: str, wait_s: float, kw: dict):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address)
+    from ray.serve.exceptions import RayServeException
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return cls(app_name, **kw)
+        except (KeyError, RayServeException):  # no such app yet, or Serve itself not up yet
+            if time.monotonic() >= deadline:
+                raise KeyError(f"app_name={app_name!r}: no such Serve application with a Router "
+                               f"after {wait_s:.0f} s (`serve status` lists the applications)") from None
+            time.sleep(0.5)
+
+
+def shutdown(client) -> None:
+    from ray import serve
+
+    serve.delete(client.app_name)
+    if client.owns_cluster:
+        import ray
+
+        ray.shutdown()
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,242 @@
+"""VllmSeqs: the sequences VllmEngine runs in vLLM's AsyncLLM, and their reports. Part of
+VllmEngine (vllm_engine.py), so it imports vllm.
+
+It owns everything per attempt: the request's task, its context, the weights swapped under it,
+whether it was given up or its final goes whole, and the reports not yet drained (with the step
+time and decode rate measured from them). The AsyncLLM stays the VllmEngine's (`engine`), which
+starts it and which tests hand a fake one.
+"""
+from __future__ import annotations
+
+from array import array
+
+import asyncio
+import logging
+import time
+
+from ..protocol import EngineStats, SeqProgress, Work
+from .vllm_params import sampled_logprobs, sampling_params
+
+log = logging.getLogger(__name__)
+
+
+class VllmSeqs:
+    def __init__(self, owner, capacity: int):
+        self.owner = owner  # the VllmEngine: its `engine` is vLLM's AsyncLLM, once started
+        self.capacity = capacity
+        self.tasks: dict = {}  # (seq_id, attempt) -> asyncio.Task
+        self.context: dict = {}  # (seq_id, attempt) -> context tokens
+        self.seen: dict = {}  # (seq_id, attempt) -> output tokens received from vLLM so far
+        # (seq_id, attempt) -> [(offset, version)]: weights swapped under the attempt (keep), sent
+        # with each of its later reports (SeqProgress.swaps)
+        self.swaps: dict = {}
+        # After a swap under running requests, their KV blocks (old weights) stay in the prefix
+        # cache, which vLLM cannot reset while they run: requests then carry the version in their
+        # cache salt, so that no later request reuses a block of other weights.
+        self.salt_version = None
+        self.aborted: set = set()
+        self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
+        # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason):
+        # whole_final, and report_whole of an attempt that ended
+        self.ended_whole: dict = {}
+        self.pending: list = []
+        self.ended = 0
+        self.dead = None
+        self._last_drain = time.monotonic()
+        self._step_ema = 0.0
+        self._rate_ema = 0.0
+
+    @property
+    def engine(self):
+        """vLLM's AsyncLLM, the VllmEngine's (None before start and after shutdown)."""
+        return self.owner.engine
+
+    def submit(self, work: Work) -> None:
+        key = (work.seq_id, work.attempt)
+        self.context[key] = work.prompt_len
+        self.tasks[key] = asyncio.get_running_loop().create_task(self._run(work, key))
+
+    async def _run(self, work: Work, key) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid = f"{work.seq_id}#{work.attempt}"
+        final = None
+        cached = None  # the prefix-cache hit, reported once, with the segment's first progress
+        produced = 0  # tokens of this attempt so far: each delta's offset
+        made, made_lps = array("i"), array("d")  # all of them, for a final report of the whole output
+        try:
+            prompt = TokensPrompt(prompt_token_ids=work.prompt_token_ids)
+            salt = self._salt(work.sampling.cache_salt)
+            if salt is not None:
+                prompt["cache_salt"] = salt
+            first = True
+            async for out in self.engine.generate(prompt,
+                                                  sampling_params(work), request_id=rid):
+                if first and key in self.aborted and not out.finished:
+                    # Given up before vLLM had the request (start and give-up in one reply): that
+                    # abort found nothing to stop. Now it has it.
+                    await self.engine.abort([rid])
+                first = False
+                o = out.outputs[0]
+                toks = list(o.token_ids)
+                reason = None
+                if out.finished:
+                    reason = o.finish_reason or ("abort" if key in self.aborted else "stop")
+                    final = reason
+                    self.ended += 1
+                self.context[key] = self.context.get(key, 0) + len(toks)
+                self.seen[key] = self.seen.get(key, 0) + len(toks)
+                if toks or reason:
+                    hit = -1
+                    if cached is None:
+                        n = getattr(out, "num_cached_tokens", None)
+                        cached = hit = n if isinstance(n, int) and n >= 0 else -1
+                    lps = sampled_logprobs(toks, o.logprobs)
+                    made.extend(toks)
+                    if lps is not None:
+                        made_lps.extend(lps)
+                    if reason and key in self.whole:
+                        self.pending.append(self._whole(work, made, made_lps, reason, self.swaps.get(key)))
+                    else:
+                        if reason:
+                            self.ended_whole[key] = (work, made, made_lps, reason)
+                        self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
+                                                        cached_tokens=hit, offset=produced,
+                                                        swaps=self.swaps.get(key)))
+                    produced += len(toks)
+            if final is None:  # stream ended without a finished output: only an abort does that
+                self._abort_final(work, key, made, made_lps, produced)
+        except asyncio.CancelledError:
+            self._abort_final(work, key, made, made_lps, produced)
+        except Exception as e:  # a request vLLM refuses: error this sequence, keep the replica
+            if self._engine_died(e):  # not the sequence's fault: no final, it continues elsewhere
+                self._mark_dead(e)
+                return
+            log.warning("request %s failed: %s", rid, e)
+            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "error",
+                                            error=f"engine: {type(e).__name__}: {e}"))
+            self.ended += 1
+        finally:
+            self.tasks.pop(key, None)
+            self.context.pop(key, None)
+            self.seen.pop(key, None)
+            self.swaps.pop(key, None)
+            self.aborted.discard(key)
+            self.whole.discard(key)
+
+    def _abort_final(self, work: Work, key, made: array, made_lps: array, produced: int) -> None:
+        if key in self.whole:
+            self.pending.append(self._whole(work, made, made_lps, "abort", self.swaps.get(key)))
+        else:
+            self.ended_whole[key] = (work, made, made_lps, "abort")
+            self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced,
+                                            swaps=self.swaps.get(key)))
+        self.ended += 1
+
+    @staticmethod
+    def _whole(work: Work, made: array, made_lps: array, reason: str, swaps=None) -> SeqProgress:
+        """The final report of an attempt with its whole output (report_whole)."""
+        lps = made_lps.tolist() if work.sampling.logprobs is not None and len(made_lps) == len(made) else None
+        return SeqProgress(work.seq_id, work.attempt, made.tolist(), lps, reason, offset=0,
+                           prompt_token_ids=list(work.prompt_token_ids or ()), prior_logprobs=work.prior_logprobs,
+                           swaps=swaps)
+
+    def report_whole(self, keys: list) -> None:
+        for key in map(tuple, keys):
+            if key in self.tasks:
+                self.whole.add(key)
+            elif key in self.ended_whole:  # ended, its final sent as a delta: again, whole
+                self.pending.append(self._whole(*self.ended_whole.pop(key)))
+                self.ended += 1  # a final to report: a busy replica's pace reports it soon
+
+    def whole_final(self, p: SeqProgress) -> SeqProgress:
+        kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
+        if kept is None or p.prompt_token_ids is not None:
+            return p
+        whole = self._whole(*kept[:3], p.finish_reason)
+        whole.cached_tokens = p.cached_tokens
+        return whole
+
+    def forget_finals(self, delivered: list) -> None:
+        for p in delivered:
+            if p.finish_reason:
+                self.ended_whole.pop((p.seq_id, p.attempt), None)
+
+    def _mark_dead(self, e: Exception) -> None:
+        if self.dead is None:
+            self.dead = e
+            log.error("vLLM engine died (%s: %s): the replica hands its sequences back and restarts",
+                      type(e).__name__, e)
+
+    def _engine_died(self, e: Exception) -> bool:
+        """vLLM raises EngineDeadError from generate() once its EngineCore process is gone, for every
+        request running and every one submitted after."""
+        return type(e).__name__ == "EngineDeadError" or bool(getattr(self.engine, "errored", False))
+
+    async def give_up(self, keys: list) -> None:
+        live = [tuple(k) for k in keys if tuple(k) in self.tasks and tuple(k) not in self.aborted]
+        if not live:
+            return
+        self.aborted.update(live)
+        try:
+            await self.engine.abort([f"{sid}#{att}" for sid, att in live])
+        except BaseException as e:  # cancelled (a replica shutting down) or failed: not aborted, may be retried
+            self.aborted.difference_update(live)
+            if isinstance(e, Exception) and self._engine_died(e):
+                self._mark_dead(e)  # the replica hands everything back instead (serve/replica.py)
+                return
+            raise
+
+    def drain(self) -> list:
+        if self.dead is None and getattr(self.engine, "errored", False) is True:  # died while idle
+            self.dead = RuntimeError("vLLM's EngineCore died (AsyncLLM.errored)")
+        out, self.pending = self.pending, []
+        now = time.monotonic()
+        # Step time from progress: the most tokens any running sequence made in the interval.
+        steps = 0
+        per_seq: dict = {}
+        for p in out:
+            per_seq[p.seq_id] = per_seq.get(p.seq_id, 0) + p.num_tokens
+        steps = max(per_seq.values(), default=0)
+        if steps >= 2:
+            sample = (now - self._last_drain) / steps
+            self._step_ema = sample if self._step_ema == 0 else 0.8 * self._step_ema + 0.2 * sample
+        # Per-sequence decode rate over the interval, zero-token intervals included: with
+        # stream_interval > 1 tokens arrive in chunks, and only a rate averages them without bias.
+        dt, running = now - self._last_drain, len(self.tasks)
+        if dt > 0 and running:
+            rate = sum(per_seq.values()) / (running * dt)
+            self._rate_ema = rate if self._rate_ema == 0 else 0.9 * self._rate_ema + 0.1 * rate
+        self._last_drain = now
+        return out
+
+    def held(self) -> list:
+        return list(self.tasks)
+
+    def aborting(self) -> list:
+        return [k for k in self.tasks if k in self.aborted]
+
+    def stats(self) -> EngineStats:
+        running = len(self.tasks)
+        return EngineStats(running=min(running, self.capacity), context_tokens=sum(self.context.values()),
+                           step_time_s=self._step_ema,
+                           seq_tokens_per_s=self._rate_ema)
+
+    def swapped(self, sampled: dict, version: int) -> None:
+        """Weights `version` went in under the running requests (keep): each running attempt
+        records the token where its weights changed (SeqProgress.swaps), and later requests
+        carry the version in their cache salt."""
+        for key in list(self.tasks):
+            made = sampled.get(f"{key[0]}#{key[1]}")
+            if made is None:  # not in vLLM's worker: still waiting (0 made), or finished already
+                if self.seen.get(key, 0):
+                    continue
+                made = 0
+            self.swaps.setdefault(key, []).append((made, version))
+        self.salt_version = version
+
+    def _salt(self, salt):
+        """The request's prefix-cache salt: its own, and the weights version after a keep swap."""
+        if self.salt_version is None:
+            return salt
+        return f"{salt}|w{self.salt_version}" if salt is not None else f"w{self.salt_version}"
