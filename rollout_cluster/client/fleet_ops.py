@@ -105,7 +105,7 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
         """replica -> why it will not load `v` now: its load failed, or its engine did not wake
         (it notes the version and loads it when a wake() succeeds)."""
         out = {rid: f"replica {rid} did not wake ({e}): it loads version {v} once wake() succeeds"
-               for rid, e in st["sleep"]["errors"].items() if rid in st["weights"]["replicas"] and rid not in held(st)}
+               for rid, e in st["sleep"].get("errors", {}).items() if rid in st["weights"]["replicas"] and rid not in held(st)}
         return {**out, **st["weights"]["errors"]}
 
     def settled(st: dict):
@@ -124,7 +124,7 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
         lacking = sorted(rid for rid in st["weights"]["replicas"] if rid not in held(st) and rid not in failed(st))
         return TimeoutError(f"{op}: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
                             f"version {v} after {timeout_s:.0f} s; still without it: {', '.join(lacking) or 'none'}"
-                            + (f" (sleep level of each: {st['sleep']['replicas']})" if lacking else ""))
+                            + (f" (sleep level of each: {st['sleep'].get('replicas')})" if lacking else ""))
 
     return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, timed_out)
 
@@ -148,7 +148,7 @@ def weights_digest(client, detail: bool, timeout_s: float) -> dict:
 def _loads_settled(st: dict):
     """Every awake replica holds the current weights or failed loading them (or failed to wake: it
     loads them at its next wake, and no update waits for it)."""
-    w, woke_not = st["weights"], st["sleep"]["errors"]
+    w, woke_not = st["weights"], st["sleep"].get("errors", {})
     if st["sleep"]["level"] or all(v == w["version"] or rid in w["errors"] or rid in woke_not
                                    for rid, v in w["replicas"].items()):
         return st
