@@ -1,0 +1,34 @@
+"""Regression tests from a review of the Gateway's HTTP routes and trainer protocols
+(serve/gateway.py, serve/protocols/): each test is named after the bug it caught."""
+import json
+import time
+
+import pytest
+
+from rollout_cluster.protocol import Completion, SeqProgress
+from rollout_cluster.serve.protocols.batch import output_of
+from test_protocols import AUTH, SCRIPT, TextRouter, app_over, codec, router  # noqa: F401 (fixtures)
+
+
+def post(http, path, body):
+    return http.post(path, content=body if isinstance(body, str) else json.dumps(body),
+                     headers={**AUTH, "content-type": "application/json"})
+
+
+# ---- a lone UTF-16 surrogate (JSON's "\ud800") in a string answered 500 ----------------------------
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "x \ud800", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "model": "\udc00", "max_tokens": 2}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}], "max_tokens": 2},
+     "messages[0].content"),
+    ("/generate/", {"prompts": ["ok", "\ud800"], "max_tokens": 2}, "prompts[1]"),
+    ("/chat/", {"messages": [[{"role": "user", "content": "\ud800"}]], "max_tokens": 2}, "messages[0][0].content"),
+])
+def test_a_lone_surrogate_in_a_string_is_a_400_naming_the_field_not_a_500(router, codec, path, body, field):
+    http = app_over(router, codec)
+    got = post(http, path, body)  # json.dumps writes the surrogate as the escape \ud800, as any client does
+    assert got.status_code in (400, 422), got.text
+    assert field in got.text and "surrogate" in got.text
+    # a pair of escapes (one character past the BMP) is text, and passes
+    ok = post(http, "/v1/completions", {"prompt": "smile \U0001F600", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
