@@ -32,3 +32,38 @@ def test_a_lone_surrogate_in_a_string_is_a_400_naming_the_field_not_a_500(router
     # a pair of escapes (one character past the BMP) is text, and passes
     ok = post(http, "/v1/completions", {"prompt": "smile \U0001F600", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+# ---- pydantic's lax mode turned true, 2.0 and "2" into ints: a token id, a count, a port -----------
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": [True, 2], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [1.0, 2], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "n": True}, "n"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": "2"}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stop_token_ids": [True]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "temperature": True}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens"),
+    ("/generate/", {"prompts": [[True, 2]], "max_tokens": 2}, "prompts"),
+    ("/generate/", {"prompts": [[1, 2]], "n": True, "max_tokens": 2}, "n"),
+    ("/generate/", {"prompts": [[1, 2]], "max_tokens": "2"}, "max_tokens"),
+    ("/generate/", {"prompts": [[1, 2]], "max_tokens": 2, "generation_kwargs": {"include_stop_str_in_output": "no"}},
+     "include_stop_str_in_output"),
+])
+def test_a_bool_float_or_string_where_an_integer_is_meant_is_refused_not_coerced(router, codec, path, body, field):
+    got = post(app_over(router, codec), path, body)
+    assert got.status_code in (400, 422), got.text
+    assert field in got.text
+    assert not hasattr(router, "submitted")  # nothing ran
+
+
+def test_strict_fields_still_take_what_the_real_clients_send(router, codec):
+    http = app_over(router, codec)
+    ok = post(http, "/v1/completions", {"prompt": [[1, 2], [3]], "max_tokens": 2, "n": 2, "temperature": 1,
+                                        "top_p": 1, "stream": False, "logprobs": 0, "stop": ["x"], "seed": 3})
+    assert ok.status_code == 200, ok.text
+    ok = post(http, "/generate/", {"prompts": ["a"], "n": 1, "repetition_penalty": 1, "temperature": 1, "top_p": 1,
+                                   "top_k": -1, "min_p": 0, "max_tokens": 2, "logprobs": 0, "images": None,
+                                   "structured_outputs_regex": None, "truncate_prompt_tokens": None,
+                                   "generation_kwargs": {"include_stop_str_in_output": True}})
+    assert ok.status_code == 200, ok.text

@@ -33,7 +33,8 @@ UNSUPPORTED = {"echo": False, "best_of": None, "use_beam_search": False, "suffix
 class Sampling(BaseModel):
     """The sampling fields both routes take (vLLM's names and defaults)."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: JSON's true, 2.0 or "2" is no count and no token id (lax pydantic made them 1 and 2)
+    model_config = ConfigDict(extra="allow", strict=True)
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
