@@ -123,3 +123,27 @@ def test_more_stop_strings_than_the_cap_are_refused_naming_stop(router, codec): 
     got = post(http, "/generate/", {"prompts": [[1, 2]], "max_tokens": 2, "generation_kwargs": {"stop": many}})
     assert got.status_code == 422 and "generation_kwargs.stop" in got.text
     assert post(http, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stop": many[:-1]}).status_code == 200
+
+
+# ---- a NaN logprob (weights that diverged) made every non-streamed answer a 500 ----------------------
+class NanRouter(TextRouter):
+    """TextRouter whose engine writes NaN logprobs, as one does on weights that went NaN."""
+
+    def report(self, progress, model=None):
+        progress = [SeqProgress(p.seq_id, p.attempt, p.token_ids, None if p.logprobs is None else
+                                [float("nan")] * len(p.logprobs), p.finish_reason, offset=p.offset) for p in progress]
+        return super().report(progress, model)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 3, "logprobs": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True}),
+    ("/generate/", {"prompts": [[1, 2]], "max_tokens": 3}),
+])
+def test_a_nan_logprob_is_answered_as_nan_not_a_500(codec, path, body):  # noqa: F811
+    """Starlette's JSONResponse refuses NaN (allow_nan=False): the answer raised, a 500 that TRL's
+    client retries, running the whole batch again. The streamed and JSONL routes wrote NaN already;
+    the JSON answers now do too (Python's json, which the openai package and TRL read with, takes it)."""
+    got = post(app_over(NanRouter(codec), codec), path, body)
+    assert got.status_code == 200, got.text
+    assert "NaN" in got.text and json.loads(got.text)
