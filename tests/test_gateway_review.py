@@ -147,3 +147,88 @@ def test_a_nan_logprob_is_answered_as_nan_not_a_500(codec, path, body):  # noqa:
     got = post(app_over(NanRouter(codec), codec), path, body)
     assert got.status_code == 200, got.text
     assert "NaN" in got.text and json.loads(got.text)
+
+
+# ---- a request abandoned mid-batch (the client hung up, timed out) left its batch running ------------
+class LongPoll:
+    """A Serve method whose call waits a while first, as the router's fetch long-polls."""
+
+    def __init__(self, fn, wait_s: float = 0.05):
+        self.fn, self.wait_s = fn, wait_s
+
+    def remote(self, *args):
+        import asyncio
+
+        async def call():
+            await asyncio.sleep(self.wait_s)
+            return self.fn(*args)
+        return call()
+
+
+class StuckRouter(TextRouter):
+    """TextRouter whose replica finishes nothing (a long batch) and whose fetch long-polls; records
+    each cancel."""
+
+    def __init__(self, codec):
+        super().__init__(codec, per_fetch=0)
+        self.cancels = []
+        self.fetch = LongPoll(self._fetch)
+        self.cancel = type(self.cancel)(lambda bid: (self.cancels.append(bid), self._cancel(bid))[1])
+
+
+def _asgi_call(app, path: str, body: dict):
+    """The app's ASGI call for one POST, as Serve's proxy makes it; the client never hangs up by itself."""
+    import asyncio
+
+    from test_protocols import TOKEN
+
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"authorization", f"Bearer {TOKEN}".encode()), (b"content-type", b"application/json")],
+             "server": ("testserver", 80), "client": ("testclient", 1)}
+    return app(scope, receive, send)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 3, "n": 4}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 3, "n": 4, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ("/generate/", {"prompts": [[1, 2]], "max_tokens": 3}),
+    ("/generate", {"prompt_token_ids": [1, 2], "max_tokens": 3}),  # our JSONL route: one line
+])
+def test_a_request_cancelled_mid_batch_cancels_its_batch(codec, path, body):  # noqa: F811
+    """Serve cancels the request's task when its client hangs up (a client-side timeout: the openai
+    package then retries); the batch ran on, holding replicas and max_live_sequences, until
+    router.abandoned_batch_s (900 s) dropped it."""
+    import asyncio
+
+    router = StuckRouter(codec)
+    app = app_over(router, codec).app
+
+    async def scenario():
+        task = asyncio.ensure_future(_asgi_call(app, path, body))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if router.core.batches:
+                break
+        assert router.core.batches and not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if router.cancels:
+                break
+
+    asyncio.run(scenario())
+    assert router.cancels == list(router.core.batches)

@@ -39,7 +39,6 @@ from starlette.exceptions import HTTPException
 
 from ..client.follower import check_finish_fraction
 from ..client.jsonl import merge_results, read_requests
-from ..client.loops import follow_batch
 from ..niceness import set_niceness
 from ..config import LimitsConfig, load_config
 from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionError
@@ -49,7 +48,7 @@ from ..security.signing import Signer
 from ..text.codec import TextCodec
 from .call_timeline import TRACE_HEADER, CallTimeline, TimedRouter, current_label
 from .http_body import read_bounded
-from .protocols.batch import ProtocolContext
+from .protocols.batch import ProtocolContext, follow_request
 from .protocols.openai import openai_routes
 from .protocols.trl import trl_routes
 from .protocols.trl_weights import relay_runner, trl_weight_routes
@@ -154,8 +153,9 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
         results = [None] * len(requests)
         if requests:
             try:
-                async for c in follow_batch(router, requests, timeout_s, call_timeout_s, weights_version=weights_version,
-                                            finish_fraction=finish_fraction, finish_by=finish_by):
+                async for c in follow_request(router, requests, timeout_s, call_timeout_s,
+                                              weights_version=weights_version, finish_fraction=finish_fraction,
+                                              finish_by=finish_by):
                     results[c.index] = c
             except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
                 return _error(str(e), 409)

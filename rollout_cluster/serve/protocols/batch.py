@@ -8,7 +8,9 @@ migrated across replicas like any other batch.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from ...protocol import (Completion, InputError, LimitExceeded, ModelInfo, Route
 from ...text.codec import NoTokenizer, TextCodec
 from ...validation import check_request
 from ..http_body import read_bounded
+
+log = logging.getLogger("ray.serve")
 
 
 class ProtocolError(Exception):
@@ -202,10 +206,62 @@ async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSp
     return requests
 
 
+class _Noting:
+    """`router` as follow_batch calls it, each batch it submits noted in `ids`."""
+
+    def __init__(self, router, ids: list):
+        self.router, self.ids = router, ids
+
+    def __getattr__(self, name: str):
+        return getattr(self.router, name)
+
+    @property
+    def submit_batch(self):
+        method, ids = self.router.submit_batch, self.ids
+
+        class Noted:
+            @staticmethod
+            def remote(*args, **kwargs):
+                async def call():
+                    answer = await method.remote(*args, **kwargs)
+                    ids.append(answer["batch_id"])
+                    return answer
+                return call()
+        return Noted
+
+
+async def follow_request(router, requests: list, *args, **kwargs) -> AsyncIterator[Completion]:
+    """follow_batch for an HTTP request: one abandoned mid-batch (Serve cancels its task when the
+    client hangs up or times out, and the openai package then retries) cancels the batch it left
+    running, which otherwise held replicas and max_live_sequences until router.abandoned_batch_s."""
+    ids: list = []
+    finished = False
+    try:
+        async for c in follow_batch(_Noting(router, ids), requests, *args, **kwargs):
+            yield c
+        finished = True
+    except (asyncio.CancelledError, GeneratorExit):
+        if ids and not finished:
+            _cancel_later(router, ids[-1])
+        raise
+
+
+def _cancel_later(router, batch_id: str) -> None:
+    """router.cancel(batch_id), not waited for (the request is being torn down); its failure is logged."""
+    def done(task):
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("gateway: cancelling abandoned batch %s failed: %s", batch_id, task.exception())
+
+    try:
+        asyncio.ensure_future(router.cancel.remote(batch_id)).add_done_callback(done)
+    except Exception as e:  # no event loop left (the process is going): the router drops it when abandoned
+        log.warning("gateway: could not cancel abandoned batch %s: %s", batch_id, e)
+
+
 async def stream_batch(ctx: ProtocolContext, requests: list) -> AsyncIterator[Completion]:
     """The batch's completions as they finish; the router's refusals as ProtocolErrors."""
     try:
-        async for c in follow_batch(ctx.router, requests, ctx.batch_timeout_s, ctx.call_timeout_s):
+        async for c in follow_request(ctx.router, requests, ctx.batch_timeout_s, ctx.call_timeout_s):
             if c.error:
                 raise ProtocolError(400, c.error)
             yield c
