@@ -232,3 +232,29 @@ def test_a_request_cancelled_mid_batch_cancels_its_batch(codec, path, body):  # 
 
     asyncio.run(scenario())
     assert router.cancels == list(router.core.batches)
+
+
+# ---- a prompt's text was tokenized whole however long: 64 MiB of body, ~50 s of the event loop -------
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", lambda text: {"prompt": ["ok", text], "max_tokens": 2}, "prompt[1]"),
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2},
+     "messages"),
+    ("/generate/", lambda text: {"prompts": [text], "max_tokens": 2}, "prompts[0]"),
+    ("/chat/", lambda text: {"messages": [[{"role": "user", "content": text}]], "max_tokens": 2}, "messages[0]"),
+])
+def test_a_text_longer_than_the_context_could_hold_is_refused_before_tokenizing(router, codec, monkeypatch,
+                                                                                path, body, field):  # noqa: F811
+    """The tiny model's context is 4096 tokens of at most 100 characters: 2 MB of text cannot fit,
+    and is refused without a tokenizer call (5.6 MB took 4.5 s of the Gateway's event loop here)."""
+    encoded = []
+    real = codec.encode
+    monkeypatch.setattr(codec, "encode", lambda text, *a, **kw: (encoded.append(len(text)), real(text, *a, **kw))[1])
+    http = app_over(router, codec)
+    got = post(http, path, body("alpha beta " * 200_000))
+    assert got.status_code in (400, 422), got.text
+    assert field in got.text and "max_model_len=4096" in got.text
+    assert all(n < 1000 for n in encoded)  # only the short prompt ("ok") was tokenized
+    # a text the context can hold is tokenized as before (here refused by its token count, not unread)
+    got = post(http, path, body("alpha beta " * 2_000))
+    assert got.status_code in (400, 422) and "max_model_len=4096" in got.text and max(encoded) > 20_000

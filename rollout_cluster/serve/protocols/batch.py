@@ -58,6 +58,7 @@ class ProtocolContext:
     _model: Optional[ModelInfo] = field(default=None, repr=False)  # the engine's limits, once a replica said them
     # each token id's text on its own, as the tokenizer decoded it once (bounded by the vocabulary)
     _token_texts: dict = field(default_factory=dict, repr=False)
+    _chars_per_token: int = field(default=0, repr=False)  # the most characters one token covers, once computed
 
     async def model_info(self) -> Optional[ModelInfo]:
         if self._model is None:
@@ -74,6 +75,21 @@ class ProtocolContext:
         if new:
             known.update(zip(new, self.codec.token_texts(new)))
         return [known[t] for t in ids]
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """codec.encode(text), refused unread when `text` holds more characters than max_model_len
+        tokens can: tokenizing the body's 64 MiB of text took the event loop ~50 s and GiBs of ids,
+        only to refuse the prompt as longer than the context."""
+        if self._model is not None:
+            if not self._chars_per_token:  # byte-level BPE: a token's vocabulary string has a char per byte
+                # (at least 100: a WordPiece [UNK] stands for a whole word of up to 100 characters)
+                self._chars_per_token = max(100, max(map(len, self.codec.tokenizer.get_vocab()), default=0))
+            limit = self._model.max_model_len * self._chars_per_token
+            if len(text) > limit:
+                raise ProtocolError(400, f"{param}: {len(text)} characters, more than the model's context could hold "
+                                         f"(max_model_len={self._model.max_model_len} tokens of at most "
+                                         f"{self._chars_per_token} characters)", param)
+        return self.codec.encode(text, add_special_tokens)
 
     def names_model(self, name) -> bool:
         return name in (None, "", self.model_name, self.model_root)
@@ -135,7 +151,7 @@ def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: boo
             raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json): send token ids", param)
         if not prompt:
             raise ProtocolError(400, f"{param}: must not be empty", param)
-        return ctx.codec.encode(prompt, add_special_tokens)
+        return ctx.encode(prompt, param, add_special_tokens)
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return list(prompt)
     raise ProtocolError(400, f"{param}: must be a non-empty string or a non-empty list of token ids", param)
@@ -158,7 +174,7 @@ def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Opt
         raise ProtocolError(400, f"{param}: {e}", param) from None
     except Exception as e:  # the template raised (raise_exception) or did not render
         raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
-    return ctx.codec.encode(text, add_special_tokens=False)
+    return ctx.encode(text, param, add_special_tokens=False)
 
 
 def _text_content(parts: list, param: str) -> str:

@@ -169,6 +169,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         try:
             body = _parse(CompletionBody, await read_json(request, ctx.limits))
             _check_model(ctx, body.model)
+            await ctx.model_info()  # its max_model_len bounds the text tokenized
             raw = body.prompt
             if isinstance(raw, str) or (isinstance(raw, list) and raw and not isinstance(raw[0], (str, list))):
                 raw = [raw]
@@ -224,9 +225,9 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             kwargs = dict(body.chat_template_kwargs or {})
             if body.tools:
                 kwargs["tools"] = body.tools
+            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
             prompt = chat_prompt(ctx, body.messages, "messages", kwargs)
             logprobs = _sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-            model = await ctx.model_info()
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # vLLM's: whatever room the context leaves
                 max_tokens = max(1, (model.max_model_len if model else 4096) - len(prompt))

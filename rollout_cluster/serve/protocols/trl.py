@@ -159,6 +159,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(GenerateRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
+            await ctx.model_info()  # its max_model_len bounds the text tokenized
             prompts = [prompt_ids(ctx, p, f"prompts[{i}]") for i, p in enumerate(req.prompts)]
             if not prompts:
                 raise ProtocolError(400, "prompts: must not be empty", "prompts")
@@ -171,6 +172,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(ChatRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
+            await ctx.model_info()  # its max_model_len bounds the text tokenized
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
