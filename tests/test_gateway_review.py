@@ -258,3 +258,22 @@ def test_a_text_longer_than_the_context_could_hold_is_refused_before_tokenizing(
     # a text the context can hold is tokenized as before (here refused by its token count, not unread)
     got = post(http, path, body("alpha beta " * 2_000))
     assert got.status_code in (400, 422) and "max_model_len=4096" in got.text and max(encoded) > 20_000
+
+
+# ---- a streamed request to a full router: 200 and an error event, where the docs promise 503 ---------
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}),
+])
+def test_a_streamed_request_to_a_full_router_answers_503_with_retry_after(router, codec, path, body):  # noqa: F811
+    """docs/trainers.md: 503 with Retry-After when the router holds limits.max_live_sequences. A
+    stream answered 200 first, then the refusal as an event, which the openai package raises as an
+    APIError it does not retry, without the Retry-After."""
+    http = app_over(router, codec)
+    router.busy = True
+    got = post(http, path, body)
+    assert got.status_code == 503 and got.headers["retry-after"] == "5", got.text
+    assert "max_live_sequences" in got.json()["error"]["message"]
+    router.busy = False  # and a stream that runs still sends every choice, then [DONE]
+    raw = post(http, path, {**body, "n": 3}).text
+    assert raw.count("data: ") == 4 and raw.endswith("data: [DONE]\n\n")

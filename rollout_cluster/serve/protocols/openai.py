@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from itertools import accumulate
-from typing import Optional, Union
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -153,6 +153,19 @@ def _usage(prompts: list, outputs: list) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": None}
 
 
+async def started(completions: AsyncIterator) -> AsyncIterator:
+    """`completions` once its first one came: a stream sends each choice whole, so nothing is lost
+    by answering then, and a refusal before it (a full router: 503 with Retry-After; a timeout; no
+    replica) is answered with its status, not as an event after a 200."""
+    first = await completions.__anext__()
+
+    async def chained():
+        yield first
+        async for c in completions:
+            yield c
+    return chained()
+
+
 def openai_routes(ctx: ProtocolContext) -> APIRouter:
     api = APIRouter()
 
@@ -196,10 +209,15 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                          "prompt_logprobs": None, "prompt_token_ids": prompts[c.prompt_index] if ids else None}
 
         if body.stream:
+            try:
+                completions = await started(stream_batch(ctx, requests))
+            except ProtocolError as e:
+                return error(e)
+
             async def events():
                 outputs = []
                 try:
-                    async for c in stream_batch(ctx, requests):
+                    async for c in completions:
                         out, ch = choice(c)
                         outputs.append(out)
                         yield f"data: {dumps({**head, 'choices': [ch]})}\n\n"
@@ -250,10 +268,15 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         if body.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
 
+            try:
+                completions = await started(stream_batch(ctx, requests))
+            except ProtocolError as e:
+                return error(e)
+
             async def events():
                 outputs, first = [], True
                 try:
-                    async for c in stream_batch(ctx, requests):
+                    async for c in completions:
                         out, ch = choice(c, "delta")
                         outputs.append(out)
                         extra = {"prompt_token_ids": prompt} if ids and first else {}
