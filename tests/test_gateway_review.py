@@ -7,7 +7,7 @@ import pytest
 
 from rollout_cluster.protocol import Completion, SeqProgress
 from rollout_cluster.serve.protocols.batch import output_of
-from test_protocols import AUTH, SCRIPT, TextRouter, app_over, codec, router  # noqa: F401 (fixtures)
+from test_protocols import AUTH, SCRIPT, TOKEN, TextRouter, app_over, codec, router  # noqa: F401 (fixtures)
 
 
 def post(http, path, body):
@@ -277,3 +277,22 @@ def test_a_streamed_request_to_a_full_router_answers_503_with_retry_after(router
     router.busy = False  # and a stream that runs still sends every choice, then [DONE]
     raw = post(http, path, {**body, "n": 3}).text
     assert raw.count("data: ") == 4 and raw.endswith("data: [DONE]\n\n")
+
+
+# ---- limits.max_timeout_s below 3600 refused every /generate that left timeout_s to its default ------
+def test_the_default_timeout_is_within_limits_max_timeout_s(router, codec):  # noqa: F811
+    """limits.max_timeout_s: 600 made `?timeout_s=`'s default (3600) out of range: every batch that
+    did not name a timeout was a 400. The protocol routes' batches ran up to 3600 s whatever it said."""
+    from rollout_cluster.config import LimitsConfig
+    from rollout_cluster.serve.gateway import gateway_app
+    from rollout_cluster.serve.protocols.batch import ProtocolContext
+    from starlette.testclient import TestClient
+
+    limits = LimitsConfig(max_timeout_s=600)
+    ctx = ProtocolContext(router, codec, limits, 5.0, model_name="models/tiny", model_root="/m/tiny")
+    http = TestClient(gateway_app(router, {}, 5.0, TOKEN, limits, ctx))
+    got = http.post("/generate", content=json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 4}) + "\n",
+                    headers=AUTH)
+    assert got.status_code == 200 and json.loads(got.text)["finish_reason"] == "length", got.text
+    assert ctx.batch_timeout_s == 600
+    assert http.post("/generate?timeout_s=601", content="", headers=AUTH).status_code == 400  # a named one still is

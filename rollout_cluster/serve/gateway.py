@@ -6,7 +6,8 @@
 - GET  /<app>           the router's status as JSON (dashboards);
 - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (client/jsonl.py,
   one request a line), answered with the output JSONL once every sequence is done. `?timeout_s=`
-  bounds the wait (default 3600); past it the batch is cancelled and the answer is 504.
+  bounds the wait (default 3600, or limits.max_timeout_s if less); past it the batch is cancelled
+  and the answer is 504.
   `?weights_version=` runs it only on those weights: a fleet on others answers 409.
   `?finish_fraction=` (and `&finish_by=group`) cuts it there: partial rollouts (resume.py). A bad
   query parameter answers 400 naming it; no live replica or a lost batch, 503; a body past
@@ -86,6 +87,9 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     router handed in records its own calls)."""
     defaults = sampling_defaults or {}
     limits = limits or LimitsConfig()
+    default_timeout_s = min(3600.0, limits.max_timeout_s)  # a batch that names none: an hour, within the limit
+    if protocols is not None:
+        protocols.batch_timeout_s = min(protocols.batch_timeout_s, limits.max_timeout_s)
     want = _digest(token) if token is not None else None
     app = FastAPI(title="rollout_cluster", description=__doc__)
 
@@ -131,13 +135,15 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
 
     @app.post("/generate", summary="a JSONL batch in, the output JSONL out", response_class=Response,
               responses={200: {"content": {NDJSON: {}}}}, openapi_extra=JSONL_BODY)
-    async def generate(request: Request, timeout_s: float = 3600.0,
+    async def generate(request: Request, timeout_s: Optional[float] = None,
                        weights_version: Optional[int] = Query(None, ge=0),
                        finish_fraction: Optional[float] = None, finish_by: str = "sample"):
         try:
             check_finish_fraction(finish_fraction, finish_by)
         except InputError as e:
             return _error(str(e), 400)
+        if timeout_s is None:
+            timeout_s = default_timeout_s
         if not (math.isfinite(timeout_s) and 0 < timeout_s <= limits.max_timeout_s):
             return _error(f"timeout_s={timeout_s!r}: must be a number in (0, {limits.max_timeout_s:g}] "
                           f"(limits.max_timeout_s)", 400)
