@@ -296,3 +296,38 @@ def test_the_default_timeout_is_within_limits_max_timeout_s(router, codec):  # n
     assert got.status_code == 200 and json.loads(got.text)["finish_reason"] == "length", got.text
     assert ctx.batch_timeout_s == 600
     assert http.post("/generate?timeout_s=601", content="", headers=AUTH).status_code == 400  # a named one still is
+
+
+def test_a_request_cancelled_while_its_submit_is_under_way_cancels_the_batch_once_it_is_answered(codec):  # noqa: F811
+    """A request cancelled before the router answered its submit never learned the batch's id: the
+    batch ran on unfollowed until router.abandoned_batch_s."""
+    import asyncio
+
+    class SlowAnswer:  # the router takes the batch at once; its answer comes back 0.3 s later
+        @staticmethod
+        def remote(*args):
+            answer = router._submit_batch(*args)
+
+            async def call():
+                await asyncio.sleep(0.3)
+                return answer
+            return call()
+
+    router = StuckRouter(codec)
+    router.submit_batch = SlowAnswer
+    app = app_over(router, codec).app
+
+    async def scenario():
+        task = asyncio.ensure_future(_asgi_call(app, "/v1/completions", {"prompt": [1, 2], "max_tokens": 3}))
+        await asyncio.sleep(0.1)
+        assert router.core.batches and not router.cancels  # submitted; its answer is under way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if router.cancels:
+                break
+
+    asyncio.run(scenario())
+    assert router.core.batches and router.cancels == list(router.core.batches)

@@ -223,7 +223,9 @@ async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSp
 
 
 class _Noting:
-    """`router` as follow_batch calls it, each batch it submits noted in `ids`."""
+    """`router` as follow_batch calls it, each batch it submits noted in `ids`. A submit whose
+    caller is cancelled before the answer came (the request abandoned, or the submit's timeout)
+    runs on, shielded, and the batch it made is cancelled once its id is known."""
 
     def __init__(self, router, ids: list):
         self.router, self.ids = router, ids
@@ -233,13 +235,18 @@ class _Noting:
 
     @property
     def submit_batch(self):
-        method, ids = self.router.submit_batch, self.ids
+        router, ids = self.router, self.ids
 
         class Noted:
             @staticmethod
             def remote(*args, **kwargs):
                 async def call():
-                    answer = await method.remote(*args, **kwargs)
+                    submitted = asyncio.ensure_future(router.submit_batch.remote(*args, **kwargs))
+                    try:
+                        answer = await asyncio.shield(submitted)
+                    except asyncio.CancelledError:
+                        submitted.add_done_callback(lambda f: _cancel_answered(router, f))
+                        raise
                     ids.append(answer["batch_id"])
                     return answer
                 return call()
@@ -260,6 +267,12 @@ async def follow_request(router, requests: list, *args, **kwargs) -> AsyncIterat
         if ids and not finished:
             _cancel_later(router, ids[-1])
         raise
+
+
+def _cancel_answered(router, submitted) -> None:
+    """The batch of a submit answered after its caller gave up: cancelled (a refusal made none)."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        _cancel_later(router, submitted.result()["batch_id"])
 
 
 def _cancel_later(router, batch_id: str) -> None:
