@@ -331,3 +331,17 @@ def test_a_request_cancelled_while_its_submit_is_under_way_cancels_the_batch_onc
 
     asyncio.run(scenario())
     assert router.core.batches and router.cancels == list(router.core.batches)
+
+
+# ---- chat fields that ask for what the engines cannot do were ignored, not refused ------------------
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_chat_top_logprobs_without_logprobs_is_refused_as_vllm_refuses_it(router, codec):  # noqa: F811
+    """top_logprobs=5 with logprobs false was silently ignored (with logprobs true it is refused by
+    name); vLLM's server refuses top_logprobs unless logprobs is true."""
+    got = post(app_over(router, codec), "/v1/chat/completions", {**CHAT, "top_logprobs": 5})
+    assert got.status_code == 400 and got.json()["error"]["param"] == "top_logprobs", got.text
+    for ok in ({"top_logprobs": 0}, {"top_logprobs": None}, {"logprobs": False, "top_logprobs": None}):
+        assert post(app_over(router, codec), "/v1/chat/completions", {**CHAT, **ok}).status_code == 200
+

@@ -245,6 +245,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                 kwargs["tools"] = body.tools
             model = await ctx.model_info()  # its max_model_len bounds the text tokenized
             prompt = chat_prompt(ctx, body.messages, "messages", kwargs)
+            if body.top_logprobs and not body.logprobs:  # as vLLM's server refuses it, not ignored
+                raise ProtocolError(400, f"top_logprobs={body.top_logprobs}: needs logprobs true", "top_logprobs")
             logprobs = _sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # vLLM's: whatever room the context leaves
