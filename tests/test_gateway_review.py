@@ -345,3 +345,14 @@ def test_chat_top_logprobs_without_logprobs_is_refused_as_vllm_refuses_it(router
     for ok in ({"top_logprobs": 0}, {"top_logprobs": None}, {"logprobs": False, "top_logprobs": None}):
         assert post(app_over(router, codec), "/v1/chat/completions", {**CHAT, **ok}).status_code == 200
 
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_tool_choice_that_forces_a_call_is_refused_by_name_not_ignored(router, codec, tool_choice):  # noqa: F811
+    """vLLM enforces `required` or a named function with structured outputs (guided decoding, which
+    docs/trainers.md says is refused by name); here it was ignored, and the answer held no call."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    http = app_over(router, codec)
+    got = post(http, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": tool_choice})
+    assert got.status_code == 400 and got.json()["error"]["param"] == "tool_choice", got.text
+    for ok in ("none", "auto"):  # TRL sends "none": the tools are only rendered into the prompt
+        assert post(http, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": ok}).status_code == 200

@@ -241,6 +241,10 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             body = _parse(ChatBody, await read_json(request, ctx.limits))
             _check_model(ctx, body.model)
             kwargs = dict(body.chat_template_kwargs or {})
+            tool_choice = (body.model_extra or {}).get("tool_choice")
+            if tool_choice not in (None, "none", "auto"):  # vLLM forces the call with structured outputs
+                raise ProtocolError(400, f"tool_choice={tool_choice!r}: forcing a tool call (structured outputs) is "
+                                         "not supported by rollout_cluster; use \"none\" or \"auto\"", "tool_choice")
             if body.tools:
                 kwargs["tools"] = body.tools
             model = await ctx.model_info()  # its max_model_len bounds the text tokenized
