@@ -6,7 +6,8 @@
 - GET  /<app>           the router's status as JSON (dashboards);
 - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (client/jsonl.py,
   one request a line), answered with the output JSONL once every sequence is done. `?timeout_s=`
-  bounds the wait (default 3600); past it the batch is cancelled and the answer is 504.
+  bounds the wait (default 3600, or limits.max_timeout_s if less); past it the batch is cancelled
+  and the answer is 504.
   `?weights_version=` runs it only on those weights: a fleet on others answers 409.
   `?finish_fraction=` (and `&finish_by=group`) cuts it there: partial rollouts (resume.py). A bad
   query parameter answers 400 naming it; no live replica or a lost batch, 503; a body past
@@ -39,7 +40,6 @@ from starlette.exceptions import HTTPException
 
 from ..client.follower import check_finish_fraction
 from ..client.jsonl import merge_results, read_requests
-from ..client.loops import follow_batch
 from ..niceness import set_niceness
 from ..config import LimitsConfig, load_config
 from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionError
@@ -49,7 +49,7 @@ from ..security.signing import Signer
 from ..text.codec import TextCodec
 from .call_timeline import TRACE_HEADER, CallTimeline, TimedRouter, current_label
 from .http_body import read_bounded
-from .protocols.batch import ProtocolContext
+from .protocols.batch import ProtocolContext, follow_request
 from .protocols.openai import openai_routes
 from .protocols.trl import trl_routes
 from .protocols.trl_weights import relay_runner, trl_weight_routes
@@ -87,6 +87,9 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     router handed in records its own calls)."""
     defaults = sampling_defaults or {}
     limits = limits or LimitsConfig()
+    default_timeout_s = min(3600.0, limits.max_timeout_s)  # a batch that names none: an hour, within the limit
+    if protocols is not None:
+        protocols.batch_timeout_s = min(protocols.batch_timeout_s, limits.max_timeout_s)
     want = _digest(token) if token is not None else None
     app = FastAPI(title="rollout_cluster", description=__doc__)
 
@@ -132,13 +135,15 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
 
     @app.post("/generate", summary="a JSONL batch in, the output JSONL out", response_class=Response,
               responses={200: {"content": {NDJSON: {}}}}, openapi_extra=JSONL_BODY)
-    async def generate(request: Request, timeout_s: float = 3600.0,
+    async def generate(request: Request, timeout_s: Optional[float] = None,
                        weights_version: Optional[int] = Query(None, ge=0),
                        finish_fraction: Optional[float] = None, finish_by: str = "sample"):
         try:
             check_finish_fraction(finish_fraction, finish_by)
         except InputError as e:
             return _error(str(e), 400)
+        if timeout_s is None:
+            timeout_s = default_timeout_s
         if not (math.isfinite(timeout_s) and 0 < timeout_s <= limits.max_timeout_s):
             return _error(f"timeout_s={timeout_s!r}: must be a number in (0, {limits.max_timeout_s:g}] "
                           f"(limits.max_timeout_s)", 400)
@@ -154,8 +159,9 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
         results = [None] * len(requests)
         if requests:
             try:
-                async for c in follow_batch(router, requests, timeout_s, call_timeout_s, weights_version=weights_version,
-                                            finish_fraction=finish_fraction, finish_by=finish_by):
+                async for c in follow_request(router, requests, timeout_s, call_timeout_s,
+                                              weights_version=weights_version, finish_fraction=finish_fraction,
+                                              finish_by=finish_by):
                     results[c.index] = c
             except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
                 return _error(str(e), 409)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from itertools import accumulate
-from typing import Optional, Union
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,7 +33,8 @@ UNSUPPORTED = {"echo": False, "best_of": None, "use_beam_search": False, "suffix
 class Sampling(BaseModel):
     """The sampling fields both routes take (vLLM's names and defaults)."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: JSON's true, 2.0 or "2" is no count and no token id (lax pydantic made them 1 and 2)
+    model_config = ConfigDict(extra="allow", strict=True)
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
@@ -152,6 +153,19 @@ def _usage(prompts: list, outputs: list) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": None}
 
 
+async def started(completions: AsyncIterator) -> AsyncIterator:
+    """`completions` once its first one came: a stream sends each choice whole, so nothing is lost
+    by answering then, and a refusal before it (a full router: 503 with Retry-After; a timeout; no
+    replica) is answered with its status, not as an event after a 200."""
+    first = await completions.__anext__()
+
+    async def chained():
+        yield first
+        async for c in completions:
+            yield c
+    return chained()
+
+
 def openai_routes(ctx: ProtocolContext) -> APIRouter:
     api = APIRouter()
 
@@ -168,6 +182,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         try:
             body = _parse(CompletionBody, await read_json(request, ctx.limits))
             _check_model(ctx, body.model)
+            await ctx.model_info()  # its max_model_len bounds the text tokenized
             raw = body.prompt
             if isinstance(raw, str) or (isinstance(raw, list) and raw and not isinstance(raw[0], (str, list))):
                 raw = [raw]
@@ -194,10 +209,15 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                          "prompt_logprobs": None, "prompt_token_ids": prompts[c.prompt_index] if ids else None}
 
         if body.stream:
+            try:
+                completions = await started(stream_batch(ctx, requests))
+            except ProtocolError as e:
+                return error(e)
+
             async def events():
                 outputs = []
                 try:
-                    async for c in stream_batch(ctx, requests):
+                    async for c in completions:
                         out, ch = choice(c)
                         outputs.append(out)
                         yield f"data: {dumps({**head, 'choices': [ch]})}\n\n"
@@ -221,11 +241,17 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             body = _parse(ChatBody, await read_json(request, ctx.limits))
             _check_model(ctx, body.model)
             kwargs = dict(body.chat_template_kwargs or {})
+            tool_choice = (body.model_extra or {}).get("tool_choice")
+            if tool_choice not in (None, "none", "auto"):  # vLLM forces the call with structured outputs
+                raise ProtocolError(400, f"tool_choice={tool_choice!r}: forcing a tool call (structured outputs) is "
+                                         "not supported by rollout_cluster; use \"none\" or \"auto\"", "tool_choice")
             if body.tools:
                 kwargs["tools"] = body.tools
+            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
             prompt = chat_prompt(ctx, body.messages, "messages", kwargs)
+            if body.top_logprobs and not body.logprobs:  # as vLLM's server refuses it, not ignored
+                raise ProtocolError(400, f"top_logprobs={body.top_logprobs}: needs logprobs true", "top_logprobs")
             logprobs = _sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-            model = await ctx.model_info()
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # vLLM's: whatever room the context leaves
                 max_tokens = max(1, (model.max_model_len if model else 4096) - len(prompt))
@@ -248,10 +274,15 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         if body.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
 
+            try:
+                completions = await started(stream_batch(ctx, requests))
+            except ProtocolError as e:
+                return error(e)
+
             async def events():
                 outputs, first = [], True
                 try:
-                    async for c in stream_batch(ctx, requests):
+                    async for c in completions:
                         out, ch = choice(c, "delta")
                         outputs.append(out)
                         extra = {"prompt_token_ids": prompt} if ids and first else {}

@@ -33,7 +33,8 @@ GENERATION_KWARGS = {"ignore_eos", "min_tokens", "seed", "stop_token_ids", "pres
 
 
 class TRLSampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's true, 2.0 or "2" is no count and no token id (lax pydantic made them 1 and 2)
+    model_config = ConfigDict(extra="forbid", strict=True)
     n: int = 1
     repetition_penalty: float = 1.0
     temperature: float = 1.0
@@ -96,6 +97,9 @@ def _spec(req: TRLSampling) -> tuple:
         fields[key] = value
     stops = stop_list(fields.pop("stop", None), "generation_kwargs.stop")
     include = fields.pop("include_stop_str_in_output", False)
+    if not isinstance(include, bool):
+        raise ProtocolError(400, f"generation_kwargs.include_stop_str_in_output={include!r}: must be true or false",
+                            "generation_kwargs.include_stop_str_in_output")
     if fields.get("logprobs") not in (None, 0):
         raise ProtocolError(400, f"logprobs={fields['logprobs']}: only the sampled token's logprob is available "
                                  "(logprobs=0)", "logprobs")
@@ -155,6 +159,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(GenerateRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
+            await ctx.model_info()  # its max_model_len bounds the text tokenized
             prompts = [prompt_ids(ctx, p, f"prompts[{i}]") for i, p in enumerate(req.prompts)]
             if not prompts:
                 raise ProtocolError(400, "prompts: must not be empty", "prompts")
@@ -167,6 +172,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(ChatRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
+            await ctx.model_info()  # its max_model_len bounds the text tokenized
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools

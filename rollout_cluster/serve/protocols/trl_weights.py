@@ -99,14 +99,15 @@ def relay_runner(router, model_root: str, call_timeout_s: float) -> RelayRunner:
 
 
 class InitCommunicator(BaseModel):
-    model_config = ConfigDict(extra="allow")  # TRL adds client_device_uuid, which the relay does not need
+    # TRL adds client_device_uuid, which the relay does not need; strict: "5000" or true is no port
+    model_config = ConfigDict(extra="allow", strict=True)
     host: str
     port: int
     world_size: int
 
 
 class NamedParam(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # a shape of [true, 3] is no shape
     name: str
     dtype: str
     shape: list[int]
