@@ -49,7 +49,8 @@ from ..security.signing import Signer
 from ..text.codec import TextCodec
 from .call_timeline import TRACE_HEADER, CallTimeline, TimedRouter, current_label
 from .http_body import read_bounded
-from .protocols.batch import ProtocolContext, follow_request
+from .protocols.batch import follow_request
+from .protocols.context import ProtocolContext
 from .protocols.openai import openai_routes
 from .protocols.trl import trl_routes
 from .protocols.trl_weights import relay_runner, trl_weight_routes

@@ -12,158 +12,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from itertools import accumulate
-from typing import AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import StreamingResponse
 
-from .batch import (ProtocolContext, ProtocolError, answer, checked_requests, chat_prompt, dumps, output_of,
-                    prompt_ids, read_json, run_batch, spec_of, stop_list, stream_batch)
-
-# Fields vLLM's server takes that this one cannot honour: refused by name when set.
-UNSUPPORTED = {"echo": False, "best_of": None, "use_beam_search": False, "suffix": None, "logit_bias": None,
-               "prompt_logprobs": None, "structured_outputs": None, "response_format": None, "guided_json": None,
-               "guided_regex": None, "guided_choice": None, "allowed_token_ids": None, "bad_words": None,
-               "continue_final_message": False, "prompt_embeds": None, "logprob_token_ids": None,
-               "chat_template": None}  # (a client's own chat template: the model's is the one rendered)
-
-
-class Sampling(BaseModel):
-    """The sampling fields both routes take (vLLM's names and defaults)."""
-
-    # strict: JSON's true, 2.0 or "2" is no count and no token id (lax pydantic made them 1 and 2)
-    model_config = ConfigDict(extra="allow", strict=True)
-    model: Optional[str] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    cache_salt: Optional[str] = None
-    stream: bool = False
-    stream_options: Optional[dict] = None
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
-    user: Optional[str] = None
-
-    def spec_fields(self, max_tokens: int, logprobs: Optional[int]) -> dict:
-        for key, default in UNSUPPORTED.items():
-            if (self.model_extra or {}).get(key, default) not in (default, None, False):
-                raise ProtocolError(400, f"{key}: not supported by rollout_cluster", key)
-        fields = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                  "logprobs": logprobs, "seed": self.seed, "stop_token_ids": tuple(self.stop_token_ids or ()),
-                  "cache_salt": self.cache_salt}
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-                            ("min_p", self.min_p),
-                            ("repetition_penalty", self.repetition_penalty),
-                            ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
-            if value is not None:
-                fields[name] = value
-        return fields
-
-
-SESSION_HEADER = "X-Session-Id"
-
-
-def session_of(request: Request, body: Sampling) -> Optional[str]:
-    """The multi-turn session a request is a turn of: the X-Session-Id header, else OpenAI's `user`
-    field (router/sessions.py sends the session's turns to the replica that ran the previous one)."""
-    return request.headers.get(SESSION_HEADER) or body.user
-
-
-class CompletionBody(Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
-
-
-class ChatBody(Sampling):
-    messages: list[dict]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = 0
-    chat_template_kwargs: Optional[dict] = None
-    tools: Optional[list] = None
-    add_generation_prompt: bool = True
-
-
-def error(e: ProtocolError) -> JSONResponse:
-    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
-    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}},
-                        status_code=e.status, headers=headers)
-
-
-def _parse(model: type, body: dict):
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ProtocolError(400, f"body.{where}={first.get('input')!r}: {first['msg']}", f"body.{where}") from None
-
-
-def _check_model(ctx: ProtocolContext, name) -> None:
-    if not ctx.names_model(name):
-        raise ProtocolError(404, f"The model `{name}` does not exist. Valid: {ctx.model_name}", "model",
-                            "NotFoundError")
-
-
-def _sampled_logprobs(value: Optional[int], param: str) -> Optional[int]:
-    if value is None:
-        return None
-    if value != 0:
-        raise ProtocolError(400, f"{param}={value}: only the sampled token's logprob is available ({param}=0)", param)
-    return 0
-
-
-def _token_strings(ctx: ProtocolContext, ids: list, as_ids: bool) -> list:
-    if as_ids or ctx.codec is None:
-        return [f"token_id:{t}" for t in ids]
-    return ctx.token_texts(ids)
-
-
-def _completion_logprobs(ctx: ProtocolContext, out, as_ids: bool, offset: int = 0) -> dict:
-    tokens = _token_strings(ctx, out.token_ids, as_ids)
-    lps = [-9999.0 if lp < -9999.0 else lp for lp in out.logprobs]  # max(lp, -9999.0), NaN kept
-    offsets = list(accumulate(map(len, tokens), initial=offset))[:-1]
-    return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
-            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)]}
-
-
-def _chat_logprobs(ctx: ProtocolContext, out, as_ids: bool) -> dict:
-    tokens = _token_strings(ctx, out.token_ids, as_ids)
-    return {"content": [{"token": tok, "logprob": max(lp, -9999.0), "bytes": list(tok.encode("utf-8")),
-                         "top_logprobs": []} for tok, lp in zip(tokens, out.logprobs)]}
-
-
-def _usage(prompts: list, outputs: list) -> dict:
-    p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": None}
-
-
-async def started(completions: AsyncIterator) -> AsyncIterator:
-    """`completions` once its first one came: a stream sends each choice whole, so nothing is lost
-    by answering then, and a refusal before it (a full router: 503 with Retry-After; a timeout; no
-    replica) is answered with its status, not as an event after a 200."""
-    first = await completions.__anext__()
-
-    async def chained():
-        yield first
-        async for c in completions:
-            yield c
-    return chained()
+from .answers import answer, dumps
+from .batch import run_batch, stream_batch
+from .context import ProtocolContext, ProtocolError
+from .json_body import read_json
+from .openai_answers import chat_logprobs, completion_logprobs, error, sampled_logprobs, started, usage
+from .openai_bodies import ChatBody, CompletionBody, check_model, parse_body, session_of
+from .outputs import output_of, stop_list
+from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
 
 
 def openai_routes(ctx: ProtocolContext) -> APIRouter:
@@ -180,8 +40,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
     @api.post("/v1/completions", summary="OpenAI: completions (vLLM's extensions; stream as server-sent events)")
     async def completions(request: Request):
         try:
-            body = _parse(CompletionBody, await read_json(request, ctx.limits))
-            _check_model(ctx, body.model)
+            body = parse_body(CompletionBody, await read_json(request, ctx.limits))
+            check_model(ctx, body.model)
             await ctx.model_info()  # its max_model_len bounds the text tokenized
             raw = body.prompt
             if isinstance(raw, str) or (isinstance(raw, list) and raw and not isinstance(raw[0], (str, list))):
@@ -189,7 +49,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             if not raw:
                 raise ProtocolError(400, "prompt: must not be empty", "prompt")
             prompts = [prompt_ids(ctx, p, "prompt" if len(raw) == 1 else f"prompt[{i}]") for i, p in enumerate(raw)]
-            logprobs = _sampled_logprobs(body.logprobs, "logprobs")
+            logprobs = sampled_logprobs(body.logprobs, "logprobs")
             if body.max_tokens is None:
                 body.max_tokens = 16
             spec = spec_of(body.spec_fields(body.max_tokens, logprobs))
@@ -202,7 +62,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
 
         def choice(c):
             out = output_of(ctx, c, stops, body.include_stop_str_in_output)
-            lp = _completion_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
+            lp = completion_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
             ids = body.return_token_ids
             return out, {"index": c.index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
                          "stop_reason": out.stop_reason, "token_ids": out.token_ids if ids else None,
@@ -222,7 +82,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                         outputs.append(out)
                         yield f"data: {dumps({**head, 'choices': [ch]})}\n\n"
                     if (body.stream_options or {}).get("include_usage"):
-                        yield f"data: {dumps({**head, 'choices': [], 'usage': _usage(prompts, outputs)})}\n\n"
+                        yield f"data: {dumps({**head, 'choices': [], 'usage': usage(prompts, outputs)})}\n\n"
                 except ProtocolError as e:
                     yield f"data: {dumps({'error': {'message': e.message, 'type': e.kind, 'param': e.param, 'code': e.status}})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -233,13 +93,13 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         except ProtocolError as e:
             return error(e)
         pairs = [choice(c) for c in results]
-        return answer({**head, "choices": [ch for _, ch in pairs], "usage": _usage(prompts, [o for o, _ in pairs])})
+        return answer({**head, "choices": [ch for _, ch in pairs], "usage": usage(prompts, [o for o, _ in pairs])})
 
     @api.post("/v1/chat/completions", summary="OpenAI: chat completions (one conversation; stream as server-sent events)")
     async def chat(request: Request):
         try:
-            body = _parse(ChatBody, await read_json(request, ctx.limits))
-            _check_model(ctx, body.model)
+            body = parse_body(ChatBody, await read_json(request, ctx.limits))
+            check_model(ctx, body.model)
             kwargs = dict(body.chat_template_kwargs or {})
             tool_choice = (body.model_extra or {}).get("tool_choice")
             if tool_choice not in (None, "none", "auto"):  # vLLM forces the call with structured outputs
@@ -251,7 +111,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             prompt = chat_prompt(ctx, body.messages, "messages", kwargs)
             if body.top_logprobs and not body.logprobs:  # as vLLM's server refuses it, not ignored
                 raise ProtocolError(400, f"top_logprobs={body.top_logprobs}: needs logprobs true", "top_logprobs")
-            logprobs = _sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+            logprobs = sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # vLLM's: whatever room the context leaves
                 max_tokens = max(1, (model.max_model_len if model else 4096) - len(prompt))
@@ -265,7 +125,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
 
         def choice(c, key: str):
             out = output_of(ctx, c, stops, body.include_stop_str_in_output)
-            lp = _chat_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
+            lp = chat_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
             return out, {"index": c.index, key: {"role": "assistant", "content": out.text, "tool_calls": [],
                                                  "reasoning": None},
                          "logprobs": lp, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
@@ -289,7 +149,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                         first = False
                         yield f"data: {dumps({**head, 'choices': [ch], **extra})}\n\n"
                     if (body.stream_options or {}).get("include_usage"):
-                        yield f"data: {dumps({**head, 'choices': [], 'usage': _usage([prompt], outputs)})}\n\n"
+                        yield f"data: {dumps({**head, 'choices': [], 'usage': usage([prompt], outputs)})}\n\n"
                 except ProtocolError as e:
                     yield f"data: {dumps({'error': {'message': e.message, 'type': e.kind, 'param': e.param, 'code': e.status}})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -301,7 +161,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             return error(e)
         pairs = [choice(c, "message") for c in results]
         return answer({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                       "choices": [ch for _, ch in pairs], "usage": _usage([prompt], [o for o, _ in pairs]),
+                       "choices": [ch for _, ch in pairs], "usage": usage([prompt], [o for o, _ in pairs]),
                        "prompt_token_ids": prompt if ids else None})
 
     return api

@@ -23,8 +23,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .batch import (ProtocolContext, ProtocolError, answer, checked_requests, chat_prompt, output_of, prompt_ids,
-                    read_json, run_batch, spec_of, stop_list)
+from .answers import answer
+from .batch import run_batch
+from .context import ProtocolContext, ProtocolError
+from .json_body import read_json
+from .outputs import output_of, stop_list
+from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
 
 # generation_kwargs keys (vLLM SamplingParams names) this cluster honours, beyond the request's fields
 GENERATION_KWARGS = {"ignore_eos", "min_tokens", "seed", "stop_token_ids", "presence_penalty", "frequency_penalty",

@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from ...transfer.relay import RelayError, WeightRelay
-from .batch import ProtocolContext, ProtocolError, read_json
+from .context import ProtocolContext, ProtocolError
+from .json_body import read_json
 from .trl import parse_model, unprocessable
 
 log = logging.getLogger("ray.serve")

@@ -1,0 +1,73 @@
+"""What every protocol route needs from the Gateway (ProtocolContext), and how a route refuses a
+request (ProtocolError: the status, a message naming the field, the field)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ...config import LimitsConfig
+from ...protocol import ModelInfo
+from ...text.codec import TextCodec
+
+
+class ProtocolError(Exception):
+    """A request refused: the HTTP status, a message naming the field, and the field (`param`)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: str = "BadRequestError",
+                 retry_after_s: Optional[int] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ProtocolContext:
+    """What every protocol route needs from the Gateway."""
+
+    router: object  # the Router's handle (a SignedRouter in the Gateway: it cancels what it runs)
+    codec: Optional[TextCodec]  # the model's tokenizer; None: prompts are token ids, no text comes back
+    limits: LimitsConfig  # the config's limits (n, batch size, the Retry-After of a busy answer)
+    call_timeout_s: float  # bound on each router call
+    model_name: str  # the id /v1/models lists; a request may name it (or the model's path)
+    model_root: str  # the model's path
+    batch_timeout_s: float = 3600.0  # a request's batch is cancelled past this
+    world_size: int = 1  # GPUs (tensor-parallel ranks) per engine, for TRL's /get_world_size
+    logprobs_mode: str = "raw_logprobs"  # the engines' (engine.logprobs_mode), for TRL's /server_info
+    _model: Optional[ModelInfo] = field(default=None, repr=False)  # the engine's limits, once a replica said them
+    # each token id's text on its own, as the tokenizer decoded it once (bounded by the vocabulary)
+    _token_texts: dict = field(default_factory=dict, repr=False)
+    _chars_per_token: int = field(default=0, repr=False)  # the most characters one token covers, once computed
+
+    async def model_info(self) -> Optional[ModelInfo]:
+        if self._model is None:
+            st = await self.router.status.remote()
+            if st.get("model"):
+                self._model = ModelInfo(**st["model"])
+        return self._model
+
+    def token_texts(self, ids: list) -> list[str]:
+        """Each token of `ids` decoded on its own (OpenAI's logprobs tokens): one tokenizer call per
+        token id ever seen, not per token of every answer."""
+        known = self._token_texts
+        new = list({t for t in ids if t not in known})
+        if new:
+            known.update(zip(new, self.codec.token_texts(new)))
+        return [known[t] for t in ids]
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """codec.encode(text), refused unread when `text` holds more characters than max_model_len
+        tokens can: tokenizing the body's 64 MiB of text took the event loop ~50 s and GiBs of ids,
+        only to refuse the prompt as longer than the context."""
+        if self._model is not None:
+            if not self._chars_per_token:  # byte-level BPE: a token's vocabulary string has a char per byte
+                # (at least 100: a WordPiece [UNK] stands for a whole word of up to 100 characters)
+                self._chars_per_token = max(100, max(map(len, self.codec.tokenizer.get_vocab()), default=0))
+            limit = self._model.max_model_len * self._chars_per_token
+            if len(text) > limit:
+                raise ProtocolError(400, f"{param}: {len(text)} characters, more than the model's context could hold "
+                                         f"(max_model_len={self._model.max_model_len} tokens of at most "
+                                         f"{self._chars_per_token} characters)", param)
+        return self.codec.encode(text, add_special_tokens)
+
+    def names_model(self, name) -> bool:
+        return name in (None, "", self.model_name, self.model_root)

@@ -1,0 +1,62 @@
+"""A completion back as a protocol's text: decoded, cut at the first stop string."""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Optional
+
+from ...protocol import Completion
+from .context import ProtocolContext, ProtocolError
+
+
+@dataclass
+class Output:
+    """One sample as a protocol returns it."""
+
+    token_ids: list  # generated ids (cut after a stop string)
+    logprobs: Optional[list]  # the sampled tokens' logprobs, aligned with token_ids
+    text: str  # token_ids decoded ("" without a tokenizer)
+    finish_reason: str  # "stop", "length" or "abort"
+    stop_reason: object = None  # the stop string that ended it
+
+
+def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bool = False) -> Output:
+    """A completion as text, cut at the first stop string (the engines run without detokenizer,
+    so stop strings are applied here, on the whole output)."""
+    ids, logprobs = list(c.token_ids), (list(c.logprobs) if c.logprobs is not None else None)
+    if ctx.codec is None:
+        return Output(ids, logprobs, "", c.finish_reason)
+    if stops:
+        from tokenizers.decoders import DecodeStream
+
+        # The text a token at a time, then each stop searched once in the whole of it: the first
+        # token whose text completes a stop's first occurrence cuts (ties: the earlier, then the
+        # lesser stop). Searching the text so far after every token cost tokens^2 x stops.
+        stream = DecodeStream(skip_special_tokens=True)
+        pieces = [stream.step(ctx.codec.tokenizer, t) or "" for t in ids]
+        ends, text = list(accumulate(map(len, pieces))), "".join(pieces)
+        hits = ((bisect_left(ends, at + len(s)), at, s) for s in stops if s for at in (text.find(s),) if at >= 0)
+        hit = min(hits, default=None)
+        if hit is not None:
+            k, at, s = hit
+            return Output(ids[:k + 1], logprobs[:k + 1] if logprobs is not None else None,
+                          text[:at + len(s)] if include_stop else text[:at], "stop", s)
+    return Output(ids, logprobs, ctx.codec.decode(ids), c.finish_reason)
+
+
+# Stop strings a request may give: each is searched in every output's text (vLLM sets no bound;
+# OpenAI's API takes 4)
+MAX_STOP_STRINGS = 256
+
+
+def stop_list(value, param: str = "stop") -> list:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > MAX_STOP_STRINGS:
+            raise ProtocolError(400, f"{param}: {len(value)} stop strings; at most {MAX_STOP_STRINGS}", param)
+        return value
+    raise ProtocolError(400, f"{param}: must be a string or a list of strings", param)

@@ -1,0 +1,90 @@
+"""A request's prompts and sampling into the batch's SequenceRequests, checked whole before anything
+is submitted (vLLM refuses a bad request whole too): its prompts against the engine's vocabulary
+and context, its sampling against vLLM's ranges and the config's `limits`."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...client.expand import expand
+from ...protocol import InputError, SamplingSpec, is_int
+from ...text.codec import NoTokenizer
+from ...validation import check_request
+from .context import ProtocolContext, ProtocolError
+
+
+def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt as token ids: a string goes through the model's tokenizer, a list must hold ids."""
+    if isinstance(prompt, str):
+        if ctx.codec is None:
+            raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json): send token ids", param)
+        if not prompt:
+            raise ProtocolError(400, f"{param}: must not be empty", param)
+        return ctx.encode(prompt, param, add_special_tokens)
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return list(prompt)
+    raise ProtocolError(400, f"{param}: must be a non-empty string or a non-empty list of token ids", param)
+
+
+def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Optional[dict] = None) -> list[int]:
+    """A conversation's prompt through the model's chat template, as token ids."""
+    if ctx.codec is None:
+        raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ProtocolError(400, f"{param}: must be a non-empty list of messages", param)
+    messages = [dict(m, content=_text_content(m.get("content"), f"{param}[{i}].content")) if isinstance(
+        m.get("content"), list) else m for i, m in enumerate(messages)]
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ProtocolError(400, f"{param}[{i}]: needs a string role and a string content", f"{param}[{i}]")
+    try:
+        text = ctx.codec.render_chat(messages, True, **(template_kwargs or {}))
+    except NoTokenizer as e:
+        raise ProtocolError(400, f"{param}: {e}", param) from None
+    except Exception as e:  # the template raised (raise_exception) or did not render
+        raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
+    return ctx.encode(text, param, add_special_tokens=False)
+
+
+def _text_content(parts: list, param: str) -> str:
+    """OpenAI's content parts, text only: their texts joined (an image part is refused by name)."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ProtocolError(400, f"{param}[{j}]: a {kind!r} part; only text parts are supported", f"{param}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def spec_of(fields: dict) -> SamplingSpec:
+    """A SamplingSpec from the protocol's sampling fields (already named as SamplingSpec's);
+    ProtocolError naming the first bad one."""
+    try:
+        spec = SamplingSpec(**fields)
+        spec.validate()
+    except InputError as e:
+        raise ProtocolError(400, str(e), e.field) from None
+    except TypeError as e:
+        raise ProtocolError(400, str(e)) from None
+    return spec
+
+
+async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSpec,
+                           session: Optional[str] = None) -> list:
+    """The batch's SequenceRequests (prompt-major), every one checked against the engine's limits.
+    `session`: the multi-turn session every prompt of the request is a turn of (session affinity)."""
+    limits = ctx.limits
+    if spec.n > limits.max_n:
+        raise ProtocolError(400, f"n={spec.n}: at most limits.max_n={limits.max_n} samples per prompt", "n")
+    if len(prompts) * spec.n > limits.max_batch_sequences:
+        raise ProtocolError(400, f"{len(prompts)} prompts x n={spec.n}: at most limits.max_batch_sequences="
+                                 f"{limits.max_batch_sequences} sequences a request", "prompt")
+    requests = expand(prompts, spec, sessions=None if session is None else [session] * len(prompts))
+    model = await ctx.model_info()
+    for req in requests[::spec.n]:
+        try:
+            check_request(req, model)
+        except InputError as e:
+            where = f" (prompt {req.prompt_index})" if len(prompts) > 1 else ""
+            raise ProtocolError(400, f"{e}{where}", e.field) from None
+    return requests
