@@ -49,8 +49,8 @@ import threading
 from typing import Callable, Optional
 
 from .channels import nbytes_of, open_channel
-from .relay_checks import (DEFAULT_PACKED_BUFFER_BYTES, RelayError, check_address, check_shape, packed_chunks,
-                           torch_dtype)
+from .relay_checks import (DEFAULT_PACKED_BUFFER_BYTES, RelayError, check_address, check_init_info, check_integer,
+                           check_shape, packed_chunks, torch_dtype)
 
 __all__ = ["RelayError", "WeightRelay", "packed_chunks", "torch_dtype"]
 
@@ -79,6 +79,7 @@ class WeightRelay:
     @staticmethod
     def check_trl(host, port, world_size) -> None:
         """What /init_communicator/ must carry; checked before its answer (the group opens after)."""
+        check_integer("world_size", world_size)
         if world_size != 2:
             raise RelayError("world_size", f"{world_size!r}: must be 2 (the relay's rank 0 and the trainer's "
                                            "rank 1: /get_world_size/ answers 1)")
@@ -129,18 +130,7 @@ class WeightRelay:
 
     # -- vLLM's weight-transfer API (TRL >= 1.11) ----------------------------------------------
     def open_vllm(self, info: dict) -> None:
-        if not isinstance(info, dict):
-            raise RelayError("init_info", f"{str(info)[:80]!r}: must be an object")
-        for key in ("master_address", "master_port", "rank_offset", "world_size"):
-            if key not in info:
-                raise RelayError(f"init_info.{key}", "missing (the relay joins by TCP rendezvous)")
-        if info["world_size"] != 2 or info["rank_offset"] != 1:
-            raise RelayError("init_info.world_size", f"{info['world_size']!r} with rank_offset "
-                             f"{info['rank_offset']!r}: must be 2 and 1 (the trainer's rank 0 and the relay's "
-                             "rank 1: /get_world_size answers 1)")
-        size = info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise RelayError("init_info.packed_buffer_size_bytes", f"{size!r}: must be an integer >= 1")
+        size = check_init_info(info)
         self._open("vllm", info["master_address"], info["master_port"], rank=1, src=0)
         self.buffer_bytes = size
 

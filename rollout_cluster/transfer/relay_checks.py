@@ -25,11 +25,37 @@ def torch_dtype(field: str, name):
     return dtype
 
 
+def check_integer(field: str, value) -> None:
+    """An integer where one is meant: JSON's true, 2.0 or "2" is none (true == 1 and 2.0 == 2 in Python)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RelayError(field, f"{value!r}: must be an integer")
+
+
 def check_address(host, port) -> None:
     if not isinstance(host, str) or not host:
         raise RelayError("host", f"{host!r}: must be a host name or address")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise RelayError("port", f"{port!r}: must be a TCP port")
+
+
+def check_init_info(info) -> int:
+    """vLLM's init_info for /init_weight_transfer_engine, checked before the relay joins the group
+    (the trainer's rank 0 and the relay's rank 1); its packed_buffer_size_bytes."""
+    if not isinstance(info, dict):
+        raise RelayError("init_info", f"{str(info)[:80]!r}: must be an object")
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if key not in info:
+            raise RelayError(f"init_info.{key}", "missing (the relay joins by TCP rendezvous)")
+    for key in ("rank_offset", "world_size"):
+        check_integer(f"init_info.{key}", info[key])
+    if info["world_size"] != 2 or info["rank_offset"] != 1:
+        raise RelayError("init_info.world_size", f"{info['world_size']!r} with rank_offset "
+                         f"{info['rank_offset']!r}: must be 2 and 1 (the trainer's rank 0 and the relay's "
+                         "rank 1: /get_world_size answers 1)")
+    size = info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise RelayError("init_info.packed_buffer_size_bytes", f"{size!r}: must be an integer >= 1")
+    return size
 
 
 def check_shape(shape, field: str) -> list:
