@@ -8,6 +8,10 @@ from typing import Optional
 
 from .checks import MAX_N, InputError, is_int64, is_number
 
+# A cache salt's characters, at most: every sequence of a request carries it to the engine (and
+# through each migration); bounded as a session id is (validation.MAX_SESSION_CHARS)
+MAX_CACHE_SALT_CHARS = 256
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
@@ -67,8 +71,10 @@ class SamplingSpec:
             value = getattr(self, name)
             if not is_number(value) or not -2 <= value <= 2:
                 raise InputError(name, value, "must be a number in [-2, 2]")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise InputError("cache_salt", self.cache_salt, "must be null or a non-empty string")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            raise InputError("cache_salt", salt,
+                             f"must be null or a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
 
     @property
     def migratable(self) -> bool:
