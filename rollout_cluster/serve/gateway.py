@@ -3,7 +3,8 @@
 401 without it), and every body is bounded by the config's `limits` (docs/security.md).
 
 - GET  /<app>/healthz   "ok", without a token (liveness probes); it says nothing else;
-- GET  /<app>           the router's status as JSON (dashboards);
+- GET  /<app>           the router's status as JSON (dashboards); 503 with Retry-After while no
+  router answers (down or restarting; router_reach.py), as every route that asks it answers;
 - POST /<app>/generate  a batch in the JSONL format of `rollout-cluster generate` (client/jsonl.py,
   one request a line), answered with the output JSONL once every sequence is done. `?timeout_s=`
   bounds the wait (default 3600, or limits.max_timeout_s if less); past it the batch is cancelled
@@ -54,6 +55,7 @@ from .protocols.context import ProtocolContext
 from .protocols.openai import openai_routes
 from .protocols.trl import trl_routes
 from .protocols.trl_weights import relay_runner, trl_weight_routes
+from .router_reach import RouterAbsent, router_status
 
 # What a query parameter that does not parse must be (400, naming it and the value)
 MUST_BE = {"timeout_s": "not a number", "weights_version": "must be an integer >= 0",
@@ -132,7 +134,11 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
 
     @app.get("/", summary="the router's status")
     async def status():
-        return JSONResponse(json.loads(json.dumps(await router.status.remote(), default=str)))
+        try:
+            st = await router_status(router, call_timeout_s)
+        except RouterAbsent as e:  # down or restarting: later, as a full router's answer says
+            return _error(str(e), 503, {"Retry-After": str(limits.retry_after_s)})
+        return JSONResponse(json.loads(json.dumps(st, default=str)))
 
     @app.post("/generate", summary="a JSONL batch in, the output JSONL out", response_class=Response,
               responses={200: {"content": {NDJSON: {}}}}, openapi_extra=JSONL_BODY)

@@ -8,6 +8,7 @@ from typing import Optional
 from ...config import LimitsConfig
 from ...protocol import ModelInfo
 from ...text.codec import TextCodec
+from ..router_reach import RouterAbsent, router_status
 
 
 class ProtocolError(Exception):
@@ -38,9 +39,18 @@ class ProtocolContext:
     _token_texts: dict = field(default_factory=dict, repr=False)
     _chars_per_token: int = field(default=0, repr=False)  # the most characters one token covers, once computed
 
+    async def status(self) -> dict:
+        """The router's status; ProtocolError 503 with Retry-After when no router answers (it is
+        down or restarting: router_reach.py), as a full router's answer carries."""
+        try:
+            return await router_status(self.router, self.call_timeout_s)
+        except RouterAbsent as e:
+            raise ProtocolError(503, str(e), kind="ServiceUnavailableError",
+                                retry_after_s=self.limits.retry_after_s) from None
+
     async def model_info(self) -> Optional[ModelInfo]:
         if self._model is None:
-            st = await self.router.status.remote()
+            st = await self.status()
             if st.get("model"):
                 self._model = ModelInfo(**st["model"])
         return self._model

@@ -31,7 +31,10 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
 
     @api.get("/v1/models", summary="OpenAI: the served model")
     async def models():
-        model = await ctx.model_info()
+        try:
+            model = await ctx.model_info()
+        except ProtocolError as e:  # no router answers: 503
+            return error(e)
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "rollout_cluster",
             "root": ctx.model_root, "parent": None, "max_model_len": model.max_model_len if model else None,

@@ -149,7 +149,10 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
 
     @api.get("/server_info", summary="vLLM's dev route, as TRL >= 1.11 reads it: the parts of the config it asks")
     async def server_info():
-        model = await ctx.model_info()
+        try:
+            model = await ctx.model_info()
+        except ProtocolError as e:  # no router answers: 503
+            return refusal(e)
         return {"vllm_config": {"model_config": {
             "model": ctx.model_name, "logprobs_mode": ctx.logprobs_mode,
             "max_model_len": model.max_model_len if model else None,

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from ...transfer.relay import RelayError, WeightRelay
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
-from .trl import parse_model, unprocessable
+from .trl import parse_model, refusal, unprocessable
 
 log = logging.getLogger("ray.serve")
 
@@ -193,7 +193,10 @@ def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
 
     @api.get("/weight_info", summary="vLLM: the weights version the fleet serves")
     async def weight_info():
-        st = await ctx.router.status.remote()
+        try:
+            st = await ctx.status()
+        except ProtocolError as e:  # no router answers: 503
+            return refusal(e)
         return {"weight_version": str(st["weights"]["version"]), "relay": relay.describe()}
 
     return api

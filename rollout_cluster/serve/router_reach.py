@@ -1,0 +1,30 @@
+"""Whether the Router is there to answer a status call: the Gateway's routes answer 503 with
+Retry-After when it is not (a client retries), as they do when it is full, not a 500.
+
+A Serve handle's call finds no router when its process died under the call or is restarting
+(RayActorError: ActorDiedError, ActorUnavailableError), when Serve holds no replica of it
+(ReplicaUnavailableError, DeploymentUnavailableError), or goes unanswered while Serve restarts it:
+bounded by call_timeout_s, such a call counts as no router too (client/loops.router_gone counts
+the same errors as a router gone under a batch)."""
+from __future__ import annotations
+
+import asyncio
+
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+ABSENT = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, TimeoutError)
+
+
+class RouterAbsent(RuntimeError):
+    """The router did not answer: its process is gone or restarting. The message says which error."""
+
+
+async def router_status(router, timeout_s: float) -> dict:
+    """router.status(), within `timeout_s`; RouterAbsent when no router answers."""
+    try:
+        return await asyncio.wait_for(router.status.remote(), timeout_s)
+    except TimeoutError:
+        raise RouterAbsent(f"the router is not reachable: no answer to its status in {timeout_s:g} s") from None
+    except ABSENT as e:
+        raise RouterAbsent(f"the router is not reachable ({type(e).__name__}: {e})") from None
