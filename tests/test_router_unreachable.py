@@ -39,9 +39,9 @@ class DownStatus:
         raise self.error
 
 
-def app_without_router(codec, error):
+def app_without_router(codec, error, down: str = "status"):
     router = TextRouter(codec)
-    router.status = DownStatus(error)
+    setattr(router, down, DownStatus(error))
     limits = LimitsConfig(retry_after_s=7)
     ctx = ProtocolContext(router, codec, limits, CALL_TIMEOUT_S, model_name="models/tiny", model_root="/m/tiny")
     runner = RelayRunner(WeightRelay({"w.weight": (2, 3)}, lambda named: 1, "cpu", timeout_s=5))
@@ -94,3 +94,15 @@ def test_a_router_error_that_is_no_absence_is_still_a_500(codec):
     http = app_without_router(codec, KeyError("a bug in status"))
     assert http.get("/", headers=AUTH).status_code == 500
     assert http.get("/v1/models", headers=AUTH).status_code == 500
+
+
+
+@pytest.mark.parametrize("error", DOWN, ids=IDS)
+def test_router_down_at_reset_prefix_cache_is_503_not_a_failed_weight_update(codec, error):
+    """Regression: /reset_prefix_cache answered 409 "weight update failed" with the router down,
+    which TRL's client does not retry (a 503 it does, and dropping the cache again is harmless)."""
+    http = app_without_router(codec, error, down="reset_prefix_cache")
+    for path in ("/reset_prefix_cache/", "/reset_prefix_cache"):
+        answer = http.post(path, headers=AUTH)
+        unavailable(answer)
+        assert "router" in answer.json()["detail"] and "weight update" not in answer.json()["detail"]

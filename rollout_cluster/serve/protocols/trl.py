@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..router_reach import RouterAbsent, router_call
 from .answers import answer
 from .batch import run_batch
 from .context import ProtocolContext, ProtocolError
@@ -190,15 +191,18 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         except ProtocolError as e:
             return refusal(e)
 
-    async def reset() -> bool:
-        if relay is not None:  # TRL <= 1.10 calls it after an update: the fleet holds the update first
-            await relay.call("settle")
-        return bool(await ctx.router.reset_prefix_cache.remote())
-
     async def reset_answer(body) -> JSONResponse:
         try:
-            done = await reset()
+            if relay is not None:  # TRL <= 1.10 calls it after an update: the fleet holds the update first
+                await relay.call("settle")
         except Exception as e:  # the relay's update failed: 409, which TRL's client does not retry
+            return JSONResponse({"detail": f"weight update failed: {e}"}, status_code=409)
+        try:
+            done = bool(await router_call(ctx.router, "reset_prefix_cache", ctx.call_timeout_s))
+        except RouterAbsent as e:  # 503, which it retries: dropping the caches again is harmless
+            return refusal(ProtocolError(503, str(e), kind="ServiceUnavailableError",
+                                         retry_after_s=ctx.limits.retry_after_s))
+        except Exception as e:
             return JSONResponse({"detail": f"weight update failed: {e}"}, status_code=409)
         return JSONResponse(body(done))
 
