@@ -8,10 +8,7 @@ Drivers call `submit` and long-poll `fetch`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 import logging
-import hmac
-import resource
 import secrets
 import time
 import uuid
@@ -19,17 +16,17 @@ import uuid
 from ray import serve
 
 from ..config import load_config
-from ..engines.checkpoint import check_checkpoint, root_is_here
 from ..engines.cost_model import load_profile
 from .metrics import PrometheusRouterMetrics
+from .router_credentials import ReplicaCredentials
+from .router_status import router_status
+from .router_weight_orders import checked_checkpoint, checked_push
 from .stall_watch import StallWatch
 from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
-from ..protocol import InputError, LimitExceeded, Orders, Report
-from ..transfer.push import PUSH_SCHEME
-from ..security.paths import check_under_roots
+from ..protocol import LimitExceeded, Orders, Report
 from ..security.secrets import read_keys
 from ..security.signing import OrderRefused, OrderVerifier
 
@@ -62,7 +59,8 @@ class Router:
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
         self.verifier = OrderVerifier(read_keys(sec), sec.max_clock_skew_s, sec.allow_unsigned_control)
-        self.credentials: dict = {}  # replica_id -> the credential it reports with
+        self.creds = ReplicaCredentials(self.verifier, self.metrics)
+        self.credentials = self.creds.issued  # replica_id -> the credential it reports with
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     def _order(self, order, op: str) -> dict:
@@ -75,32 +73,8 @@ class Router:
             raise
 
     async def register(self, order) -> str:
-        """A replica's signed request for its report credential (on its first pull, and again
-        when a restarted router does not know it)."""
-        args = self._order(order, "register")
-        rid = args.get("replica_id")
-        if not isinstance(rid, str) or not rid:
-            refusal = OrderRefused("malformed", "register: replica_id must be a non-empty string")
-            self.verifier.refusals[refusal.reason] += 1  # counted as refused (and as accepted: its signature held)
-            self.metrics.refused(refusal.reason)
-            log.warning("%s", refusal)
-            raise refusal
-        self.credentials[rid] = credential = secrets.token_hex(16)
-        return credential
-
-    def _known(self, report: Report) -> bool:
-        """The report carries the credential its replica registered with. A replica this router
-        never registered (it restarted) is only asked to register; a wrong credential for a
-        registered one is a forgery, counted as `report_credential`."""
-        expected = self.credentials.get(report.replica_id) if isinstance(report.replica_id, str) else None
-        if expected is None:
-            return False
-        given = report.credential if isinstance(report.credential, str) else ""
-        if hmac.compare_digest(expected.encode(), given.encode()):
-            return True
-        self.verifier.refusals["report_credential"] += 1
-        self.metrics.refused("report_credential")
-        return False
+        """A replica's signed request for its report credential (serve/router_credentials.py)."""
+        return self.creds.register(self._order(order, "register"))
 
     async def _reap(self) -> None:
         while True:
@@ -135,7 +109,7 @@ class Router:
             ev.set()
 
     async def pull(self, report: Report) -> Orders:
-        if not isinstance(report, Report) or not self._known(report):
+        if not isinstance(report, Report) or not self.creds.known(report):
             return Orders(register=True)  # nothing applied: the replica registers and sends it again
         now = time.monotonic()
         core = self.core
@@ -146,7 +120,7 @@ class Router:
                 self.work_ready.pop(report.replica_id, None)
                 self._wake_all()
             # (one that missed this answer registers again, and hears it again)
-            self.credentials.pop(report.replica_id, None)
+            self.creds.forget(report.replica_id)
             return Orders(stop=STALLED, router_id=self.router_id)
         if applied.finished:
             self._notify_batches()
@@ -155,7 +129,7 @@ class Router:
         if applied.left:  # its work is back in the queue: the others take it now
             log.info("replica %s left; its sequences were requeued", report.replica_id)
             self.work_ready.pop(report.replica_id, None)
-            self.credentials.pop(report.replica_id, None)
+            self.creds.forget(report.replica_id)
             self._wake_all()
             return Orders()
         if applied.replica_id is None:
@@ -255,17 +229,7 @@ class Router:
         The path must resolve under one of security.checkpoint_roots and be a complete checkpoint
         (docs/checkpoints.md), or the fleet keeps its weights and the caller gets why."""
         args = self._order(order, "update_weights")
-        sec = self.cfg.security
-        try:
-            path = check_under_roots(args.get("path"), sec.checkpoint_roots)
-        except PermissionError:
-            self.verifier.refusals["path"] += 1
-            self.metrics.refused("path")
-            raise
-        self.core.weights.checked(path, args.get("version"))  # a broken path is refused before any disk work
-        if self.cfg.engine.kind != "sim" and root_is_here(path, sec.checkpoint_roots):
-            # Sizes only (each engine hashes before it loads), in a thread: pulls go on meanwhile.
-            await asyncio.to_thread(check_checkpoint, path, sec.require_manifest, verify_sha256=False)
+        path = await checked_checkpoint(self, args)
         v = self.core.update_weights(path, args.get("version"), running=args.get("running") or "finish")
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
@@ -275,14 +239,7 @@ class Router:
         transfer/buckets.py's buckets, the trainer's, in order) as `version`, between batches;
         returns the version. The signed order names the buckets' object ids: others are refused."""
         args = self._order(order, "push_weights")
-        source, ids = args.get("source"), args.get("buckets")
-        if not isinstance(source, str) or not source.startswith(PUSH_SCHEME):
-            raise InputError("source", source, f"must name the push ({PUSH_SCHEME}<id>)")
-        if not isinstance(buckets, list) or not buckets or [getattr(b, "hex", lambda: None)() for b in buckets] != ids:
-            self.verifier.refusals["malformed"] += 1
-            self.metrics.refused("malformed")
-            raise InputError("buckets", f"<{len(buckets) if isinstance(buckets, list) else buckets!r}>",
-                             "must be the object refs whose ids the signed order names, in order")
+        source = checked_push(self, args, buckets)
         v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish")
         log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
                  args.get("bytes"), len(buckets))
@@ -325,30 +282,7 @@ class Router:
         return self.core.fleet.expected
 
     async def status(self) -> dict:
-        c = self.core
-        dt = c.decision_times[-10000:]
-        return {
-            "replicas": {rid: {"running": len(r.seqs), "capacity": r.capacity, "pulls": r.pulls,
-                               "step_time_s": r.stats.step_time_s} for rid, r in c.fleet.replicas.items()},
-            "queued": len(c.queue), "live_sequences": len(c.seqs), "batches": len(c.batches),
-            "batch_ids": c.batches.status(time.monotonic()),  # cancel one: RolloutClient.cancel(batch_id)
-            "policy": c.policy.name, "counters": asdict(c.counters),
-            "model": None if c.model is None else c.model.__dict__,
-            "decision_ms_mean": 1e3 * sum(dt) / len(dt) if dt else 0.0,
-            "decision_ms_p99": 1e3 * sorted(dt)[int(0.99 * (len(dt) - 1))] if dt else 0.0,
-            "weights": c.weights_status(),
-            "sleep": c.sleep_status(),  # level 0: awake
-            "expected_replicas": c.fleet.expected,
-            "sampling_defaults": self.cfg.sampling.spec_fields(),  # what a request leaves out
-            "router_id": self.router_id,
-            "router_uptime_s": round(time.monotonic() - self.started_t, 1),
-            # the router process's peak resident memory (it holds every token of its live batches)
-            "router_rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "router_cpu_s": time.process_time(),  # CPU seconds of the router's process so far
-            # control orders whose signature held, and those refused (and reports without a credential) by reason
-            "control": {"accepted": self.verifier.accepted, "refused": dict(self.verifier.refusals)},
-            "sessions": c.sessions.status(),  # multi-turn session affinity (router/sessions.py)
-        }
+        return router_status(self)
 
     async def set_trace(self, order) -> None:
         """Record (time, replica, sequences held) at every pull: benchmarks plot it."""
