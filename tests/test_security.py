@@ -424,3 +424,26 @@ def test_a_salted_batch_id_made_by_another_router_reads_as_lost_not_unknown():
     with pytest.raises(KeyError, match="unknown batch") as e:
         new.fetch("r2bbbb-b7-0123456789abcdef", 0)
     assert not isinstance(e.value, BatchLostError)
+
+
+def test_a_link_planted_where_a_secret_is_made_is_refused_not_written_through(tmp_path, monkeypatch):
+    monkeypatch.delenv("ROLLOUT_TOKEN", raising=False)
+    monkeypatch.delenv("ROLLOUT_CONTROL_KEYS", raising=False)
+    (tmp_path / ".secrets").mkdir(mode=0o700)
+    target = tmp_path / "elsewhere" / "stolen"
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(target, tmp_path / ".secrets" / "token")  # dangles: os.path.exists says False
+    with pytest.raises(PermissionError, match=r"\.secrets/token: exists \(a link"):
+        ensure_local_secrets(ClusterConfig(base_dir=str(tmp_path)))
+    assert not target.exists()
+
+
+def test_secrets_are_not_made_in_a_folder_others_may_write(tmp_path, monkeypatch):
+    monkeypatch.delenv("ROLLOUT_TOKEN", raising=False)
+    monkeypatch.delenv("ROLLOUT_CONTROL_KEYS", raising=False)
+    folder = tmp_path / ".secrets"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    with pytest.raises(PermissionError, match=r"\.secrets is writable by its group or others \(mode 0777\)"):
+        ensure_local_secrets(ClusterConfig(base_dir=str(tmp_path)))
+    assert list(folder.iterdir()) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from ..config import ClusterConfig
@@ -19,6 +20,19 @@ from .secrets import new_token, read_keys, read_token, write_private
 
 log = logging.getLogger(__name__)
 SECRETS_DIR = ".secrets"
+
+
+def check_private_dir(folder: str) -> None:
+    """Refuse to make secrets in a folder another user could change: one that is a link, is not
+    this user's, or that its group or others may write (they could swap the token for their own
+    before the cluster reads it)."""
+    st = os.lstat(folder)
+    why = ("is a link" if stat.S_ISLNK(st.st_mode) else
+           f"belongs to uid {st.st_uid}, not {os.getuid()}" if hasattr(os, "getuid") and st.st_uid != os.getuid() else
+           f"is writable by its group or others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 else None)
+    if why:
+        raise PermissionError(f"{folder} {why}: another user could replace the secrets made there; make it this "
+                              "user's with mode 0700, or set base_dir elsewhere")
 
 
 def ensure_local_secrets(cfg: ClusterConfig) -> list[str]:
@@ -36,6 +50,7 @@ def ensure_local_secrets(cfg: ClusterConfig) -> list[str]:
                        (sec.control_keys_file, lambda: f"local-{secrets.token_hex(4)} {secrets.token_hex(32)}\n")):
         if path and not os.path.exists(path):
             os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+            check_private_dir(os.path.dirname(path) or ".")
             write_private(path, make() if make is not new_token else make() + "\n")
             made.append(path)
     for path in made:

@@ -81,8 +81,14 @@ def new_token() -> str:
 
 
 def write_private(path: str, text: str) -> None:
-    """Write `text` to `path`, readable by its owner only (0600 from the start)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write `text` to a new file `path`, readable by its owner only (0600 from the start). A path
+    that exists, a link even if it dangles, is refused: a secret is never written through a link
+    someone else planted."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except FileExistsError:
+        raise PermissionError(f"{path}: exists (a link, or a file made meanwhile); a secret is only written "
+                              "to a new file: remove it, or name the secret in the config") from None
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.chmod(path, 0o600)
