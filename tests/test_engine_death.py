@@ -56,7 +56,7 @@ async def run_two(fake) -> VllmEngine:
     eng.submit(work("s0"))
     await asyncio.sleep(0.05)
     eng.submit(work("s1"))  # into the dead engine
-    await asyncio.gather(*eng.tasks.values())
+    await asyncio.gather(*eng.seqs.tasks.values())
     return eng
 
 
@@ -254,8 +254,8 @@ def test_vllms_abort_on_a_dead_engine_marks_it_dead_instead_of_raising():
         eng.submit(work("s0"))
         await asyncio.sleep(0)
         await eng.give_up([("s0", 1)])
-        assert isinstance(eng.dead, vllm_exceptions.EngineDeadError) and not eng.aborted
-        for t in list(eng.tasks.values()):
+        assert isinstance(eng.dead, vllm_exceptions.EngineDeadError) and not eng.seqs.aborted
+        for t in list(eng.seqs.tasks.values()):
             t.cancel()
 
     asyncio.run(go())
@@ -293,7 +293,7 @@ def test_a_give_up_that_reaches_the_engine_before_its_request_still_stops_it():
         eng.engine = fake = LateRequestAsyncLLM()
         eng.submit(work("s0"))
         await eng.give_up([("s0", 1)])  # in the same reply: before the request's task ran
-        await asyncio.gather(*eng.tasks.values())
+        await asyncio.gather(*eng.seqs.tasks.values())
         return eng, fake
 
     eng, fake = asyncio.run(go())

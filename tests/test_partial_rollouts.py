@@ -356,3 +356,22 @@ def test_the_http_routes_answer_bad_queries_and_methods_naming_them_and_serve_th
     assert answer.status_code == 405 and "GET /generate: use GET / for status" in answer.json()["error"]
     assert {"/", "/generate"} <= set(gateway.get("/openapi.json").json()["paths"])
     assert gateway.get("/docs").status_code == 200
+
+
+def test_a_stream_closed_before_its_end_cancels_the_batch():
+    """RolloutClient.stream's loop (client/loops.run_async): a driver that stops reading (breaks out,
+    or its task is cancelled) cancels the batch instead of leaving it to router.abandoned_batch_s."""
+    router = CuttingRouter(per_fetch=2)
+    cancelled = []
+    router.cancel = type(router.cancel)(lambda bid: (cancelled.append(bid), router._cancel(bid))[1])
+
+    async def first_then_leave():
+        stream = follow_batch(router, expand(PROMPTS, LONG), 60.0, 5.0)
+        first = await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.05)  # the cancel is not waited for
+        return first
+
+    asyncio.run(first_then_leave())
+    assert cancelled == list(router.core.batches)
+    assert router.core.seqs == {} or all(s.cancelled for s in router.core.seqs.values())

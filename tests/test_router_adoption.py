@@ -214,7 +214,7 @@ def test_the_vllm_adapter_reports_the_whole_output_of_an_attempt_given_up_that_w
         deltas = eng.drain()
         eng.report_whole([("r1-b0:0", 1)])
         await eng.give_up([("r1-b0:0", 1), ("r1-b0:1", 1)])
-        await asyncio.gather(*eng.tasks.values())
+        await asyncio.gather(*eng.seqs.tasks.values())
         return deltas, eng.drain()
 
     deltas, finals = asyncio.run(go())

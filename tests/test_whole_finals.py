@@ -55,7 +55,7 @@ def run_engine(n: int, give_up_after_s=None, prior_logprobs=None):
         first = eng.drain()
         if give_up_after_s is not None:
             await eng.give_up([("r1-b0:0", 1)])
-        await asyncio.gather(*eng.tasks.values())
+        await asyncio.gather(*eng.seqs.tasks.values())
         return eng, first, eng.drain()
 
     return asyncio.run(go())
@@ -73,7 +73,7 @@ def test_the_vllm_adapter_gives_an_undelivered_final_whole_until_it_is_delivered
     assert eng.whole_final(w) is w  # already whole
     assert eng.whole_final(first[0]) is first[0]  # not a final
     eng.forget_finals(first + rest)
-    assert eng.whole_final(final) is final and not eng.ended_whole
+    assert eng.whole_final(final) is final and not eng.seqs.ended_whole
 
 
 def test_a_continuations_whole_final_carries_the_logprobs_its_work_brought():
@@ -252,7 +252,7 @@ def test_the_vllm_adapter_sends_an_ended_final_again_whole_when_asked():
     assert again.offset == 0 and again.finish_reason == "length" and again.prompt_token_ids == PROMPT
     assert again.token_ids == [100 + t for t in range(12)] and again.logprobs == [-0.25] * 12
     eng.report_whole([("r1-b0:0", 1)])  # once
-    assert not eng.drain() and not eng.ended_whole
+    assert not eng.drain() and not eng.seqs.ended_whole
 
 
 def test_a_goodbye_sends_the_finals_whole_where_another_router_may_take_them():

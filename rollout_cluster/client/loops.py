@@ -8,11 +8,14 @@ that outlives a router restart). Every call is bounded by call_timeout_s.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Callable, Optional
 
 from ..protocol import Completion
 from .follower import BatchFollower, Cancel, Done, Fail, Fetch, Pause, Submit
+
+log = logging.getLogger(__name__)
 
 
 def run_sync(router, follower: BatchFollower, call_timeout_s: float,
@@ -60,41 +63,84 @@ def run_sync(router, follower: BatchFollower, call_timeout_s: float,
 
 async def run_async(router, follower: BatchFollower, call_timeout_s: float,
                     on_restart: Optional[Callable[[], None]] = None) -> AsyncIterator[Completion]:
-    """The batch's completions as they finish (not in input order); `on_restart` as run_sync's."""
-    while True:
-        action = follower.next(time.monotonic())
-        if isinstance(action, Done):
-            return
-        if isinstance(action, Fail):
-            raise action.error
-        if isinstance(action, Pause):
-            await asyncio.sleep(action.seconds)
-        elif isinstance(action, Submit):
-            if action.restart and on_restart is not None:
-                on_restart()
-            try:
-                answer = await asyncio.wait_for(_submit(router, action),
-                                                call_timeout_s + (action.wait_for_replica_s or 0))
-            except Exception as e:
-                follower.submit_failed(e)
-                continue
-            follower.submitted(answer, time.monotonic())
-        elif isinstance(action, Fetch):
-            try:
-                new, cursor, _ = await asyncio.wait_for(
-                    router.fetch.remote(action.batch_id, action.cursor, action.wait_s), call_timeout_s)
-            except Exception as e:
-                follower.fetch_failed(e, time.monotonic(), router_gone(e))
-                continue
-            for c in follower.take(new, cursor):
-                yield c
-        elif isinstance(action, Cancel):
-            try:
-                await asyncio.wait_for(router.cancel.remote(action.batch_id), call_timeout_s)
-            except Exception:
-                follower.cancelled(False)
-            else:
-                follower.cancelled(True)
+    """The batch's completions as they finish (not in input order); `on_restart` as run_sync's.
+    A caller that stops following before the end (its task cancelled: an HTTP client hung up or
+    timed out; or it closed the iterator) cancels the batch, which would otherwise hold replicas
+    and live sequences until router.abandoned_batch_s; a submit still under way then runs on, and
+    its batch is cancelled once answered."""
+    try:
+        while True:
+            action = follower.next(time.monotonic())
+            if isinstance(action, Done):
+                return
+            if isinstance(action, Fail):
+                raise action.error
+            if isinstance(action, Pause):
+                await asyncio.sleep(action.seconds)
+            elif isinstance(action, Submit):
+                if action.restart and on_restart is not None:
+                    on_restart()
+                try:
+                    answer = await _submit_async(router, action, call_timeout_s + (action.wait_for_replica_s or 0))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    follower.submit_failed(e)
+                    continue
+                follower.submitted(answer, time.monotonic())
+            elif isinstance(action, Fetch):
+                try:
+                    new, cursor, _ = await asyncio.wait_for(
+                        router.fetch.remote(action.batch_id, action.cursor, action.wait_s), call_timeout_s)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    follower.fetch_failed(e, time.monotonic(), router_gone(e))
+                    continue
+                for c in follower.take(new, cursor):
+                    yield c
+            elif isinstance(action, Cancel):
+                try:
+                    await asyncio.wait_for(router.cancel.remote(action.batch_id), call_timeout_s)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    follower.cancelled(False)
+                else:
+                    follower.cancelled(True)
+    except (asyncio.CancelledError, GeneratorExit):
+        if follower.batch_id and not follower.done:
+            _cancel_unwaited(router, follower.batch_id)
+        raise
+
+
+async def _submit_async(router, action: Submit, timeout_s: float) -> dict:
+    """The submit's answer within `timeout_s`. Past it, or when the caller is cancelled, the call
+    runs on (shielded) and the batch it makes is cancelled once it is answered."""
+    submitted = asyncio.ensure_future(_submit(router, action))
+    try:
+        return await asyncio.wait_for(asyncio.shield(submitted), timeout_s)
+    except (asyncio.CancelledError, TimeoutError):
+        submitted.add_done_callback(lambda f: _cancel_answered(router, f))
+        raise
+
+
+def _cancel_answered(router, submitted) -> None:
+    """The batch of a submit answered after its caller gave up: cancelled (a refusal made none)."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        _cancel_unwaited(router, submitted.result()["batch_id"])
+
+
+def _cancel_unwaited(router, batch_id: str) -> None:
+    """router.cancel(batch_id), not waited for (the caller is being torn down); a failure is logged."""
+    def done(task):
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cancelling abandoned batch %s failed: %s", batch_id, task.exception())
+
+    try:
+        asyncio.ensure_future(router.cancel.remote(batch_id)).add_done_callback(done)
+    except Exception as e:  # no event loop left (the process is going): the router drops it when abandoned
+        log.warning("could not cancel abandoned batch %s: %s", batch_id, e)
 
 
 async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,

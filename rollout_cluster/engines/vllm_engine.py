@@ -39,7 +39,8 @@ class VllmEngine(EngineAdapter):
         self.seqs = VllmSeqs(self, self.capacity)  # the running sequences and their reports
         self.weights = VllmWeights(self, self.seqs, model, require_manifest)  # loads, swaps, sleep
 
-    # The parts' state the replica (ended, dead), calibrate (tasks) and tests read off the engine.
+    # EngineAdapter's state (base.py), which the replica's pull loop reads, and the requests' tasks:
+    # the requests' part holds them.
     @property
     def ended(self) -> int:
         return self.seqs.ended
@@ -49,20 +50,8 @@ class VllmEngine(EngineAdapter):
         return self.seqs.dead
 
     @property
-    def tasks(self) -> dict:
+    def tasks(self) -> dict:  # (seq_id, attempt) -> its asyncio.Task: bench/calibrate.py waits on them
         return self.seqs.tasks
-
-    @property
-    def aborted(self) -> set:
-        return self.seqs.aborted
-
-    @property
-    def ended_whole(self) -> dict:
-        return self.seqs.ended_whole
-
-    @property
-    def weights_path(self) -> str:
-        return self.weights.weights_path
 
     async def start(self) -> ModelInfo:
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -50,7 +50,7 @@ from ..security.signing import Signer
 from ..text.codec import TextCodec
 from .call_timeline import TRACE_HEADER, CallTimeline, TimedRouter, current_label
 from .http_body import read_bounded
-from .protocols.batch import follow_request
+from ..client.loops import follow_batch
 from .protocols.context import ProtocolContext
 from .protocols.openai import openai_routes
 from .protocols.trl import trl_routes
@@ -166,9 +166,9 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
         results = [None] * len(requests)
         if requests:
             try:
-                async for c in follow_request(router, requests, timeout_s, call_timeout_s,
-                                              weights_version=weights_version, finish_fraction=finish_fraction,
-                                              finish_by=finish_by):
+                async for c in follow_batch(router, requests, timeout_s, call_timeout_s,
+                                            weights_version=weights_version, finish_fraction=finish_fraction,
+                                            finish_by=finish_by):
                     results[c.index] = c
             except WeightsVersionError as e:  # the fleet runs other weights than the caller trains
                 return _error(str(e), 409)

@@ -19,7 +19,7 @@ from ..config import load_config
 from ..engines.cost_model import load_profile
 from .metrics import PrometheusRouterMetrics
 from .router_credentials import ReplicaCredentials
-from .router_status import router_status
+from .router_status import status_of
 from .router_weight_orders import checked_checkpoint, checked_push
 from .stall_watch import StallWatch
 from ..niceness import set_niceness
@@ -282,7 +282,7 @@ class Router:
         return self.core.fleet.expected
 
     async def status(self) -> dict:
-        return router_status(self)
+        return status_of(self)
 
     async def set_trace(self, order) -> None:
         """Record (time, replica, sequences held) at every pull: benchmarks plot it."""

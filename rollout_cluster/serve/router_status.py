@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 
 
-def router_status(router) -> dict:
+def status_of(router) -> dict:
     c = router.core
     dt = c.decision_times[-10000:]
     return {
