@@ -7,12 +7,14 @@ batch is gone, and the driver submits what it has not received again."""
 import asyncio
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.client.client import RolloutClient
 from rollout_cluster.client.follower import BatchFollower, Cancel, Fail, Fetch, Pause, Submit
-from rollout_cluster.client.loops import follow_batch
+from rollout_cluster.client.loops import follow_batch, router_gone
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
@@ -310,3 +312,29 @@ def test_the_follower_says_what_to_do_next_and_does_none_of_it():
     failed = follow.next(110.7)
     assert isinstance(failed, Fail) and isinstance(failed.error, TimeoutError)
     assert str(failed.error) == "batch r2-b0: 2 of 4 sequences done after 10 s (timeout_s); the batch was cancelled"
+
+
+@pytest.mark.parametrize("error", [ReplicaUnavailableError("rollout#Router#r1"),
+                                   DeploymentUnavailableError(DeploymentID("Router", "rollout")),
+                                   ActorUnavailableError("restarting", None), TimeoutError("no answer")],
+                         ids=lambda e: type(e).__name__)
+def test_a_fetch_that_finds_no_router_replica_waits_for_serves_new_one(error):
+    """Regression: the drivers' follow loop counted only RayActorError and timeouts as "no router"
+    (client/loops.router_gone), while the Gateway's routes (serve/router_reach) also counted Serve's
+    ReplicaUnavailableError and DeploymentUnavailableError. A fetch that raised one of those while
+    Serve held no router replica failed the whole batch at once; now it waits for the new router,
+    for call_timeout_s at most, as a router that died under the call does."""
+    follow = BatchFollower(requests(2), timeout_s=60.0, call_timeout_s=2.0)
+    follow.next(100.0)
+    follow.submitted({"batch_id": "r1-b0", "weights_version": 0}, 100.1)
+    assert follow.next(100.2) == Fetch("r1-b0", 0)
+    assert router_gone(error)
+    follow.fetch_failed(error, 100.3, router_gone(error))
+    assert follow.next(100.3) == Pause(0.5)
+    follow.fetch_failed(error, 102.4, router_gone(error))  # past call_timeout_s: the batch fails, naming it
+    failed = follow.next(102.4)
+    assert isinstance(failed, Fail) and isinstance(failed.error, TimeoutError) and str(error) in str(failed.error)
+
+
+def test_an_error_of_the_router_itself_is_not_taken_for_a_missing_router():
+    assert not router_gone(ValueError("batch_id: no such batch"))

@@ -162,9 +162,19 @@ def _submit(router, action: Submit):
                                       action.previous_ids)
 
 
-def router_gone(error: BaseException) -> bool:
-    """The router's process died under the call, or the call went unanswered for call_timeout_s
-    (a call to a router killed under it can be)."""
-    from ray.exceptions import ActorUnavailableError, RayActorError
+def router_absent_errors() -> tuple:
+    """The errors of a call that found no router: its process died under the call or is restarting
+    (RayActorError: ActorDiedError, ActorUnavailableError), Serve holds no replica of it
+    (ReplicaUnavailableError, DeploymentUnavailableError), or the call went unanswered for
+    call_timeout_s (TimeoutError: a call to a router killed under it can be). One list for the
+    drivers (router_gone) and the Gateway's routes (serve/router_reach.py)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-    return isinstance(error, (RayActorError, ActorUnavailableError, TimeoutError))
+    return (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, TimeoutError)
+
+
+def router_gone(error: BaseException) -> bool:
+    """A call found no router (router_absent_errors): Serve starts a new one, and the follower waits
+    for it, for call_timeout_s at most."""
+    return isinstance(error, router_absent_errors())

@@ -4,16 +4,13 @@ Retry-After when it is not (a client retries), as they do when it is full, not a
 A Serve handle's call finds no router when its process died under the call or is restarting
 (RayActorError: ActorDiedError, ActorUnavailableError), when Serve holds no replica of it
 (ReplicaUnavailableError, DeploymentUnavailableError), or goes unanswered while Serve restarts it:
-bounded by call_timeout_s, such a call counts as no router too (client/loops.router_gone counts
-the same errors as a router gone under a batch)."""
+bounded by call_timeout_s, such a call counts as no router too. The list is
+client/loops.router_absent_errors, the one a driver's follower waits on for a new router."""
 from __future__ import annotations
 
 import asyncio
 
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-
-ABSENT = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, TimeoutError)
+from ..client.loops import router_absent_errors
 
 
 class RouterAbsent(RuntimeError):
@@ -26,7 +23,7 @@ async def router_call(router, method: str, timeout_s: float, *args):
         return await asyncio.wait_for(getattr(router, method).remote(*args), timeout_s)
     except TimeoutError:
         raise RouterAbsent(f"the router is not reachable: no answer to {method} in {timeout_s:g} s") from None
-    except ABSENT as e:
+    except router_absent_errors() as e:
         raise RouterAbsent(f"the router is not reachable ({type(e).__name__}: {e})") from None
 
 
