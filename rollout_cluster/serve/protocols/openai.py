@@ -7,6 +7,8 @@ What differs from vLLM's server (docs/trainers.md): the engines return the sampl
 logprob only, so `logprobs` (completions) and `top_logprobs` (chat) must be 0; stop strings are
 applied to each whole output; a stream sends each choice whole, once it is done; `echo`,
 `best_of`, beam search, structured outputs, logit bias and prompt logprobs are refused by name.
+Every other field of vLLM's request models is honoured, ignored for a stated reason, or refused by
+name (openai_bodies.py).
 """
 from __future__ import annotations
 
