@@ -124,8 +124,11 @@ def test_reasoning_effort_and_documents_reach_the_template_as_vllm_merges_them(r
         return codec.decode(req.prompt_token_ids)
     assert rendered() == "alpha beta||||True"
     assert rendered(reasoning_effort="low") == "alpha beta|low|True||True"
-    assert rendered(reasoning_effort="none", chat_template_kwargs={"reasoning_effort": "high"}) == "alpha beta|none|False||True"
-    assert rendered(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == "alpha beta|low|False||True"
+    kwargs = {"reasoning_effort": "high"}  # the body's reasoning_effort over the kwargs', where set
+    assert rendered(chat_template_kwargs=kwargs) == "alpha beta|high|||True"
+    assert rendered(reasoning_effort="none", chat_template_kwargs=kwargs) == "alpha beta|none|False||True"
+    kwargs = {"enable_thinking": False}  # the kwargs' enable_thinking over the one reasoning_effort implies
+    assert rendered(reasoning_effort="low", chat_template_kwargs=kwargs) == "alpha beta|low|False||True"
     assert rendered(documents=[{"title": "d1", "text": "x"}, {"title": "d2", "text": "y"}]) == "alpha beta|||d1,d2|True"
     assert rendered(chat_template_kwargs={"add_generation_prompt": False}) == "alpha beta||||True"  # the body's wins
     assert post(http, "/v1/chat/completions", {**CHAT, "reasoning_effort": "huge"}).status_code == 400
@@ -208,7 +211,8 @@ CHAT_REFUSALS = [("include_reasoning", False, True), ("media_io_kwargs", {"image
 
 @pytest.mark.parametrize("path, field, bad, default", [("/v1/completions", *r) for r in REFUSALS]
                          + [("/v1/chat/completions", *r) for r in REFUSALS + CHAT_REFUSALS])
-def test_a_field_that_cannot_be_honoured_is_refused_by_name_unless_default(router, codec, path, field, bad, default):  # noqa: F811
+def test_a_field_that_cannot_be_honoured_is_refused_by_name_unless_default(
+        router, codec, path, field, bad, default):  # noqa: F811
     http, body = app_over(router, codec), {"prompt": [1, 2], **CHAT}
     got = post(http, path, {**body, field: bad})
     assert got.status_code == 400 and got.json()["error"]["param"] == field, got.text
@@ -250,6 +254,7 @@ def test_every_vllm_field_is_honoured_ignored_or_refused(ours, theirs):
     unknown = [n for n in theirs.model_fields if n not in ours.model_fields and n not in ours.REFUSED]
     assert not unknown, f"vLLM fields neither honoured, ignored with a reason, nor refused: {unknown}"
     assert set(ours.IGNORED) <= set(ours.model_fields) and all(ours.IGNORED.values())
+    assert not set(ours.REFUSED) & set(ours.model_fields)  # a declared field never reaches the refusal check
     for name, (accepted, _) in ours.REFUSED.items():  # vLLM's default is never refused
         field = theirs.model_fields.get(name)
         if field is not None and not field.is_required() and field.default_factory is None:
