@@ -24,6 +24,7 @@ class TextCodec:
         self.chat_template = chat_template  # Jinja source, or None
         self.special = special  # bos_token, eos_token, pad_token as strings (the template may use them)
         self._template = None
+        self._added: Optional[dict] = None  # added tokens' ids to their content, once read
         eos = special.get("eos_token")
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
 
@@ -46,13 +47,46 @@ class TextCodec:
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), template, special)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: Optional[int] = None) -> list[int]:
         """Token ids of `text` as the model's tokenizer makes them; `add_special_tokens`: its
-        post-processor's (a BOS, say), as a completion's prompt gets and a chat template's text does not."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        post-processor's (a BOS, say), as a completion's prompt gets and a chat template's text does not.
+        `max_length`: at most that many ids, cut from the left with room kept for the special tokens,
+        as a Hugging Face tokenizer with truncation_side="left" (vLLM's for generative models) cuts."""
+        if max_length is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if max_length <= 0:
+            return []
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        added = self.tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(max_length - added, 0), direction="left")
+        return self.tokenizer.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def pieces(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> list[str]:
+        """Each token's text as vLLM's detokenizer streams it (FastIncrementalDetokenizer): a
+        DecodeStream's steps; with special tokens kept and `spaces_between_special_tokens` false, an
+        added token right after another is its bare content (no space the decoder would put before it)."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        added = {} if skip_special_tokens or spaces_between_special_tokens else self._added_tokens()
+        out, last_added = [], False
+        for t in ids:
+            piece = stream.step(self.tokenizer, t) or ""
+            content = added.get(t)
+            if content is not None and last_added:
+                piece = content
+            last_added = content is not None
+            out.append(piece)
+        return out
+
+    def _added_tokens(self) -> dict:
+        if self._added is None:
+            self._added = {i: tok.content for i, tok in self.tokenizer.get_added_tokens_decoder().items()}
+        return self._added
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token on its own, decoded (OpenAI's logprobs.tokens)."""

@@ -123,6 +123,21 @@ def test_openai_stream_sends_every_choice_once_and_chat_answers(client, base_url
         assert isinstance(c.message.content, str)
 
 
+def test_openai_truncate_prompt_tokens_cuts_the_prompt_the_engines_run(client, base_url):
+    """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens, text or ids, as vLLM's server does."""
+    oai = openai.OpenAI(base_url=base_url + "/v1", api_key=read_token(client.config.security), max_retries=0)
+    model = oai.models.list().data[0].id
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    out = oai.completions.create(model=model, prompt=[[11, 12, 13], [14, 15]], max_tokens=4,
+                                 extra_body={**extra, "truncate_prompt_tokens": 2})
+    assert [c.model_extra["prompt_token_ids"] for c in out.choices] == [[12, 13], [14, 15]]
+    assert out.usage.prompt_tokens == 4 and all(len(c.model_extra["token_ids"]) == 4 for c in out.choices)
+    whole = oai.completions.create(model=model, prompt="Once upon a time", max_tokens=2, extra_body=extra)
+    cut = oai.completions.create(model=model, prompt="Once upon a time", max_tokens=2,
+                                 extra_body={**extra, "truncate_prompt_tokens": 2, "truncation_side": "left"})
+    assert cut.choices[0].model_extra["prompt_token_ids"] == whole.choices[0].model_extra["prompt_token_ids"][-2:]
+
+
 def test_trl_legacy_routes_as_http_bodies(client):
     cfg = client.config
     body = json.dumps({"prompts": [[21, 22, 23]], "n": 2, "max_tokens": 8,

@@ -8,7 +8,8 @@ and replicas as everything else (docs/trainers.md):
 - trl.py: the routes of `trl vllm-serve` up to TRL 1.10 (/health/, /get_world_size/, /generate/,
   /chat/, /reset_prefix_cache/), and the three TRL >= 1.11 extras;
 - what they share: context.py (the Gateway's ProtocolContext, ProtocolError), json_body.py (the
-  body read and checked), prompts.py (a request's prompts and sampling into checked requests),
+  body read and checked), prompts.py (a request's prompts and sampling into checked requests;
+  truncation.py: vLLM's truncate_prompt_tokens),
   batch.py (one request, one batch on the router; re-exports the rest), outputs.py (the text of
   the results, stop strings), answers.py (the JSON answer).
 """

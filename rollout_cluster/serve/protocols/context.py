@@ -64,20 +64,29 @@ class ProtocolContext:
             known.update(zip(new, self.codec.token_texts(new)))
         return [known[t] for t in ids]
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = True, truncation=None) -> list[int]:
         """codec.encode(text), refused unread when `text` holds more characters than max_model_len
         tokens can: tokenizing the body's 64 MiB of text took the event loop ~50 s and GiBs of ids,
-        only to refuse the prompt as longer than the context."""
+        only to refuse the prompt as longer than the context. `truncation` (truncation.Truncation):
+        the ids cut as vLLM cuts them, and such a text first trimmed to the characters the kept side's
+        max_model_len tokens could cover, as vLLM trims it for an explicit truncation_side (for the
+        tokenizer's own cut, side None, vLLM tokenizes the whole text; trimmed here too, from the left)."""
         if self._model is not None:
             if not self._chars_per_token:  # byte-level BPE: a token's vocabulary string has a char per byte
                 # (at least 100: a WordPiece [UNK] stands for a whole word of up to 100 characters)
                 self._chars_per_token = max(100, max(map(len, self.codec.tokenizer.get_vocab()), default=0))
             limit = self._model.max_model_len * self._chars_per_token
-            if len(text) > limit:
+            if len(text) > limit and truncation is not None:
+                text = text[:limit] if truncation.side == "right" else text[-limit:]
+            elif len(text) > limit:
                 raise ProtocolError(400, f"{param}: {len(text)} characters, more than the model's context could hold "
                                          f"(max_model_len={self._model.max_model_len} tokens of at most "
                                          f"{self._chars_per_token} characters)", param)
-        return self.codec.encode(text, add_special_tokens)
+        if truncation is None:
+            return self.codec.encode(text, add_special_tokens)
+        if truncation.side is None:
+            return self.codec.encode(text, add_special_tokens, max_length=truncation.keep)
+        return truncation.ids(self.codec.encode(text, add_special_tokens))
 
     def names_model(self, name) -> bool:
         return name in (None, "", self.model_name, self.model_root)

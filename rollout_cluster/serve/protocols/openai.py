@@ -7,11 +7,12 @@ What differs from vLLM's server (docs/trainers.md): the engines return the sampl
 logprob only, so `logprobs` (completions) and `top_logprobs` (chat) must be 0; stop strings are
 applied to each whole output; a stream sends each choice whole, once it is done; `echo`,
 `best_of`, beam search, structured outputs, logit bias and prompt logprobs are refused by name.
+Every other field of vLLM's request models is honoured, ignored for a stated reason, or refused by
+name (openai_bodies.py).
 """
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -21,7 +22,7 @@ from .batch import run_batch, stream_batch
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
 from .openai_answers import chat_logprobs, completion_logprobs, error, sampled_logprobs, started, usage
-from .openai_bodies import ChatBody, CompletionBody, check_model, parse_body, session_of
+from .openai_bodies import ChatBody, CompletionBody, answer_id, check_model, parse_body, session_of
 from .outputs import output_of, stop_list
 from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
 
@@ -45,26 +46,29 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         try:
             body = parse_body(CompletionBody, await read_json(request, ctx.limits))
             check_model(ctx, body.model)
-            await ctx.model_info()  # its max_model_len bounds the text tokenized
+            body.check_supported(request.headers)
+            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
+            if body.max_tokens is None:
+                body.max_tokens = 16
+            cut = body.truncation(model.max_model_len if model else None, body.max_tokens)
             raw = body.prompt
             if isinstance(raw, str) or (isinstance(raw, list) and raw and not isinstance(raw[0], (str, list))):
                 raw = [raw]
             if not raw:
                 raise ProtocolError(400, "prompt: must not be empty", "prompt")
-            prompts = [prompt_ids(ctx, p, "prompt" if len(raw) == 1 else f"prompt[{i}]") for i, p in enumerate(raw)]
+            prompts = [prompt_ids(ctx, p, "prompt" if len(raw) == 1 else f"prompt[{i}]", body.add_special_tokens, cut)
+                       for i, p in enumerate(raw)]
             logprobs = sampled_logprobs(body.logprobs, "logprobs")
-            if body.max_tokens is None:
-                body.max_tokens = 16
             spec = spec_of(body.spec_fields(body.max_tokens, logprobs))
             stops = stop_list(body.stop)
             requests = await checked_requests(ctx, prompts, spec, session_of(request, body))
         except ProtocolError as e:
             return error(e)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = answer_id(request, body, "cmpl"), int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
         def choice(c):
-            out = output_of(ctx, c, stops, body.include_stop_str_in_output)
+            out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding())
             lp = completion_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
             ids = body.return_token_ids
             return out, {"index": c.index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
@@ -103,19 +107,15 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         try:
             body = parse_body(ChatBody, await read_json(request, ctx.limits))
             check_model(ctx, body.model)
-            kwargs = dict(body.chat_template_kwargs or {})
-            tool_choice = (body.model_extra or {}).get("tool_choice")
-            if tool_choice not in (None, "none", "auto"):  # vLLM forces the call with structured outputs
-                raise ProtocolError(400, f"tool_choice={tool_choice!r}: forcing a tool call (structured outputs) is "
-                                         "not supported by rollout_cluster; use \"none\" or \"auto\"", "tool_choice")
-            if body.tools:
-                kwargs["tools"] = body.tools
+            body.check_supported(request.headers)
             model = await ctx.model_info()  # its max_model_len bounds the text tokenized
-            prompt = chat_prompt(ctx, body.messages, "messages", kwargs)
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            cut = body.truncation(model.max_model_len if model else None, max_tokens or 0)
+            prompt = chat_prompt(ctx, body.messages, "messages", body.template_kwargs(), body.add_special_tokens, cut,
+                                 body.add_generation_prompt)
             if body.top_logprobs and not body.logprobs:  # as vLLM's server refuses it, not ignored
                 raise ProtocolError(400, f"top_logprobs={body.top_logprobs}: needs logprobs true", "top_logprobs")
             logprobs = sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-            max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # vLLM's: whatever room the context leaves
                 max_tokens = max(1, (model.max_model_len if model else 4096) - len(prompt))
             spec = spec_of(body.spec_fields(max_tokens, logprobs))
@@ -123,11 +123,11 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             requests = await checked_requests(ctx, [prompt], spec, session_of(request, body))
         except ProtocolError as e:
             return error(e)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = answer_id(request, body, "chatcmpl"), int(time.time())
         ids = body.return_token_ids
 
         def choice(c, key: str):
-            out = output_of(ctx, c, stops, body.include_stop_str_in_output)
+            out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding())
             lp = chat_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
             return out, {"index": c.index, key: {"role": "assistant", "content": out.text, "tool_calls": [],
                                                  "reasoning": None},

@@ -21,20 +21,21 @@ class Output:
     stop_reason: object = None  # the stop string that ended it
 
 
-def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bool = False) -> Output:
+def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bool = False,
+              skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> Output:
     """A completion as text, cut at the first stop string (the engines run without detokenizer,
-    so stop strings are applied here, on the whole output)."""
+    so stop strings are applied here, on the whole output). `skip_special_tokens` and
+    `spaces_between_special_tokens`: vLLM's, as its detokenizer applies them (codec.pieces)."""
     ids, logprobs = list(c.token_ids), (list(c.logprobs) if c.logprobs is not None else None)
     if ctx.codec is None:
         return Output(ids, logprobs, "", c.finish_reason)
-    if stops:
-        from tokenizers.decoders import DecodeStream
-
+    # vLLM's flag only tells when special tokens are kept: then two in a row join bare
+    bare_specials = not skip_special_tokens and not spaces_between_special_tokens
+    if stops or bare_specials:
         # The text a token at a time, then each stop searched once in the whole of it: the first
         # token whose text completes a stop's first occurrence cuts (ties: the earlier, then the
         # lesser stop). Searching the text so far after every token cost tokens^2 x stops.
-        stream = DecodeStream(skip_special_tokens=True)
-        pieces = [stream.step(ctx.codec.tokenizer, t) or "" for t in ids]
+        pieces = ctx.codec.pieces(ids, skip_special_tokens, spaces_between_special_tokens)
         ends, text = list(accumulate(map(len, pieces))), "".join(pieces)
         hits = ((bisect_left(ends, at + len(s)), at, s) for s in stops if s for at in (text.find(s),) if at >= 0)
         hit = min(hits, default=None)
@@ -42,7 +43,9 @@ def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bo
             k, at, s = hit
             return Output(ids[:k + 1], logprobs[:k + 1] if logprobs is not None else None,
                           text[:at + len(s)] if include_stop else text[:at], "stop", s)
-    return Output(ids, logprobs, ctx.codec.decode(ids), c.finish_reason)
+        if bare_specials:
+            return Output(ids, logprobs, text, c.finish_reason)
+    return Output(ids, logprobs, ctx.codec.decode(ids, skip_special_tokens), c.finish_reason)
 
 
 # Stop strings a request may give: each is searched in every output's text (vLLM sets no bound;

@@ -10,23 +10,30 @@ from ...protocol import InputError, SamplingSpec, is_int
 from ...text.codec import NoTokenizer
 from ...validation import check_request
 from .context import ProtocolContext, ProtocolError
+from .truncation import Truncation
 
 
-def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: bool = True) -> list[int]:
-    """A prompt as token ids: a string goes through the model's tokenizer, a list must hold ids."""
+def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: bool = True,
+               truncation: Optional[Truncation] = None) -> list[int]:
+    """A prompt as token ids: a string goes through the model's tokenizer, a list must hold ids;
+    either cut as `truncation` says (vLLM's truncate_prompt_tokens)."""
     if isinstance(prompt, str):
         if ctx.codec is None:
             raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json): send token ids", param)
         if not prompt:
             raise ProtocolError(400, f"{param}: must not be empty", param)
-        return ctx.encode(prompt, param, add_special_tokens)
+        return ctx.encode(prompt, param, add_special_tokens, truncation)
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return list(prompt)
+        return list(prompt) if truncation is None else truncation.ids(list(prompt))
     raise ProtocolError(400, f"{param}: must be a non-empty string or a non-empty list of token ids", param)
 
 
-def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Optional[dict] = None) -> list[int]:
-    """A conversation's prompt through the model's chat template, as token ids."""
+def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Optional[dict] = None,
+                add_special_tokens: bool = False, truncation: Optional[Truncation] = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """A conversation's prompt through the model's chat template, as token ids: the rendered text
+    tokenized without the tokenizer's special tokens unless `add_special_tokens` (vLLM's chat default:
+    the template writes them), cut as `truncation` says."""
     if ctx.codec is None:
         raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -37,12 +44,12 @@ def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Opt
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ProtocolError(400, f"{param}[{i}]: needs a string role and a string content", f"{param}[{i}]")
     try:
-        text = ctx.codec.render_chat(messages, True, **(template_kwargs or {}))
+        text = ctx.codec.render_chat(messages, add_generation_prompt, **(template_kwargs or {}))
     except NoTokenizer as e:
         raise ProtocolError(400, f"{param}: {e}", param) from None
     except Exception as e:  # the template raised (raise_exception) or did not render
         raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
-    return ctx.encode(text, param, add_special_tokens=False)
+    return ctx.encode(text, param, add_special_tokens, truncation)
 
 
 def _text_content(parts: list, param: str) -> str:
