@@ -149,14 +149,15 @@ def test_skip_special_tokens_false_keeps_their_text_streamed_too(router, codec, 
     assert "<|im_start|><|endoftext|> beta" in raw
 
 
-def vllm_detokenized(tokenizer, ids, skip, spaces):
+def vllm_detokenized(tokenizer, ids, skip, spaces, prompt_ids=()):
     """vLLM's FastIncrementalDetokenizer (what its server decodes with, for a fast tokenizer)."""
     from vllm import SamplingParams
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
     params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
     detok = FastIncrementalDetokenizer(SimpleNamespace(_tokenizer=tokenizer),
-                                       SimpleNamespace(sampling_params=params, prompt_token_ids=[], request_id="r"))
+                                       SimpleNamespace(sampling_params=params, prompt_token_ids=list(prompt_ids),
+                                                                     request_id="r"))
     return "".join(detok.decode_next(t) for t in ids)
 
 
@@ -177,9 +178,11 @@ def test_special_token_flags_decode_as_vllms_detokenizer(request, which, skip, s
 def test_spaces_between_special_tokens_reaches_the_answer(router, wp_codec):  # noqa: F811
     router.script = [wp_codec.tokenizer.token_to_id("alpha"), 1, 2, wp_codec.tokenizer.token_to_id("beta")]
     http, body = app_over(router, wp_codec), {"prompt": [5], "max_tokens": 4, "skip_special_tokens": False}
-    assert sent(router, http, "/v1/completions", body)[1].json()["choices"][0]["text"] == "alpha [CLS] [SEP] beta"
+    # decoded after the prompt, as vLLM's detokenizer does: WordPiece's space before the first token too
+    assert sent(router, http, "/v1/completions", body)[1].json()["choices"][0]["text"] == " alpha [CLS] [SEP] beta"
     got = sent(router, http, "/v1/completions", {**body, "spaces_between_special_tokens": False})[1]
-    assert got.json()["choices"][0]["text"] == "alpha [CLS][SEP] beta"
+    assert got.json()["choices"][0]["text"] == " alpha [CLS][SEP] beta" == vllm_detokenized(
+        wp_codec.tokenizer, router.script, False, False, [5])
 
 
 # ---- honoured: the session and the id -------------------------------------------------------------

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
+
+# The prompt's last tokens decode() puts before an output (vLLM primes its DecodeStream with the
+# whole prompt; a decoder's choice for the first output token depends on the tokens just before it)
+PROMPT_CONTEXT = 8
+_UNFINISHED = "\ufffd"  # a character whose bytes are not all there yet: the stream holds it back
 
 
 class NoTokenizer(ValueError):
@@ -61,17 +66,33 @@ class TextCodec:
         encoding.truncate(max(max_length - added, 0), direction="left")
         return self.tokenizer.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> str:
+        """`ids`' text as vLLM's detokenizer makes it after `prompt_ids`: it decodes the output as
+        the prompt's continuation, so a tokenizer whose decoder drops the first token's space
+        (SentencePiece's Metaspace) or puts one between tokens (WordPiece) gives " world", not "world".
+        Decoded once with the prompt's last tokens before it, then cut after their text; where that
+        cannot match the streamed text (an unfinished character at either end), the stream's pieces."""
+        ids = list(ids)
+        if not prompt_ids:
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            return text if not text.endswith(_UNFINISHED) else "".join(self.pieces(ids, skip_special_tokens))
+        tail = list(prompt_ids[-PROMPT_CONTEXT:])
+        head = self.tokenizer.decode(tail, skip_special_tokens=skip_special_tokens)
+        whole = self.tokenizer.decode(tail + ids, skip_special_tokens=skip_special_tokens)
+        if whole.startswith(head) and not head.endswith(_UNFINISHED) and not whole.endswith(_UNFINISHED):
+            return whole[len(head):]
+        return "".join(self.pieces(ids, skip_special_tokens, prompt_ids=prompt_ids))
 
     def pieces(self, ids: list[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> list[str]:
+               spaces_between_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> list[str]:
         """Each token's text as vLLM's detokenizer streams it (FastIncrementalDetokenizer): a
-        DecodeStream's steps; with special tokens kept and `spaces_between_special_tokens` false, an
-        added token right after another is its bare content (no space the decoder would put before it)."""
+        DecodeStream primed with the prompt's ids, then its steps; with special tokens kept and
+        `spaces_between_special_tokens` false, an added token right after another is its bare
+        content (no space the decoder would put before it). About 40 us a token: decode() is the
+        fast way to the whole text."""
         from tokenizers.decoders import DecodeStream
 
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)  # whole, as vLLM's
         added = {} if skip_special_tokens or spaces_between_special_tokens else self._added_tokens()
         out, last_added = [], False
         for t in ids:

@@ -68,7 +68,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
         def choice(c):
-            out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding())
+            out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding(),
+                            prompt_ids=prompts[c.prompt_index])
             lp = completion_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
             ids = body.return_token_ids
             return out, {"index": c.index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
@@ -127,7 +128,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
         ids = body.return_token_ids
 
         def choice(c, key: str):
-            out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding())
+            out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding(), prompt_ids=prompt)
             lp = chat_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
             return out, {"index": c.index, key: {"role": "assistant", "content": out.text, "tool_calls": [],
                                                  "reasoning": None},

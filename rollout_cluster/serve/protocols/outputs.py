@@ -4,7 +4,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Optional
+from typing import Optional, Sequence
 
 from ...protocol import Completion
 from .context import ProtocolContext, ProtocolError
@@ -22,10 +22,12 @@ class Output:
 
 
 def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bool = False,
-              skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> Output:
+              skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+              prompt_ids: Sequence[int] = ()) -> Output:
     """A completion as text, cut at the first stop string (the engines run without detokenizer,
     so stop strings are applied here, on the whole output). `skip_special_tokens` and
-    `spaces_between_special_tokens`: vLLM's, as its detokenizer applies them (codec.pieces)."""
+    `spaces_between_special_tokens`: vLLM's, as its detokenizer applies them (codec.pieces).
+    `prompt_ids`: the prompt it continues; its text is decoded after the prompt's, as vLLM's is."""
     ids, logprobs = list(c.token_ids), (list(c.logprobs) if c.logprobs is not None else None)
     if ctx.codec is None:
         return Output(ids, logprobs, "", c.finish_reason)
@@ -35,7 +37,7 @@ def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bo
         # The text a token at a time, then each stop searched once in the whole of it: the first
         # token whose text completes a stop's first occurrence cuts (ties: the earlier, then the
         # lesser stop). Searching the text so far after every token cost tokens^2 x stops.
-        pieces = ctx.codec.pieces(ids, skip_special_tokens, spaces_between_special_tokens)
+        pieces = ctx.codec.pieces(ids, skip_special_tokens, spaces_between_special_tokens, prompt_ids)
         ends, text = list(accumulate(map(len, pieces))), "".join(pieces)
         hits = ((bisect_left(ends, at + len(s)), at, s) for s in stops if s for at in (text.find(s),) if at >= 0)
         hit = min(hits, default=None)
@@ -45,7 +47,7 @@ def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bo
                           text[:at + len(s)] if include_stop else text[:at], "stop", s)
         if bare_specials:
             return Output(ids, logprobs, text, c.finish_reason)
-    return Output(ids, logprobs, ctx.codec.decode(ids, skip_special_tokens), c.finish_reason)
+    return Output(ids, logprobs, ctx.codec.decode(ids, skip_special_tokens, prompt_ids), c.finish_reason)
 
 
 # Stop strings a request may give: each is searched in every output's text (vLLM sets no bound;

@@ -115,7 +115,8 @@ def _spec(req: TRLSampling) -> tuple:
 
 async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> JSONResponse:
     requests = await checked_requests(ctx, prompts, spec)
-    outputs = [output_of(ctx, c, stops, include) for c in await run_batch(ctx, requests)]
+    outputs = [output_of(ctx, c, stops, include, prompt_ids=prompts[c.prompt_index])
+               for c in await run_batch(ctx, requests)]
     with_logprobs = spec.logprobs is not None
     return answer({"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
                    "logprobs": [[[lp] for lp in o.logprobs] for o in outputs] if with_logprobs else None,
