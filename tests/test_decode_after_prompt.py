@@ -103,3 +103,18 @@ def test_text_and_stop_cuts_equal_vllms_detokenizer(request, which, prompt, ids,
         assert vllm_text(c.tokenizer, prompt, cut.token_ids, skip).find(cut.stop_reason) >= 0
     else:
         assert cut.text == full and cut.token_ids == ids
+
+
+@pytest.mark.parametrize("which", ["metaspace_codec", "wordpiece_codec", "codec"])
+def test_logprob_token_texts_are_named_as_vllm_names_them(request, which):
+    """Regression: a SentencePiece token's text in logprobs lost its leading space ("world" where
+    vLLM's logprobs say " world"): decoding one token alone drops it, and vLLM puts it back."""
+    from transformers import PreTrainedTokenizerFast
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    c = request.getfixturevalue(which)
+    ids = list(range(min(c.tokenizer.get_vocab_size(), 300)))
+    theirs = convert_ids_list_to_tokens(PreTrainedTokenizerFast(tokenizer_object=c.tokenizer), ids)
+    assert c.token_texts(ids) == theirs
+    if which == "metaspace_codec":
+        assert c.token_texts(c.encode("Hello world", add_special_tokens=False))[-1].startswith(" ")

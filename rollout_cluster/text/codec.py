@@ -29,6 +29,7 @@ class TextCodec:
         self.chat_template = chat_template  # Jinja source, or None
         self.special = special  # bos_token, eos_token, pad_token as strings (the template may use them)
         self._template = None
+        self._marker = ()  # the Metaspace space marker once looked up (_space_marker); () before
         self._added: Optional[dict] = None  # added tokens' ids to their content, once read
         eos = special.get("eos_token")
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
@@ -110,8 +111,28 @@ class TextCodec:
         return self._added
 
     def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token on its own, decoded (OpenAI's logprobs.tokens)."""
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        """Each token on its own, decoded (OpenAI's logprobs.tokens), as vLLM's logprobs name them
+        (convert_ids_list_to_tokens): a SentencePiece token's leading spaces, which decoding it alone
+        drops ("▁world" -> "world"), are put back (" world")."""
+        texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        marker = self._space_marker()
+        if marker is None:
+            return texts
+        for k, i in enumerate(ids):
+            piece = self.tokenizer.id_to_token(i) or ""
+            wanted = len(piece) - len(piece.lstrip(marker))
+            missing = wanted - (len(texts[k]) - len(texts[k].lstrip(" ")))
+            if missing > 0:
+                texts[k] = " " * missing + texts[k]
+        return texts
+
+    def _space_marker(self) -> Optional[str]:
+        """The Metaspace pre-tokenizer's space marker ("▁"), or None for any other tokenizer."""
+        if self._marker == ():
+            pre = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
+            subs = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+            self._marker = next((p.get("replacement", "▁") for p in subs if p.get("type") == "Metaspace"), None)
+        return self._marker
 
     def render_chat(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text of `messages` through the model's chat template."""
