@@ -130,3 +130,33 @@ def test_keep_swaps_under_the_running_sequences_and_records_the_token_of_each_sw
     assert q.weight_versions == [(0, 1)]  # queued work ran on the new weights only
     assert core.counters.weights_kept == 4 and core.counters.weights_recomputed == 0
     assert core.counters.migrations == 0 and not core.seqs and not core.queue
+
+
+# Regression: a keep swap reported past the tokens the router holds (vLLM counts the tokens its
+# worker sampled; the replica had received fewer, stream_interval holds them back) stayed in
+# weight_versions when the segment ended there (its replica died): the tokens between, made again
+# on the new weights elsewhere, were labelled with the old version.
+def test_a_swap_mark_past_the_tokens_kept_does_not_label_the_continuation_made_elsewhere():
+    core = core_with(("a", "b"))
+    bid, works = started(core)
+    core.update_weights("/ckpt/1", running="keep")
+    report(core, "a", 1.0)  # a takes its keep load
+    # a swapped at its 6th token but had sent only its 4th: the mark comes before tokens 5 and 6
+    report(core, "a", 1.1, [SeqProgress(w.seq_id, w.attempt, [8], None, None, offset=3, swaps=[(6, 1)])
+                            for w in works["a"]], version=1, path="/ckpt/1")
+    core.remove_replica("a", 1.2)  # died: its sequences continue from their 4 tokens
+    report(core, "b", 1.3)  # b takes its keep load
+    cont = report(core, "b", 1.4, version=1, path="/ckpt/1").start
+    assert {w.seq_id for w in cont} == {w.seq_id for w in works["a"]}
+    assert all(w.prompt_token_ids == [1, 2, 7, 7, 7, 8] for w in cont)
+    ends = [SeqProgress(w.seq_id, w.attempt, [6] * 6, None, "length") for w in cont]
+    ends += [SeqProgress(w.seq_id, w.attempt, [5] * 7, None, "length", offset=3, swaps=[(3, 1)])
+             for w in works["b"]]  # b's own, swapped at once
+    report(core, "b", 2.0, ends, version=1, path="/ckpt/1")
+    done, _, finished = core.fetch(bid, 0, 2.1)
+    assert finished and len(done) == 4 and all(len(c.token_ids) == 10 for c in done)
+    for c in done:
+        if c.replicas == ["a", "b"]:  # tokens 0-3 on a (version 0), 4-9 made by b on version 1
+            assert c.weight_versions == [(0, 0), (4, 1)], c.weight_versions
+        else:
+            assert c.weight_versions == [(0, 0), (3, 1)], c.weight_versions

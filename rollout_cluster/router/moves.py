@@ -49,8 +49,14 @@ class SeqMoves:
         seq.segment_cap, seq.segment_start = segment_cap, seq.generated
         seq.give_up_cause = None
         held = self.fleet.replicas[replica_id].weights_version
-        if not seq.weight_versions or seq.weight_versions[-1][1] != held:
-            seq.weight_versions.append((seq.generated, held))
+        wv = seq.weight_versions
+        # A change at or past the tokens kept labels none of them (a keep swap's mark past the tokens
+        # its replica delivered, which are made again here; a segment that made none): this
+        # segment's version starts where its tokens do.
+        while wv and wv[-1][0] >= seq.generated:
+            wv.pop()
+        if not wv or wv[-1][1] != held:
+            wv.append((seq.generated, held))
         # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
         # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
         seq.give_up_pull = seq.delivered_pull = -1
