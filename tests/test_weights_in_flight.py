@@ -160,3 +160,48 @@ def test_a_swap_mark_past_the_tokens_kept_does_not_label_the_continuation_made_e
             assert c.weight_versions == [(0, 0), (4, 1)], c.weight_versions
         else:
             assert c.weight_versions == [(0, 0), (3, 1)], c.weight_versions
+
+
+# Regression: Work a push policy had left in a replica's outbox (assigned at another replica's
+# pull) when the weights changed with "recompute" or "abort" went out with that replica's load and
+# its give-up. The replica loads first and starts work after (EngineMoves.ready_for_work), so the
+# work ran on the new weights until the give-up landed: its tokens (vLLM makes one before the abort
+# finds the request) came back labelled with the old version, and with "abort" it ended as a
+# partial rollout of the old weights that the new ones had made.
+@pytest.mark.parametrize("mode", ["recompute", "abort"])
+def test_work_not_yet_sent_when_the_weights_change_in_flight_runs_on_the_new_weights_only(mode):
+    from test_weights import core_with as weights_core
+
+    core = weights_core(("a", "b"), policy="least-loaded")
+    bid = core.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4), i, 0) for i in range(4)], 0.0)
+    on_a = report(core, "a", 0.1).start
+    assert on_a and core.outbox.get("b") and core.outbox.get("b").start  # b's share waits for b's pull
+    core.update_weights("/ckpt/1", running=mode)
+    pending = {"a": [], "b": []}  # work each replica started on version 1
+    for rid, at in (("a", 0.2), ("b", 0.3)):
+        orders = report(core, rid, at)
+        given_up = set(orders.give_up)
+        # the replica loads, then starts its new work (on the new weights), then gives up: vLLM made
+        # one token of such work before the abort found it; what it ran before ends with none
+        ends = [SeqProgress(w.seq_id, w.attempt, [9], None, "abort") for w in orders.start
+                if (w.seq_id, w.attempt) in given_up]
+        pending[rid] += [w for w in orders.start if (w.seq_id, w.attempt) not in given_up]
+        ends += [SeqProgress(sid, att, [], None, "abort") for sid, att in orders.give_up
+                 if not any(w.seq_id == sid for w in orders.start)]
+        pending[rid] += report(core, rid, at + 0.01, ends, version=1, path="/ckpt/1").start
+    for t in (1.0, 1.1, 1.2):
+        for rid in ("a", "b"):
+            ends = [SeqProgress(w.seq_id, w.attempt, [6] * w.sampling.max_tokens, None, "length")
+                    for w in pending[rid]]
+            pending[rid] = report(core, rid, t, ends, version=1, path="/ckpt/1").start
+    done, _, finished = core.fetch(bid, 0, 2.0)
+    assert finished and len(done) == 4
+    for c in done:
+        # every token made after the update is labelled version 1; none was made before it
+        assert c.weight_versions in ([(0, 1)], [(0, 0)]), (c.replicas, list(c.token_ids), c.weight_versions)
+        if c.weight_versions == [(0, 0)]:  # "abort": a sequence that ran on a before the update ends empty
+            assert mode == "abort" and c.finish_reason == "abort" and list(c.token_ids) == [] and c.replicas == ["a"]
+        else:
+            assert c.finish_reason == "length" and list(c.token_ids) == [6] * 4
+    assert sum(c.weight_versions == [(0, 1)] for c in done) == (4 if mode == "recompute" else 4 - len(on_a))
+    assert not core.seqs and not core.queue

@@ -105,7 +105,20 @@ class SeqMoves:
 
     def give_up_running(self, abort: bool) -> None:
         """An in-flight weights update: every running sequence is given up, to continue on the new
-        weights (its end's cause: weights_update), or, with `abort`, to end as "abort" with its tokens."""
+        weights (its end's cause: weights_update), or, with `abort`, to end as "abort" with its tokens.
+        One whose Work still waits in its replica's outbox never ran: it goes back to the queue, as
+        queued work runs on the new weights. (Sent, it would start after its replica's load, on the
+        new weights, until the give-up landed: their tokens on the old version's segment.)"""
+        for rid in self.outbox.replica_ids():
+            orders = self.outbox[rid]
+            for work in list(orders.start):
+                seq = self.seqs.get(work.seq_id)
+                if (seq is not None and seq.status is SeqStatus.RUNNING and seq.replica == rid
+                        and seq.attempt == work.attempt):
+                    orders.start.remove(work)
+                    del self.fleet.replicas[rid].seqs[seq.seq_id]
+                    seq.status, seq.replica = SeqStatus.QUEUED, None
+                    self.queue.push(seq)
         for seq in self.seqs.values():
             if seq.status is SeqStatus.RUNNING:
                 if abort:
