@@ -17,9 +17,10 @@ from rollout_cluster.serve.pull_loop import PullLoop
 COST = load_profile("h200-1.5b", max_num_seqs=8)
 
 
-# Regression: the Work was labelled with the version its replica held at dispatch, so its
-# Completion said weight_versions == [(0, 0)] although every token came from version 1.
-def test_work_sent_with_a_keep_load_is_labelled_with_the_new_version():
+def run_keep_update_with_work_waiting_for_b(engines: dict):
+    """Two replicas on version 0; a batch that least-loaded splits at a's pull (b's share waits in
+    b's outbox); update_weights(running="keep"); both replicas pull until the batch is done.
+    Returns (the completions, the orders b took)."""
     core = RouterCore(make_policy(PolicyConfig(name="least-loaded"), COST), expected_replicas=2)
     cfg = ClusterConfig(engine=EngineConfig(kind="sim", model="sim"))
     clock = {"t": 0.0}
@@ -30,7 +31,7 @@ def test_work_sent_with_a_keep_load_is_labelled_with_the_new_version():
     async def go():
         loops, taken = {}, {}
         for rid in ("a", "b"):
-            eng = SimEngine(COST, time_scale=1e-4)
+            eng = engines.get(rid, SimEngine)(COST, time_scale=1e-4)
             info = await eng.start()
 
             async def pull(report, rid=rid):
@@ -52,7 +53,7 @@ def test_work_sent_with_a_keep_load_is_labelled_with_the_new_version():
         b_orders = taken["b"][-1]
         assert [c for c in b_orders.control if isinstance(c, LoadWeights)] == [LoadWeights("/ckpt/1", 1, keep=True)]
         assert b_orders.start  # the work goes out with the keep load, and starts after the swap
-        for _ in range(400):
+        for _ in range(800):
             clock["t"] += 0.01
             for rid in ("a", "b"):
                 await loops[rid].step()
@@ -61,11 +62,35 @@ def test_work_sent_with_a_keep_load_is_labelled_with_the_new_version():
             if finished:
                 break
         assert finished
-        return done
+        return done, b_orders
 
-    done = asyncio.run(go())
+    return asyncio.run(go())
+
+
+# Regression: the Work was labelled with the version its replica held at dispatch, so its
+# Completion said weight_versions == [(0, 0)] although every token came from version 1.
+def test_work_sent_with_a_keep_load_is_labelled_with_the_new_version():
+    done, _ = run_keep_update_with_work_waiting_for_b({})
     assert len(done) == 4
     b_done = [c for c in done if c.replicas == ["b"]]
     assert b_done
     for c in b_done:  # started after b swapped to version 1: every token is version 1's
         assert c.weight_versions == [(0, 1)] and c.weights_version == 1, c.weight_versions
+
+
+class RefusingSimEngine(SimEngine):
+    """A replica whose keep load is refused (a bucket that does not fit): its old weights stay."""
+
+    async def load_weights(self, path: str, keep_as=None) -> None:
+        raise ValueError("tensor 'w': shape (3, 3), the served model's is (2, 2)")
+
+
+# Regression: when b's keep load failed, b still started the Work that came with it, on its old
+# weights (version 0), and its Completion said every token was version 1's.
+def test_work_sent_with_a_keep_load_that_fails_does_not_run_on_the_old_weights():
+    done, b_orders = run_keep_update_with_work_waiting_for_b({"b": RefusingSimEngine})
+    assert b_orders.start and len(done) == 4 and all(c.finish_reason == "length" for c in done)
+    b_share = [c for c in done if c.replicas[0] == "b"]
+    assert len(b_share) == len(b_orders.start)
+    for c in b_share:  # b holds version 0 throughout: what is labelled version 1 ran on a
+        assert c.weight_versions == [(0, 1)] and c.replicas[-1] == "a", (c.replicas, c.weight_versions)
