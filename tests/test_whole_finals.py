@@ -349,3 +349,36 @@ def test_chunked_rounds_carry_no_prior_logprobs_and_other_continuations_do():
                                       held=[]), 0.2).start
         assert w2.seq_id == w.seq_id and w2.prompt_token_ids == PROMPT + [1, 2, 3, 4], policy
         assert (None if w2.prior_logprobs is None else list(w2.prior_logprobs)) == want, policy
+
+
+# Regression: a final sent whole (after a failed pull, or asked for again) left out the keep swap
+# (SeqProgress.swaps) its delta carried, so a router that never got that delta labelled the new
+# weights' tokens of the segment with the old version.
+def test_a_final_sent_whole_keeps_the_weights_swap_its_delta_carried():
+    core = router("r1-")
+    bid = core.submit([request()], 0.0)
+    (w,) = core.decide("a", 0.1).start
+
+    async def go():
+        eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
+        eng.engine = ShortAsyncLLM(12)
+        eng.submit(w)
+        await asyncio.sleep(0.03)
+        first = eng.drain()
+        eng.seqs.swapped({f"{w.seq_id}#{w.attempt}": sum(p.num_tokens for p in first)}, 1)  # a keep swap
+        await asyncio.gather(*eng.seqs.tasks.values())
+        return eng, first, eng.drain()
+
+    eng, first, rest = asyncio.run(go())
+    at = sum(p.num_tokens for p in first)
+    (final,) = [p for p in rest if p.finish_reason]
+    assert 0 < at < 12 and final.swaps == [(at, 1)]
+    whole = eng.whole_final(final)  # the pull that carried the deltas after the swap failed
+    assert whole.offset == 0 and whole.swaps == [(at, 1)]
+    eng.report_whole([(w.seq_id, w.attempt)])  # asked for again, whole
+    (again,) = eng.drain()
+    assert again.swaps == [(at, 1)]
+    core.on_report(report(first), 0.2)
+    core.on_report(report([whole]), 0.3)
+    (c,), _, done = core.fetch(bid, 0)
+    assert done and len(c.token_ids) == 12 and c.weight_versions == [(0, 0), (at, 1)]
