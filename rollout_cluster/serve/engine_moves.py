@@ -20,7 +20,7 @@ from typing import Optional
 
 from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
-from ..transfer.buckets import unpack
+from ..transfer.buckets import Manifest, unpack
 from ..transfer.ipc import unpack_ipc
 from ..transfer.push import PUSH_SCHEME
 from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake,
@@ -44,7 +44,10 @@ async def fetched(buckets: tuple):
             if ahead is not None:
                 ahead.cancel()
             raise
-        yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)  # IPC: handles to the trainer's GPU memory
+        if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
+            yield Manifest(bucket["manifest"])
+        else:  # IPC: handles to the trainer's GPU memory
+            yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
 
 
 class EngineMoves:
