@@ -82,33 +82,12 @@ class SeqMoves:
         self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
         self.outbox.to(replica_id).start.append(work)
 
-    def relabel_waiting(self, version: int) -> None:
-        """running="keep": Work still in an outbox goes out in the same reply as its replica's
-        LoadWeights(keep), and the replica starts work only once that load is done, so every token
-        of it is `version`'s (labelled at dispatch with the version its replica held)."""
-        for rid in self.outbox.replica_ids():
-            for work in self.outbox[rid].start:
-                seq = self.seqs.get(work.seq_id)
-                if seq is None or seq.attempt != work.attempt or seq.replica != rid:
-                    continue
-                wv = seq.weight_versions
-                if wv and wv[-1][0] == seq.generated:
-                    wv[-1] = (seq.generated, version)
-                else:
-                    wv.append((seq.generated, version))
-
-    def order_give_up(self, seq: SeqState) -> None:
-        """Tell a running sequence's replica to give it up; its partials come back in a report."""
-        seq.status = SeqStatus.GIVING_UP
-        self.fleet.replicas[seq.replica].seqs.giving_up(seq)  # a RUNNING sequence's replica is live
-        self.outbox.to(seq.replica).give_up.append((seq.seq_id, seq.attempt))
-
-    def give_up_running(self, abort: bool) -> None:
-        """An in-flight weights update: every running sequence is given up, to continue on the new
-        weights (its end's cause: weights_update), or, with `abort`, to end as "abort" with its tokens.
-        One whose Work still waits in its replica's outbox never ran: it goes back to the queue, as
-        queued work runs on the new weights. (Sent, it would start after its replica's load, on the
-        new weights, until the give-up landed: their tokens on the old version's segment.)"""
+    def take_back_unsent(self) -> None:
+        """An in-flight weights update (running=keep/recompute/abort): Work still in an outbox never
+        ran, and goes back to the queue, as queued work runs on the new weights. (Sent, it would go
+        with its replica's load: the replica starts it once the load is done, and waits for that
+        without pulling, its running sequences unreported, past the replica timeout for a long
+        load; with a give-up behind it, it ran on the new weights until the give-up landed.)"""
         for rid in self.outbox.replica_ids():
             orders = self.outbox[rid]
             for work in list(orders.start):
@@ -119,6 +98,17 @@ class SeqMoves:
                     del self.fleet.replicas[rid].seqs[seq.seq_id]
                     seq.status, seq.replica = SeqStatus.QUEUED, None
                     self.queue.push(seq)
+
+    def order_give_up(self, seq: SeqState) -> None:
+        """Tell a running sequence's replica to give it up; its partials come back in a report."""
+        seq.status = SeqStatus.GIVING_UP
+        self.fleet.replicas[seq.replica].seqs.giving_up(seq)  # a RUNNING sequence's replica is live
+        self.outbox.to(seq.replica).give_up.append((seq.seq_id, seq.attempt))
+
+    def give_up_running(self, abort: bool) -> None:
+        """An in-flight weights update: every running sequence is given up, to continue on the new
+        weights (its end's cause: weights_update), or, with `abort`, to end as "abort" with its tokens
+        (after take_back_unsent: only what runs on a replica)."""
         for seq in self.seqs.values():
             if seq.status is SeqStatus.RUNNING:
                 if abort:
