@@ -382,3 +382,24 @@ def test_a_final_sent_whole_keeps_the_weights_swap_its_delta_carried():
     core.on_report(report([whole]), 0.3)
     (c,), _, done = core.fetch(bid, 0)
     assert done and len(c.token_ids) == 12 and c.weight_versions == [(0, 0), (at, 1)]
+
+
+# Regression: a sequence that took over its old segment's output after a router restart had no
+# weight_versions for those tokens ([] when it finished at once), and one whose old segment
+# swapped weights under it (running="keep", SeqProgress.swaps) was taken over as if it had run
+# on one version: adoption takes only a segment that ran on the batch's version throughout.
+def test_a_taken_over_segment_is_labelled_and_one_that_swapped_weights_is_made_again():
+    old = router("r1-")
+    old.submit([request(), request()], 0.0)
+    work = old.decide("a", 0.1).start
+    new = router("r2-")
+    ended = [SeqProgress(w.seq_id, w.attempt, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0,
+                         prompt_token_ids=list(PROMPT), swaps=[(1, 3)] if i else None) for i, w in enumerate(work)]
+    new.on_report(report(ended, held=[]), 1.0)
+    bid = new.submit([request(), request()], 1.5, previous_ids=[w.seq_id for w in work])
+    got, _, _ = new.fetch(bid, 0)
+    assert len(got) == 1 and new.counters.adopted == 1  # the first, taken over and finished
+    (c,) = got
+    assert list(c.token_ids) == [11, 12, 13] and c.weight_versions == [(0, 0)] and c.weights_version == 0
+    (again,) = new.decide("a", 1.6).start  # the second is made again, from its prompt
+    assert again.prompt_token_ids == PROMPT
