@@ -143,3 +143,21 @@ def test_a_slot_whose_file_is_gone_is_refused_not_loaded_as_zeros(tmp_path):
     with pytest.raises(FileNotFoundError, match="not mapped in this worker"):
         loader.rc_tensors_load(header, gone, slot=("s1", 16))
     assert not (tmp_path / "rollout-slot-gone").exists()
+
+
+# Regression: a load whose first bucket failed in the worker put the slot it had written the next
+# bucket into back in the pool, its /dev/shm file still there (the worker never mapped it, so
+# nothing unlinked it); the failure breaks the engine, the replica restarts, and nothing ever
+# closes the pool: the file stayed in /dev/shm, a bucket's size of memory, after the process.
+def test_a_slot_the_worker_never_mapped_leaves_no_file_when_the_load_fails():
+    eng = Engine()
+
+    def broken(weights):
+        raise RuntimeError("worker failed")
+
+    eng.worker.rec.load = broken
+    with pytest.raises(Exception, match="worker failed"):
+        asyncio.run(load_into(eng, buckets(1.0), None))
+    assert not slot_files()  # the process may end now (a broken engine restarts): nothing left behind
+    slots = weight_loader._SLOTS[eng]
+    assert not slots.used and all(s.shared for s in slots.free)

@@ -349,3 +349,57 @@ def test_chunked_rounds_carry_no_prior_logprobs_and_other_continuations_do():
                                       held=[]), 0.2).start
         assert w2.seq_id == w.seq_id and w2.prompt_token_ids == PROMPT + [1, 2, 3, 4], policy
         assert (None if w2.prior_logprobs is None else list(w2.prior_logprobs)) == want, policy
+
+
+# Regression: a final sent whole (after a failed pull, or asked for again) left out the keep swap
+# (SeqProgress.swaps) its delta carried, so a router that never got that delta labelled the new
+# weights' tokens of the segment with the old version.
+def test_a_final_sent_whole_keeps_the_weights_swap_its_delta_carried():
+    core = router("r1-")
+    bid = core.submit([request()], 0.0)
+    (w,) = core.decide("a", 0.1).start
+
+    async def go():
+        eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
+        eng.engine = ShortAsyncLLM(12)
+        eng.submit(w)
+        await asyncio.sleep(0.03)
+        first = eng.drain()
+        eng.seqs.swapped({f"{w.seq_id}#{w.attempt}": sum(p.num_tokens for p in first)}, 1)  # a keep swap
+        await asyncio.gather(*eng.seqs.tasks.values())
+        return eng, first, eng.drain()
+
+    eng, first, rest = asyncio.run(go())
+    at = sum(p.num_tokens for p in first)
+    (final,) = [p for p in rest if p.finish_reason]
+    assert 0 < at < 12 and final.swaps == [(at, 1)]
+    whole = eng.whole_final(final)  # the pull that carried the deltas after the swap failed
+    assert whole.offset == 0 and whole.swaps == [(at, 1)]
+    eng.report_whole([(w.seq_id, w.attempt)])  # asked for again, whole
+    (again,) = eng.drain()
+    assert again.swaps == [(at, 1)]
+    core.on_report(report(first), 0.2)
+    core.on_report(report([whole]), 0.3)
+    (c,), _, done = core.fetch(bid, 0)
+    assert done and len(c.token_ids) == 12 and c.weight_versions == [(0, 0), (at, 1)]
+
+
+# Regression: a sequence that took over its old segment's output after a router restart had no
+# weight_versions for those tokens ([] when it finished at once), and one whose old segment
+# swapped weights under it (running="keep", SeqProgress.swaps) was taken over as if it had run
+# on one version: adoption takes only a segment that ran on the batch's version throughout.
+def test_a_taken_over_segment_is_labelled_and_one_that_swapped_weights_is_made_again():
+    old = router("r1-")
+    old.submit([request(), request()], 0.0)
+    work = old.decide("a", 0.1).start
+    new = router("r2-")
+    ended = [SeqProgress(w.seq_id, w.attempt, [11, 12, 13], [-1.0, -2.0, -3.0], "stop", offset=0,
+                         prompt_token_ids=list(PROMPT), swaps=[(1, 3)] if i else None) for i, w in enumerate(work)]
+    new.on_report(report(ended, held=[]), 1.0)
+    bid = new.submit([request(), request()], 1.5, previous_ids=[w.seq_id for w in work])
+    got, _, _ = new.fetch(bid, 0)
+    assert len(got) == 1 and new.counters.adopted == 1  # the first, taken over and finished
+    (c,) = got
+    assert list(c.token_ids) == [11, 12, 13] and c.weight_versions == [(0, 0)] and c.weights_version == 0
+    (again,) = new.decide("a", 1.6).start  # the second is made again, from its prompt
+    assert again.prompt_token_ids == PROMPT

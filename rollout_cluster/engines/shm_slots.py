@@ -83,9 +83,11 @@ class Slots:
         return slot
 
     def give(self, slot: Slot, ok: bool) -> None:
-        """Back to the pool after the worker loaded it; after a failure it is dropped."""
+        """Back to the pool after the worker loaded it; after a failure it is dropped, and so is
+        one the worker never mapped (a load that failed before sending it): its file is still in
+        /dev/shm, and a pool nobody closes (a broken engine's replica restarts) would leave it."""
         self.used.pop(slot.id, None)
-        if not ok:
+        if not ok or not slot.shared:
             slot.close()
             return
         self.free.append(slot)

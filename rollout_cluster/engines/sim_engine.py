@@ -86,10 +86,12 @@ class SimEngine(EngineAdapter):
     async def load_tensors(self, buckets, keep_as=None) -> int:
         """No weights here either: it counts the tensors (iterating the buckets, as vLLM would)
         and drops its cache as a load does."""
+        from ..transfer.buckets import is_manifest
+
         names = []
         if hasattr(buckets, "__aiter__"):
             async for bucket in buckets:
-                names += [name for name, _ in bucket]
+                names += [] if is_manifest(bucket) else [name for name, _ in bucket]  # (a push's manifest)
         else:
             names = [name for bucket in buckets for name, _ in bucket]
         self.tensors_loaded = n = len(names)

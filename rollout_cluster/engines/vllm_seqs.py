@@ -36,8 +36,8 @@ class VllmSeqs:
         self.salt_version = None
         self.aborted: set = set()
         self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
-        # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason):
-        # whole_final, and report_whole of an attempt that ended
+        # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason,
+        # swaps): whole_final, and report_whole of an attempt that ended
         self.ended_whole: dict = {}
         self.pending: list = []
         self.ended = 0
@@ -99,7 +99,7 @@ class VllmSeqs:
                         self.pending.append(self._whole(work, made, made_lps, reason, self.swaps.get(key)))
                     else:
                         if reason:
-                            self.ended_whole[key] = (work, made, made_lps, reason)
+                            self.ended_whole[key] = (work, made, made_lps, reason, self.swaps.get(key))
                         self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
                                                         cached_tokens=hit, offset=produced,
                                                         swaps=self.swaps.get(key)))
@@ -128,7 +128,7 @@ class VllmSeqs:
         if key in self.whole:
             self.pending.append(self._whole(work, made, made_lps, "abort", self.swaps.get(key)))
         else:
-            self.ended_whole[key] = (work, made, made_lps, "abort")
+            self.ended_whole[key] = (work, made, made_lps, "abort", self.swaps.get(key))
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced,
                                             swaps=self.swaps.get(key)))
         self.ended += 1
@@ -153,7 +153,8 @@ class VllmSeqs:
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
         if kept is None or p.prompt_token_ids is not None:
             return p
-        whole = self._whole(*kept[:3], p.finish_reason)
+        work, made, made_lps, _, swaps = kept
+        whole = self._whole(work, made, made_lps, p.finish_reason, swaps)
         whole.cached_tokens = p.cached_tokens
         return whole
 

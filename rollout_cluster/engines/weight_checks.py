@@ -158,6 +158,15 @@ class BucketCheck:
         return len(self.seen)
 
 
+def check_ahead(manifest, spec: dict | None) -> None:
+    """A push's manifest (transfer/buckets.Manifest), before the engine takes its first bucket:
+    every tensor it announces checked as the bucket itself will be, and none left out."""
+    check = BucketCheck(spec)
+    for bucket in manifest.meta_buckets():
+        check.bucket(bucket)
+    check.finish()
+
+
 def _tied_hint(name: str, spec: dict) -> str:
     """Why a model with tied embeddings has no `lm_head.weight`: state_dict() yields the tied
     tensor under both names, its checkpoint (and named_parameters()) once."""

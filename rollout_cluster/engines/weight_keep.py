@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 
+from ..transfer.buckets import is_manifest
 from ..transfer.ipc import is_ipc
-from .weight_checks import BucketCheck
+from .weight_checks import BucketCheck, check_ahead
 from .weight_digest import DigestWorker
 from .bucket_files import map_shm, write_bucket
 from .worker_loader import TensorLoader
@@ -75,6 +76,9 @@ async def swap_into(engine, buckets, spec: dict | None) -> dict:
     check = BucketCheck(spec)
     try:
         async for bucket in _each(buckets):
+            if is_manifest(bucket):  # a push's manifest: refused before a bucket is staged
+                check_ahead(bucket, spec)
+                continue
             if is_ipc(bucket):
                 raise ValueError("running='keep' cannot take a push by CUDA IPC (the swap stages copies "
                                  "while the engine runs on): push with running='finish' or transport='object_store'")

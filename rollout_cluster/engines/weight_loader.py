@@ -22,7 +22,7 @@ import weakref
 
 from ..transfer.trace import mark
 from .bucket_files import SHM_DIR, layout, pack_bucket, write_bucket
-from .weight_checks import BucketCheck
+from .weight_checks import BucketCheck, check_ahead
 
 _SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its shm_slots.Slots
 
@@ -50,7 +50,8 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
     """Load `buckets` into the running AsyncLLM `engine` (started with worker_extension_cls=weight_keep.EXTENSION).
 
     A list of buckets is checked whole before the engine is touched: a refusal leaves the old
-    weights. An iterator (buckets still arriving) is checked bucket by bucket: a refusal after the
+    weights. So is an iterator (buckets still arriving) that brings a push's manifest first
+    (transfer/buckets.Manifest); without one it is checked bucket by bucket: a refusal after the
     first bucket went in, like any failure inside vLLM, leaves a mix and raises WeightsLoadBroken.
     `transport`: "shm" (reused /dev/shm slots, shm_slots.py, falling back to "bytes" where /dev/shm
     cannot take a bucket), "file" (a new /dev/shm file per bucket) or "bytes" (the buffer inside
@@ -58,6 +59,7 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
     worker opens the trainer's tensors on its GPU. Returns the number of tensors."""
     import asyncio
 
+    from ..transfer.buckets import is_manifest
     from ..transfer.ipc import hold_lease, is_ipc
     from .base import WeightsLoadBroken
 
@@ -74,6 +76,10 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
     mark("load_start")
     try:
         async for bucket in _each(buckets):
+            if is_manifest(bucket):  # the whole push, ahead of its buckets: refused before any goes in
+                if not started:
+                    check_ahead(bucket, spec)
+                continue
             mark("bucket_here")
             if not checked:
                 check.bucket(bucket)

@@ -8,8 +8,9 @@ that output for ORPHAN_KEEP_S, by the old sequence id. A resubmitted sequence na
 (`previous_ids`), and takes the output over: it continues from it as after a migration
 (prompt + partial), or finishes at once if the segment had ended. Its Completion records the
 take-over as a Migration with reason "router_restart". Taken only when it is exact: the segment
-ran on the batch's weights version, its prompt starts with the request's, and the logprobs asked
-for are all there. Otherwise the sequence is generated again from its prompt, as before.
+ran on the batch's weights version throughout (no keep swap under it; its tokens are labelled with
+that version), its prompt starts with the request's, and the logprobs asked for are all there.
+Otherwise the sequence is generated again from its prompt, as before.
 """
 from __future__ import annotations
 
@@ -46,12 +47,14 @@ class OrphanOutput:
     finish_reason: str
     t: float
     prior_logprobs: Optional[array] = None  # of the prompt's generated tail (a continuation's earlier segments)
+    swapped: bool = False  # weights were swapped under it (running="keep"): it did not run on one version
 
     @classmethod
     def of(cls, rep: ReplicaState, p: SeqProgress, now: float) -> "OrphanOutput":
         return cls(rep.replica_id, rep.weights_version, p.attempt, array("i", p.prompt_token_ids),
                    array("i", p.token_ids), None if p.logprobs is None else array("d", p.logprobs),
-                   p.finish_reason, now, None if p.prior_logprobs is None else array("d", p.prior_logprobs))
+                   p.finish_reason, now, None if p.prior_logprobs is None else array("d", p.prior_logprobs),
+                   bool(p.swaps))
 
 
 class AdoptionHost(Protocol):
@@ -172,7 +175,7 @@ class OrphanAdoption:
             return False
         req = seq.request
         version = self.host.batch_version(seq.batch_id)
-        if version is None or out.weights_version != version or req.prompt_token_ids is None:
+        if version is None or out.weights_version != version or out.swapped or req.prompt_token_ids is None:
             return False
         prompt = req.prompt_token_ids
         if out.prompt_token_ids[:len(prompt)].tolist() != prompt:
@@ -190,6 +193,7 @@ class OrphanAdoption:
         seq.token_ids = tokens
         seq.logprobs = ((out.prior_logprobs + out.logprobs) if earlier else out.logprobs) if wants_logprobs else None
         seq.generated = len(tokens)
+        seq.weight_versions = [(seq.resumed, version)]  # what it took over ran on the batch's version
         seq.replicas.append(out.replica_id)
         seq.migrations.append(Migration(out.replica_id, None, seq.generated, now - seq.submitted_t, "router_restart"))
         self.counters.adopted += 1

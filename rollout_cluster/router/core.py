@@ -215,10 +215,10 @@ class RouterCore:
             raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
         in_flight = running != "finish"
         v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep")
-        if running == "keep":
-            self.moves.relabel_waiting(v)  # Work not yet sent starts after the swap
-        elif in_flight:
-            self.moves.give_up_running(abort=running == "abort")
+        if in_flight:
+            self.moves.take_back_unsent()  # Work still in an outbox runs on the new weights, as queued work
+            if running != "keep":
+                self.moves.give_up_running(abort=running == "abort")
         return v
 
     def sleep_fleet(self, level: int = 1) -> int:

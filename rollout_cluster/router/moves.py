@@ -49,8 +49,14 @@ class SeqMoves:
         seq.segment_cap, seq.segment_start = segment_cap, seq.generated
         seq.give_up_cause = None
         held = self.fleet.replicas[replica_id].weights_version
-        if not seq.weight_versions or seq.weight_versions[-1][1] != held:
-            seq.weight_versions.append((seq.generated, held))
+        wv = seq.weight_versions
+        # A change at or past the tokens kept labels none of them (a keep swap's mark past the tokens
+        # its replica delivered, which are made again here; a segment that made none): this
+        # segment's version starts where its tokens do.
+        while wv and wv[-1][0] >= seq.generated:
+            wv.pop()
+        if not wv or wv[-1][1] != held:
+            wv.append((seq.generated, held))
         # A new attempt: neither its Work nor a give-up has gone out yet (a pull number left from an
         # earlier attempt would have the next listing take this Work, still in the outbox, for lost).
         seq.give_up_pull = seq.delivered_pull = -1
@@ -76,20 +82,22 @@ class SeqMoves:
         self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
         self.outbox.to(replica_id).start.append(work)
 
-    def relabel_waiting(self, version: int) -> None:
-        """running="keep": Work still in an outbox goes out in the same reply as its replica's
-        LoadWeights(keep), and the replica starts work only once that load is done, so every token
-        of it is `version`'s (labelled at dispatch with the version its replica held)."""
+    def take_back_unsent(self) -> None:
+        """An in-flight weights update (running=keep/recompute/abort): Work still in an outbox never
+        ran, and goes back to the queue, as queued work runs on the new weights. (Sent, it would go
+        with its replica's load: the replica starts it once the load is done, and waits for that
+        without pulling, its running sequences unreported, past the replica timeout for a long
+        load; with a give-up behind it, it ran on the new weights until the give-up landed.)"""
         for rid in self.outbox.replica_ids():
-            for work in self.outbox[rid].start:
+            orders = self.outbox[rid]
+            for work in list(orders.start):
                 seq = self.seqs.get(work.seq_id)
-                if seq is None or seq.attempt != work.attempt or seq.replica != rid:
-                    continue
-                wv = seq.weight_versions
-                if wv and wv[-1][0] == seq.generated:
-                    wv[-1] = (seq.generated, version)
-                else:
-                    wv.append((seq.generated, version))
+                if (seq is not None and seq.status is SeqStatus.RUNNING and seq.replica == rid
+                        and seq.attempt == work.attempt):
+                    orders.start.remove(work)
+                    del self.fleet.replicas[rid].seqs[seq.seq_id]
+                    seq.status, seq.replica = SeqStatus.QUEUED, None
+                    self.queue.push(seq)
 
     def order_give_up(self, seq: SeqState) -> None:
         """Tell a running sequence's replica to give it up; its partials come back in a report."""
@@ -99,7 +107,8 @@ class SeqMoves:
 
     def give_up_running(self, abort: bool) -> None:
         """An in-flight weights update: every running sequence is given up, to continue on the new
-        weights (its end's cause: weights_update), or, with `abort`, to end as "abort" with its tokens."""
+        weights (its end's cause: weights_update), or, with `abort`, to end as "abort" with its tokens
+        (after take_back_unsent: only what runs on a replica)."""
         for seq in self.seqs.values():
             if seq.status is SeqStatus.RUNNING:
                 if abort:

@@ -20,7 +20,7 @@ from typing import Optional
 
 from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
-from ..transfer.buckets import unpack
+from ..transfer.buckets import Manifest, unpack
 from ..transfer.ipc import unpack_ipc
 from ..transfer.push import PUSH_SCHEME
 from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake,
@@ -44,7 +44,10 @@ async def fetched(buckets: tuple):
             if ahead is not None:
                 ahead.cancel()
             raise
-        yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)  # IPC: handles to the trainer's GPU memory
+        if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
+            yield Manifest(bucket["manifest"])
+        else:  # IPC: handles to the trainer's GPU memory
+            yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
 
 
 class EngineMoves:
@@ -88,12 +91,17 @@ class EngineMoves:
         """Wait for the moves under way: work never starts beside them. (The router sends no work
         while a move runs, as far as it knows; but a wake that came while the engine still went to
         sleep reports (0, 0), as an awake replica does.) False when they left no engine awake with
-        its weights (a deep wake's reload failed, say): run nothing; the next listing lacks that
-        work, and the router sends it elsewhere. With no move under way, True."""
+        its weights (a deep wake's reload failed, say), or when the load it waited for failed: work
+        sent with a load (running="keep") is labelled with that load's version, and the engine
+        still holds the old one. Then run nothing; the next listing lacks that work, and the router
+        sends it elsewhere. With no move under way, True."""
         moves = self.in_progress()
         if not moves:
             return True
+        loading = self.loading[0] if self.loading else None
         await asyncio.gather(*moves, return_exceptions=True)
+        if loading is not None and self.weights_version != loading:
+            return False
         return not (self.sleep_level or self.sleep_error or self.broken or self.sleep_goal)
 
     def states(self) -> tuple[WeightsState, SleepState]:

@@ -8,10 +8,14 @@ node maps them from the object store without a copy):
   data:   one uint8 numpy array per tensor, its bytes (bfloat16 has no numpy type: bytes travel);
           a bucket pushed by CUDA IPC carries handles instead (ipc.py).
 Buckets hold about `bucket_bytes` each (a tensor larger than that is a bucket of its own), so a
-receiver loads one bucket while the next one travels, and no message holds a whole model.
+receiver loads one bucket while the next one travels, and no message holds a whole model. A push
+sends one more object ahead of them, its manifest ({"manifest": [each bucket's names, dtypes and
+shapes]}): a replica checks the whole push against the served model before its engine takes the
+first bucket, since a refusal after that would leave a mix of two models.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -74,6 +78,43 @@ def unpack(bucket: dict) -> list:
             flat = torch.from_numpy(data)
         out.append((name, flat.view(torch_dtype).reshape(shape) if len(data) else torch.empty(shape, dtype=torch_dtype)))
     return out
+
+
+def header(bucket: dict) -> dict:
+    """A bucket's names, dtypes and shapes (no bytes): its entry in the push's manifest."""
+    return {k: bucket[k] for k in ("names", "dtypes", "shapes")}
+
+
+def manifest(headers: list) -> dict:
+    """The object a push sends ahead of its buckets: each one's `header`, in order."""
+    return {"manifest": headers}
+
+
+@dataclass
+class Manifest:
+    """A push's manifest at the replica (the first object fetched): what every bucket holds."""
+
+    headers: list  # one {"names", "dtypes", "shapes"} per bucket, in the buckets' order
+
+    def meta_buckets(self) -> list:
+        """Each bucket as (name, meta tensor) pairs, which weight_checks.BucketCheck checks as it
+        checks the bucket itself (no memory: meta tensors)."""
+        import torch
+
+        out = []
+        for header in self.headers:
+            bucket = []
+            for name, dtype, shape in zip(header["names"], header["dtypes"], header["shapes"]):
+                torch_dtype = getattr(torch, dtype, None)
+                if not isinstance(torch_dtype, torch.dtype):
+                    raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+                bucket.append((name, torch.empty(shape, dtype=torch_dtype, device="meta")))
+            out.append(bucket)
+        return out
+
+
+def is_manifest(bucket) -> bool:
+    return isinstance(bucket, Manifest)
 
 
 def bucket_bytes_of(bucket: dict) -> int:

@@ -2,8 +2,9 @@
 to the router naming them, then the same wait as update_weights.
 
 The design (docs/architecture.md, "Weights without a filesystem"): the trainer `ray.put`s each
-bucket once; the router sends the buckets' handles with every LoadWeights of the version, to the
-replicas that hold the fleet now and to any that join later; each replica fetches the buckets
+bucket once (and its manifest ahead of them: buckets.py); the router sends the buckets' handles
+with every LoadWeights of the version, to the replicas that hold the fleet now and to any that
+join later; each replica fetches the buckets
 (Ray's object manager moves each one to its node once, from any node that has it) and loads them
 in place, one bucket while the next travels (engines/weight_loader.py). The trainer holds no
 communicator of fixed size: the fleet may grow and shrink during a push. The trainer's process
@@ -14,27 +15,29 @@ from __future__ import annotations
 import uuid
 from typing import Iterable, Optional
 
-from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, pack
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
 
 
 def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None) -> tuple:
-    """(object refs of the buckets, tensors, bytes): every bucket in the object store. With `ipc`
-    (an ipc.IpcHold), the buckets hold CUDA IPC handles of the tensors, not their bytes."""
+    """(object refs of the push's manifest and then its buckets, tensors, bytes): all in the object
+    store. With `ipc` (an ipc.IpcHold), the buckets hold CUDA IPC handles of the tensors, not their
+    bytes. The manifest goes first, so that a replica checks every tensor before it loads one."""
     import ray
 
-    refs, tensors, nbytes = [], 0, 0
+    refs, headers, tensors, nbytes = [], [], 0, 0
     mark("put_start")
     for bucket in (ipc.buckets(named_tensors, bucket_bytes) if ipc is not None else pack(named_tensors, bucket_bytes)):
         refs.append(ray.put(bucket))
         mark("put_bucket", i=len(refs) - 1, bytes=bucket_bytes_of(bucket))
+        headers.append(header(bucket))  # (not the bucket: its bytes go once they are in the store)
         tensors += len(bucket["names"])
         nbytes += bucket_bytes_of(bucket)
     if not refs:
         raise ValueError("named_tensors: no tensors to push")
-    return refs, tensors, nbytes
+    return [ray.put(manifest(headers))] + refs, tensors, nbytes
 
 
 def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
