@@ -61,3 +61,37 @@ def test_the_simulated_engine_marks_a_keep_swap_at_each_running_sequences_token(
     made, marks = asyncio.run(go())
     assert set(marks) == {"s0", "s1"} and all(m[0][1] == 7 and m[0][0] >= made[s] for s, m in marks.items())
     assert all(0 < made[s] and len(m) == 1 for s, m in marks.items())
+
+
+def test_a_checkpoints_buckets_are_read_off_the_event_loop():
+    """Regression: update_weights(running="keep") read each bucket of the checkpoint
+    (checkpoint_buckets: up to 256 MiB of tensors from disk) on the replica's event loop, holding its
+    pulls and reports for as long as each read took. A bucket iterator's next bucket is now made in
+    a thread (weight_loader._each): the loop's other tasks run while a bucket is read."""
+    import asyncio
+    import time
+
+    from rollout_cluster.engines.weight_loader import _each
+
+    def slow_buckets():
+        for i in range(3):
+            time.sleep(0.3)  # a bucket's read from disk
+            yield [(f"w{i}", torch.zeros(1))]
+
+    async def main():
+        ticks, got = [], []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        tick = asyncio.ensure_future(ticker())
+        async for b in _each(slow_buckets()):
+            got.append(b[0][0])
+        tick.cancel()
+        return got, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+    got, worst_gap = asyncio.run(main())
+    assert got == ["w0", "w1", "w2"]
+    assert worst_gap < 0.2  # on the loop: each 0.3 s read was a 0.3 s gap

@@ -17,6 +17,7 @@ worker opens the trainer's tensors on its GPU (`rc_tensors_load_ipc`).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import weakref
 
@@ -28,11 +29,18 @@ _SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> i
 
 
 async def _each(buckets):
+    """The buckets of a list, an iterator or an async iterator. An iterator's next bucket is made
+    in a thread: a checkpoint's (weight_keep.checkpoint_buckets) reads up to a bucket of tensors
+    from disk, which on the event loop held the replica's pulls and reports for each bucket."""
     if hasattr(buckets, "__aiter__"):
         async for b in buckets:
             yield b
-    else:
+    elif isinstance(buckets, (list, tuple)):
         for b in buckets:
+            yield b
+    else:
+        it, end = iter(buckets), object()
+        while (b := await asyncio.to_thread(next, it, end)) is not end:
             yield b
 
 
