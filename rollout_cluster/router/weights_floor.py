@@ -28,6 +28,9 @@ from ..protocol import WeightsState, WeightsNotLearned
 
 
 class VersionFloor:
+    """The floor under the next weights version, and whether a fresh router may number one yet.
+    Held by FleetWeights; RouterCore passes the clock in (`began`), control.py asks `check_heard`."""
+
     def __init__(self):
         self.highest = 0  # the highest version a replica reported (held, loading, noted or failed); 0: none
         self.highest_how = ""  # who reported it and how ("replica b loads it"), for refusals
