@@ -38,7 +38,8 @@ runs waits for it. A seeded random.Random injects, per case:
   and wake_fleet in random orders, waiting for them to settle as RolloutClient does, but for an
   update one time in three not, and for a sleep or a wake one time in five (the next batch then
   goes in while the replicas load or move), a new update when a load failed (or when a restarted
-  router took an older version: RolloutClient raises "replaced meanwhile"); an update_weights and
+  router took an older version: RolloutClient raises "replaced meanwhile"; a new router refuses
+  an update until it heard every replica, and the driver asks again); an update_weights and
   a sleep_fleet tried while a batch runs; a load that takes virtual time, fails (sometimes leaving
   the engine broken: Serve restarts the replica), a replica restarting while it loads or sleeps,
   a replica joining while the fleet sleeps; (with restarts) a router restart at a random time,
@@ -134,7 +135,7 @@ from rollout_cluster.router.core import NoLiveReplicaError, RouterCore
 from rollout_cluster.router.state import SeqStatus
 from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, LoadWeights, ModelInfo,
                                       NoteWeights, Orders, Report, SamplingSpec, SeqProgress, SequenceRequest, Sleep,
-                                      SleepState, Wake, WeightsState)
+                                      SleepState, Wake, WeightsNotLearned, WeightsState)
 
 VOCAB = 4093  # prime, above any run's length (a repeat is never a full period); runs still wrap around it
 WEIGHTS_SHIFT = 1013  # a run made with weights version v is shifted by v x this (mod VOCAB)
@@ -1082,9 +1083,10 @@ class Chaos:
             self.seen["submit refused: no replica holds the weights"] += 1
             try:
                 self.driver_version = self._order(core, "weights", core.update_weights,
-                                                  f"/ckpt/{core.weights.version + 1}")
+                                                  f"/ckpt/{core.weights.floor.lowest_next(core.weights.version)}",
+                                                  now=t)
             except RuntimeError:
-                pass  # another batch runs, or the last update still loads
+                pass  # another batch runs, the last update still loads, or a new router has not heard its fleet
             return self.schedule(t + 0.5, self._submit, b)
         except RuntimeError as e:
             if "still load weights version" in str(e):  # a restarted router waits for the loads to end
@@ -1165,6 +1167,9 @@ class Chaos:
             self.action_t0 = t
         try:
             done = self._act(t, action)
+        except WeightsNotLearned:  # a new router has not heard every replica yet: RolloutClient asks again
+            self.seen["update refused: a new router has not heard its fleet"] += 1
+            done = False
         except RuntimeError as e:  # the last update still loads somewhere: RolloutClient's caller waits
             assert "still loading" in str(e), e
             self.seen["control refused while loading"] += 1
@@ -1180,8 +1185,9 @@ class Chaos:
     def _act(self, t: float, action: tuple) -> bool:
         core, kind = self.core, action[0]
         if kind == "update":
-            v, asleep = max(action[1], core.weights.version + 1), core.sleep.level
-            self.driver_version = self._order(core, "weights", core.update_weights, f"/ckpt/{v}", v)
+            # (a version at or below one a replica reported is refused: the driver asks above it)
+            v, asleep = max(action[1], core.weights.floor.lowest_next(core.weights.version)), core.sleep.level
+            self.driver_version = self._order(core, "weights", core.update_weights, f"/ckpt/{v}", v, now=t)
             self.seen["update asleep" if asleep else "update"] += 1
         elif kind == "sleep":
             self.want_level = self._order(core, "sleep", core.sleep_fleet, action[1])
@@ -1258,7 +1264,7 @@ class Chaos:
             return
         before = (core.weights.version, core.weights.path, core.sleep.level, dict(core.outbox.orders))
         with pytest.raises(RuntimeError, match="unfinished"):
-            core.update_weights("/ckpt/mid-batch", core.weights.version + 1)
+            core.update_weights("/ckpt/mid-batch", now=t)
         with pytest.raises(RuntimeError, match="unfinished"):
             core.sleep_fleet(self.rng.choice((1, 2)))
         assert (core.weights.version, core.weights.path, core.sleep.level, dict(core.outbox.orders)) == before
@@ -1270,9 +1276,10 @@ class Chaos:
         try:
             if core.weights.errors:
                 self.driver_version = self._order(core, "weights", core.update_weights,
-                                                  f"/ckpt/{core.weights.version + 1}")
+                                                  f"/ckpt/{core.weights.floor.lowest_next(core.weights.version)}",
+                                                  now=t)
         except RuntimeError as e:
-            assert "still loading" in str(e), e
+            assert "still loading" in str(e) or isinstance(e, WeightsNotLearned), e
             return self.schedule(t + 0.3, self._converge)
         if core.sleep.level or core.sleep.errors:
             self._order(core, "sleep", core.wake_fleet)
@@ -1609,6 +1616,7 @@ def test_the_faults_happen():
               "router restarted asleep", "batch lost with its router", "router restarted while loading",
               "router restarted on a fleet that disagrees on the weights", "router restarted mid-move",
               "submitted while loading", "a restarted router took an older version",
+              "update refused: a new router has not heard its fleet",
               "old router's attempt given up as an orphan",
               "a final sent whole after a failed pull, its known part dropped",
               "a resubmitted sequence took its old segment's output over",

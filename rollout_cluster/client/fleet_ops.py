@@ -13,10 +13,11 @@ import os
 import time
 from typing import Callable, Optional
 
-from ..protocol import InputError, is_int
+from ..protocol import InputError, WeightsNotLearned, is_int
 
 log = logging.getLogger(__name__)
 REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
+NUMBER_RETRY_S = 0.5  # a weights order a new router refused (WeightsNotLearned) is asked again this often
 
 
 def wait_until(probe: Callable[[], object], settled: Callable[[object], object], deadline: float,
@@ -60,11 +61,27 @@ def before_update(client, running: str, deadline: float) -> None:
                    lambda st: None)
 
 
+def numbered(order: Callable[[], int], deadline: float) -> int:
+    """order() (a weights order, signed anew at each call) until the router numbers it: a new or
+    restarted router refuses one (WeightsNotLearned, nothing changed) until it has heard every
+    replica's weights, at most router.replica_timeout_s. Past `deadline` its refusal is raised."""
+    while True:
+        try:
+            return order()
+        except WeightsNotLearned as e:
+            if time.monotonic() + NUMBER_RETRY_S > deadline:
+                raise
+            log.info("%s", e)
+            time.sleep(NUMBER_RETRY_S)
+
+
 def update_weights(client, path: str, version: Optional[int], timeout_s: float, running: str = "finish") -> int:
-    before_update(client, running, time.monotonic() + timeout_s)
+    deadline = time.monotonic() + timeout_s
+    before_update(client, running, deadline)
     # absolute: the router checks it against security.checkpoint_roots, the replicas load it
     path = os.path.abspath(path) if isinstance(path, str) and path else path
-    v = client.router.update_weights.remote(path, version, running).result(timeout_s=client.call_timeout_s)
+    v = numbered(lambda: client.router.update_weights.remote(path, version, running).result(
+        timeout_s=client.call_timeout_s), deadline)
     return wait_for_version(client, v, repr(path), "update_weights", timeout_s)
 
 
@@ -82,9 +99,10 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
                                "the engines open the trainer's tensors while this call holds them")
         hold = IpcHold.start()
     try:
-        before_update(client, running, time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        before_update(client, running, deadline)
         v, source, _ = push(client.router.handle, client.router.signer, named_tensors, version, bucket_bytes,
-                            client.call_timeout_s, running, hold)
+                            client.call_timeout_s, running, hold, until_numbered=lambda send: numbered(send, deadline))
         return wait_for_version(client, v, source, "push_weights", timeout_s)
     finally:  # every replica loaded or failed (or the wait gave up): the handles close
         if hold is not None and not hold.release(timeout_s):

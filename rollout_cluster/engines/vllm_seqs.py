@@ -1,7 +1,8 @@
 """VllmSeqs: the sequences VllmEngine runs in vLLM's AsyncLLM, and their reports. Part of
 VllmEngine (vllm_engine.py), so it imports vllm.
 
-It owns everything per attempt: the request's task, its context, the weights swapped under it,
+It owns everything per attempt: the request's task, its context, the weights swapped under it
+(and the fence that holds its outputs while a swap is applied, cutting them if the swap broke),
 whether it was given up or its final goes whole, and the reports not yet drained (with the step
 time and decode rate measured from them). The AsyncLLM stays the VllmEngine's (`engine`), which
 starts it and which tests hand a fake one.
@@ -34,6 +35,13 @@ class VllmSeqs:
         # cache, which vLLM cannot reset while they run: requests then carry the version in their
         # cache salt, so that no later request reuses a block of other weights.
         self.salt_version = None
+        # While a keep swap is applied (swap_into): the attempts that ran when it began, which take
+        # in nothing vLLM makes from then until `fence_open` is set; then, if the swap broke the
+        # weights, they are in `cut`: nothing more of theirs is kept, they end as "abort" at the
+        # tokens they had (close_fence, open_fence, cut_fence).
+        self.fenced: frozenset = frozenset()
+        self.fence_open = asyncio.Event()
+        self.cut: set = set()
         self.aborted: set = set()
         self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
         # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason,
@@ -77,6 +85,10 @@ class VllmSeqs:
                     # abort found nothing to stop. Now it has it.
                     await self.engine.abort([rid])
                 first = False
+                if key in self.fenced:  # a keep swap is applied under it: nothing of it until it is whole
+                    await self.fence_open.wait()
+                if key in self.cut:  # ... and it broke the weights: this output and all after are dropped
+                    continue
                 o = out.outputs[0]
                 toks = list(o.token_ids)
                 reason = None
@@ -112,6 +124,9 @@ class VllmSeqs:
             if self._engine_died(e):  # not the sequence's fault: no final, it continues elsewhere
                 self._mark_dead(e)
                 return
+            if key in self.cut:  # its weights broke (cut_fence): handed back at the tokens it had
+                self._abort_final(work, key, made, made_lps, produced)
+                return
             log.warning("request %s failed: %s", rid, e)
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "error",
                                             error=f"engine: {type(e).__name__}: {e}"))
@@ -123,6 +138,7 @@ class VllmSeqs:
             self.swaps.pop(key, None)
             self.aborted.discard(key)
             self.whole.discard(key)
+            self.cut.discard(key)
 
     def _abort_final(self, work: Work, key, made: array, made_lps: array, produced: int) -> None:
         if key in self.whole:
@@ -235,6 +251,32 @@ class VllmSeqs:
                 made = 0
             self.swaps.setdefault(key, []).append((made, version))
         self.salt_version = version
+
+    def close_fence(self) -> None:
+        """A keep swap is about to be applied: the attempts running now take in nothing vLLM makes
+        from here on (it waits in vLLM's per-request output) until the swap is known to have gone
+        in whole (open_fence) or to have broken the weights (cut_fence). So no report carries a
+        token sampled after the swap began before it is known which weights sampled it."""
+        self.fenced, self.fence_open = frozenset(self.tasks), asyncio.Event()
+
+    def open_fence(self) -> None:
+        """The swap is over (its marks recorded by `swapped`, or cut): the attempts go on."""
+        self.fenced = frozenset()
+        self.fence_open.set()
+
+    async def cut_fence(self) -> None:
+        """The swap broke the weights inside vLLM (a mix of old and new): every attempt fenced
+        keeps only the tokens it took in before the swap began, none sampled since (they may come
+        from the broken weights). Each ends as "abort" at those tokens, handed back as a replica
+        that stops hands its work back (the router continues it elsewhere from them), and vLLM
+        stops running it. The engine is restarted after (WeightsLoadBroken)."""
+        cut = [k for k in self.fenced if k in self.tasks]
+        self.cut.update(cut)
+        self.open_fence()
+        try:
+            await self.give_up(cut)
+        except Exception:  # their finals come when the replica stops (nothing after the fence either)
+            log.exception("aborting %d requests whose weights broke failed", len(cut))
 
     def _salt(self, salt):
         """The request's prefix-cache salt: its own, and the weights version after a keep swap."""

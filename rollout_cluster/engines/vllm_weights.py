@@ -71,8 +71,11 @@ class VllmWeights:
         """running="keep": the tensors swapped in between two steps; each running attempt
         records the token where its weights changed (SeqProgress.swaps)."""
         spec = await asyncio.to_thread(weight_checks.load_spec, self.weights_path)
-        n, sampled = await weight_keep.swap_into(self.engine, buckets, spec)
-        self.seqs.swapped(sampled, version)
+        try:  # (a swap that breaks the weights cuts the running requests at the tokens they had)
+            n, sampled = await weight_keep.swap_into(self.engine, buckets, spec, fence=self.seqs)
+            self.seqs.swapped(sampled, version)
+        finally:
+            self.seqs.open_fence()
         await self.engine.reset_prefix_cache()  # the blocks no running request holds; the salt does the rest
         return n
 

@@ -7,9 +7,12 @@ with the KV cache the old weights built.
   `rc_swap_apply` loads every staged bucket through vLLM's layerwise reload in ONE collective_rpc,
   which vLLM's EngineCore runs between two steps, and returns how many tokens each running
   request had sampled at that moment: the token where its weights changed.
-- `swap_into(engine, buckets, spec)`: the replica's side. Checks every bucket against the served
-  checkpoint, stages them all, then applies: a refusal or a failure while staging leaves the old
-  weights whole. Returns (tensors, {request id: tokens sampled before the swap}).
+- `swap_into(engine, buckets, spec, fence)`: the replica's side. Checks every bucket against the
+  served checkpoint, stages them all, then applies: a refusal or a failure while staging leaves
+  the old weights whole. Returns (tensors, {request id: tokens sampled before the swap}). While
+  the swap is applied the running requests report nothing (the fence); if it fails inside vLLM
+  (the weights a mix of old and new) they keep only the tokens they had before and are handed
+  back, so that no token sampled on broken weights is kept.
 - `checkpoint_buckets(path)`: a checkpoint's tensors as buckets (update_weights with "keep").
 The swap costs one more copy of the weights in the worker's memory until it is applied.
 """
@@ -63,11 +66,14 @@ def external_id(internal: str) -> str:
     return head if sep and len(tail) == 8 else internal
 
 
-async def swap_into(engine, buckets, spec: dict | None) -> dict:
+async def swap_into(engine, buckets, spec: dict | None, fence=None) -> dict:
     """Stage `buckets` (a list, iterator or async iterator) in the running AsyncLLM `engine`
     (worker_extension_cls=EXTENSION), then swap them in between two steps. Returns (tensors,
     {request id (ours, without vLLM's suffix): output tokens sampled before the swap}). Raises before the swap
-    (old weights whole) on a refused or failed bucket; WeightsLoadBroken if vLLM fails during it."""
+    (old weights whole) on a refused or failed bucket; WeightsLoadBroken if vLLM fails during it.
+    `fence` (VllmSeqs): closed just before the swap, so that the running requests report nothing
+    sampled after it began; cut if the swap broke the weights (none of those tokens is kept). The
+    caller opens it once the swap's marks are recorded."""
     import asyncio
 
     from .base import WeightsLoadBroken
@@ -92,14 +98,20 @@ async def swap_into(engine, buckets, spec: dict | None) -> dict:
     except BaseException:
         await engine.collective_rpc("rc_swap_drop")
         raise
+    if fence is not None:
+        fence.close_fence()
     try:
         per_worker = await engine.collective_rpc("rc_swap_apply")
-    except Exception as e:
-        raise WeightsLoadBroken(f"vLLM failed swapping the weights in, which are now unknown: {e}") from e
-    missing = sorted({n for r in per_worker for n in (r.get("missing") or ())})
-    if missing:
-        raise WeightsLoadBroken(f"{len(missing)} of the model's parameters got no tensor, e.g. {missing[:3]}: "
-                                "its weights are now a mix of old and new")
+        missing = sorted({n for r in per_worker for n in (r.get("missing") or ())})
+        if missing:
+            raise WeightsLoadBroken(f"{len(missing)} of the model's parameters got no tensor, e.g. {missing[:3]}: "
+                                    "its weights are now a mix of old and new")
+    except BaseException as e:  # (cancelled too: nobody learns whether the weights went in whole)
+        if fence is not None:
+            await asyncio.shield(fence.cut_fence())
+        if isinstance(e, Exception) and not isinstance(e, WeightsLoadBroken):
+            raise WeightsLoadBroken(f"vLLM failed swapping the weights in, which are now unknown: {e}") from e
+        raise
     return len(check.seen), {external_id(rid): n for rid, n in (per_worker[0].get("sampled") or {}).items()}
 
 

@@ -12,8 +12,8 @@ One module per family; import from the package (`from ..protocol import Report`)
   orders.py    router -> replica: Orders, Work and the control orders (LoadWeights, NoteWeights,
                Sleep, Wake, ResetPrefixCache, DigestWeights)
 """
-from .checks import (INT64, MAX_N, BatchLostError, InputError, LimitExceeded, RouterBusy, WeightsVersionError, is_int,
-                     is_int64, is_number)
+from .checks import (INT64, MAX_N, BatchLostError, InputError, LimitExceeded, RouterBusy, WeightsNotLearned,
+                     WeightsVersionError, is_int, is_int64, is_number)
 from .orders import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, Orders, ResetPrefixCache, Sleep, Wake,
                      Work)
 from .reports import EngineStats, Listing, ModelInfo, Report, SeqProgress, SleepState, WeightsDigest, WeightsState
@@ -21,7 +21,8 @@ from .requests import SamplingSpec, SequenceRequest
 from .results import Completion, Migration, Partial, partials
 
 __all__ = [
-    "INT64", "MAX_N", "BatchLostError", "InputError", "LimitExceeded", "RouterBusy", "WeightsVersionError",
+    "INT64", "MAX_N", "BatchLostError", "InputError", "LimitExceeded", "RouterBusy", "WeightsNotLearned",
+    "WeightsVersionError",
     "is_int", "is_int64", "is_number",
     "SamplingSpec", "SequenceRequest",
     "Completion", "Migration", "Partial", "partials",

@@ -1,6 +1,7 @@
 """Limits (INT64, MAX_N), the validation helpers every other protocol module checks values with
 (is_int, is_int64, is_number), and the errors that refuse a batch: bad input (InputError,
-WeightsVersionError), a limit passed (LimitExceeded, RouterBusy), a batch lost with its router.
+WeightsVersionError), a limit passed (LimitExceeded, RouterBusy), a batch lost with its router;
+and a weights order refused until a new router has heard its fleet (WeightsNotLearned).
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def _rebuilt_input_error(cls, message: str, field_name: str) -> InputError:
 class WeightsVersionError(InputError):
     """A batch asked for weights (`weights_version`) other than those the fleet holds: it was not
     run, so that an RL step's samples all come from the policy the trainer meant."""
+
+
+class WeightsNotLearned(RuntimeError):
+    """A weights order (update_weights, push_weights) a new or restarted router cannot number yet:
+    it has not heard every replica's weights, and a number it gave now could be one the fleet
+    holds for other weights (router/weights_floor.py). Nothing changed: retry in a moment."""
 
 
 class LimitExceeded(RuntimeError):

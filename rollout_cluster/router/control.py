@@ -30,19 +30,28 @@ class FleetControl:
 
     # ---- a driver's orders ---------------------------------------------------------------------
     def update_weights(self, path: str, version: Optional[int], buckets: Optional[tuple] = None,
-                       in_flight: bool = False, keep: bool = False) -> int:
+                       in_flight: bool = False, keep: bool = False, now: Optional[float] = None) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
-        nodes; or, with `buckets`, a push's tensors: push_weights) as `version` (default: the
-        current one + 1). Between batches only, so that a batch never mixes versions. Replicas load
-        at their next pull; returns the version."""
-        version = self.weights.checked(path, version)
+        nodes; or, with `buckets`, a push's tensors: push_weights) as `version` (default: above the
+        current one and any a replica reported). Between batches only, so that a batch never mixes
+        versions. Replicas load at their next pull; returns the version."""
         what = "push_weights" if buckets is not None else "update_weights"
+        version = self.weights.checked(path, version)
         if not in_flight:  # (in flight: RouterCore gives the running sequences up)
             self._refuse_while_running(what, "weights change between batches (or pass running=keep / recompute / abort)")
         self._refuse_while_loading(what)
+        self._refuse_until_heard(what, now)  # (last: a driver that retries it has nothing else to fix)
         self.weights.update(path, version, buckets, keep)
         for rep in self.fleet.replicas.values():
             self.order_weights(rep)
+        return version
+
+    def checked(self, what: str, path: str, version: Optional[int], now: Optional[float] = None) -> int:
+        """The version a weights order would take (FleetWeights.checked), or why not: InputError
+        for a bad path or version, WeightsNotLearned (retryable) while a fresh router has not yet
+        heard every replica's weights (weights_floor.py). `now`: the router's clock (None: none)."""
+        version = self.weights.checked(path, version)
+        self._refuse_until_heard(what, now)
         return version
 
     def sleep_fleet(self, level: int) -> int:
@@ -97,6 +106,9 @@ class FleetControl:
                 raise RuntimeError(f"replica(s) {', '.join(loading[:4])} still load weights version {v}, ordered by "
                                    "a router before this one restarted: wait until status()['weights'] shows them "
                                    "held, or call update_weights again")
+
+    def _refuse_until_heard(self, what: str, now: Optional[float]) -> None:
+        self.weights.floor.check_heard(what, self.fleet.expected, now, self.fleet.replica_timeout_s)
 
     def _refuse_while_running(self, what: str, why: str) -> None:
         if self.unfinished:

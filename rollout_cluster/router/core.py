@@ -124,6 +124,7 @@ class RouterCore:
 
     def apply(self, report: Report, now: float) -> Applied:
         """Take in a replica's report: who it is, where its engine is, what it generated, what it holds."""
+        self.weights.floor.began(now)  # (a fresh router's start, for weights orders: weights_floor.py)
         if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
             return Applied(None, stalled=self.fleet.was_stalled(report))
         finished, requeues = self.moves.finished_count, self.moves.requeues
@@ -155,6 +156,7 @@ class RouterCore:
     def expire(self, now: float) -> list:
         """Declare replicas that stopped pulling dead (their work requeued); returns their ids. Drop
         the outputs of a predecessor's segments nobody came back for."""
+        self.weights.floor.began(now)
         dead = self.membership.expire(now)
         self.adoption.expire(now)
         return dead
@@ -201,8 +203,10 @@ class RouterCore:
 
     # ---- the fleet's weights and sleep (control.py), between batches ---------------------------------
     def update_weights(self, path: str, version: Optional[int] = None, buckets: Optional[tuple] = None,
-                       running: str = "finish") -> int:
-        """Point every replica at the checkpoint in `path` as `version` (default: current + 1);
+                       running: str = "finish", now: Optional[float] = None) -> int:
+        """Point every replica at the checkpoint in `path` as `version` (default: current + 1, and
+        above every version a replica reported; a fresh router refuses the order, WeightsNotLearned
+        and retryable, until it heard every replica or a replica timeout passed: weights_floor.py);
         with `buckets`, at a push's tensors (push_weights), `path` naming the push. `running` says
         what becomes of the sequences that run now (RUNNING_MODES): "finish" refuses while any is
         unfinished (the driver waits first); "keep" swaps the weights between engine steps under
@@ -214,7 +218,7 @@ class RouterCore:
         if running not in RUNNING_MODES:
             raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
         in_flight = running != "finish"
-        v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep")
+        v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep", now=now)
         if in_flight:
             self.moves.take_back_unsent()  # Work still in an outbox runs on the new weights, as queued work
             if running != "keep":

@@ -6,7 +6,8 @@ a batch never mixes versions. Every replica that does not hold it gets one LoadW
 asleep gets a NoteWeights instead and loads at wake; it reports the note back, so a router
 restarted during the sleep still knows the update. A fresh router (a restart) learns the version
 from the replicas' reports until a driver first submits or updates: the highest any replica holds
-or noted is the latest update.
+or noted is the latest update. No order is numbered at or below a version any replica reported,
+nor before a fresh router heard its fleet (weights_floor.py).
 
 A (path, version) whose load failed on a replica, or during whose loads DEATHS_TO_BREAK replicas
 died, is broken: no replica is ordered it again, not the failed one's replacement (a load that broke or
@@ -29,6 +30,7 @@ from typing import Optional
 
 from ..protocol import InputError, LoadWeights, NoteWeights, WeightsState, WeightsVersionError, is_int
 from .state import ReplicaState
+from .weights_floor import VersionFloor
 
 
 BROKEN_KEPT = 64  # a long-lived router remembers this many breaks, the latest
@@ -59,10 +61,14 @@ class FleetWeights:
         self.held_back: set[str] = set()  # replicas not ordered the current version because it broke (in errors)
         # A fresh router learns the version from the replicas until a driver submits or updates.
         self.learning = True
+        # No order is numbered at or below a version a replica reported, nor before a fresh
+        # router heard its fleet (weights_floor.py).
+        self.floor = VersionFloor()
 
     # ---- a driver's orders ---------------------------------------------------------------------
     def checked(self, path: str, version: Optional[int]) -> int:
-        """The version an update to `path` would make (default: the current one + 1), or InputError."""
+        """The version an update to `path` would make (default: above the current one and every
+        version a replica reported: the floor), or InputError."""
         if not isinstance(path, str) or not path.strip():
             raise InputError("path", path, "must be the path of a checkpoint directory")
         broke = next((b for (p, _), b in self.broken.items() if p == path), None)
@@ -70,9 +76,9 @@ class FleetWeights:
             raise InputError("path", path, f"its load as version {broke.version} failed on replica {broke.replica} "
                              f"({broke.error}); a broken checkpoint is not ordered again: write it under a new path")
         if version is None:
-            version = self.version + 1
-        if not is_int(version) or version <= self.version:
-            raise InputError("version", version, f"must be an integer above the current version {self.version}")
+            version = self.floor.lowest_next(self.version)
+        if not is_int(version) or version < self.floor.lowest_next(self.version):
+            raise InputError("version", version, self.floor.why(self.version))
         return version
 
     def update(self, path: str, version: int, buckets: Optional[tuple] = None, keep: bool = False) -> None:
@@ -123,6 +129,7 @@ class FleetWeights:
         waits in its outbox. Returns whether it just became unable to hold the current version: its
         load failed, or the version broke another replica's load and it is held back."""
         v = self.version
+        self.floor.saw(rep.replica_id, w)
         just_loaded = rep.weights_version != v and w.version == v
         rep.weights_version, rep.weights_loading = w.version, w.loading
         if rep.weights_noted == v and w.noted != v and w.version != v and not note_pending:

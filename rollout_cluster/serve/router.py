@@ -230,7 +230,8 @@ class Router:
         (docs/checkpoints.md), or the fleet keeps its weights and the caller gets why."""
         args = self._order(order, "update_weights")
         path = await checked_checkpoint(self, args)
-        v = self.core.update_weights(path, args.get("version"), running=args.get("running") or "finish")
+        v = self.core.update_weights(path, args.get("version"), running=args.get("running") or "finish",
+                                     now=time.monotonic())
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
 
@@ -240,7 +241,8 @@ class Router:
         returns the version. The signed order names the buckets' object ids: others are refused."""
         args = self._order(order, "push_weights")
         source = checked_push(self, args, buckets)
-        v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish")
+        v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish",
+                                     now=time.monotonic())
         log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
                  args.get("bytes"), len(buckets))
         self._wake_all()

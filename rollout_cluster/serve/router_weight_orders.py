@@ -4,6 +4,7 @@ object refs are the ones its signed order names (push_weights). A refusal is cou
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ..engines.checkpoint import check_checkpoint, root_is_here
 from ..protocol import InputError
@@ -18,14 +19,16 @@ def _refused(router, reason: str) -> None:
 
 async def checked_checkpoint(router, args: dict) -> str:
     """The checkpoint path of an update_weights order, resolved; or PermissionError (outside the
-    roots), InputError (a broken path, a bad version) or the checkpoint's own error."""
+    roots), InputError (a broken path, a bad version), WeightsNotLearned (a fresh router that has
+    not heard its fleet yet: retry) or the checkpoint's own error."""
     sec = router.cfg.security
     try:
         path = check_under_roots(args.get("path"), sec.checkpoint_roots)
     except PermissionError:
         _refused(router, "path")
         raise
-    router.core.weights.checked(path, args.get("version"))  # a broken path is refused before any disk work
+    # a broken path, a version too low, a router too new are refused before any disk work
+    router.core.control.checked("update_weights", path, args.get("version"), time.monotonic())
     if router.cfg.engine.kind != "sim" and root_is_here(path, sec.checkpoint_roots):
         # Sizes only (each engine hashes before it loads), in a thread: pulls go on meanwhile.
         await asyncio.to_thread(check_checkpoint, path, sec.require_manifest, verify_sha256=False)

@@ -13,7 +13,7 @@ owns the objects (Ray's ownership): they live while it does and the router still
 from __future__ import annotations
 
 import uuid
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack
 from .trace import mark
@@ -41,14 +41,20 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 
 
 def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
-         call_timeout_s: float, running: str = "finish", ipc=None) -> tuple:
+         call_timeout_s: float, running: str = "finish", ipc=None,
+         until_numbered: Optional[Callable[[Callable[[], int]], int]] = None) -> tuple:
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
     `refs` until every replica holds the version (its process owns them anyway), and `ipc` (an
-    ipc.IpcHold: push by CUDA IPC) until then too."""
+    ipc.IpcHold: push by CUDA IPC) until then too. `until_numbered(send)`: calls send() again while
+    a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew."""
     refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
-    order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
-                                         "tensors": tensors, "bytes": nbytes, "running": running})
-    v = router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
+
+    def send() -> int:  # (a signed order is taken once: its nonce)
+        order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
+                                             "tensors": tensors, "bytes": nbytes, "running": running})
+        return router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
+
+    v = until_numbered(send) if until_numbered is not None else send()
     mark("router_ack", version=v)
     return v, source, refs

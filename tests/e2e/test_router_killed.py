@@ -185,3 +185,27 @@ def test_a_sleeping_fleet_sleeps_through_a_router_restart_and_wakes_on_the_updat
     with pytest.raises(Exception, match=r"asleep \(level 1"):
         client.generate(PROMPTS, GREEDY)
     wake_on_the_update_then_restore(client, v, before, original)
+
+
+def test_an_update_right_after_a_router_restart_is_numbered_above_the_fleets_version(client):
+    """Regression (review): a restarted router that had not heard its replicas yet numbered an
+    update 1 while they held a higher version, so that one version named two sets of weights. It
+    refuses weights orders (WeightsNotLearned) until every replica reported, and the driver's
+    update_weights asks again within its timeout."""
+    original = str(ROOT / "models" / "tiny-llama")
+    v = client.update_weights(original)
+    if v < 2:  # (so that the router's first number, 1, would be a number the fleet knows)
+        v = client.update_weights(original)
+    old_id = client.status()["router_id"]
+    kill_router()
+    deadline = time.monotonic() + 300
+    while True:  # the driver's call as soon as any router answers, before the replicas pull from it
+        try:
+            again = client.update_weights(original, timeout_s=120)
+            break
+        except Exception as e:  # the killed router under the call (its status, or the order)
+            assert time.monotonic() < deadline and "WeightsNotLearned" not in type(e).__name__, e
+            time.sleep(0.1)
+    st = client.status()
+    assert st["router_id"] != old_id and again > v, (again, v)
+    assert st["weights"]["version"] == again and set(st["weights"]["replicas"].values()) == {again}
