@@ -76,8 +76,10 @@ ACCEPTED = {
     "tool without id, named": said(role="tool", content="r", name="get_weather"),
     "text parts joined": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": ""}, "b", {"type": "refusal", "refusal": "c"},
-        {"type": "input_text", "text": "d"}, {"type": "output_text", "text": "e"}, {"type": "thinking", "thinking": "f"},
-        {"type": "tool_reference", "name": "g"}, {"type": "tool_reference"}, {"type": "text", "text": "h", "uuid": None}]}],
+        {"type": "input_text", "text": "d"}, {"type": "output_text", "text": "e"},
+        {"type": "thinking", "thinking": "f"},
+        {"type": "tool_reference", "name": "g"}, {"type": "tool_reference"},
+        {"type": "text", "text": "h", "uuid": None}]}],
     "tool parts joined": said(role="tool", tool_call_id="c", content=[{"type": "text", "text": "1"}, "2"]),
     "no parts": [{"role": "user", "content": []}],
     "no content": [{"role": "user"}],
