@@ -9,6 +9,7 @@ from ...client.expand import expand
 from ...protocol import InputError, SamplingSpec, is_int
 from ...text.codec import NoTokenizer
 from ...validation import check_request
+from .chat_messages import template_messages
 from .context import ProtocolContext, ProtocolError
 from .truncation import Truncation
 
@@ -31,18 +32,13 @@ def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: boo
 def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Optional[dict] = None,
                 add_special_tokens: bool = False, truncation: Optional[Truncation] = None,
                 add_generation_prompt: bool = True) -> list[int]:
-    """A conversation's prompt through the model's chat template, as token ids: the rendered text
-    tokenized without the tokenizer's special tokens unless `add_special_tokens` (vLLM's chat default:
-    the template writes them), cut as `truncation` says."""
+    """A conversation's prompt through the model's chat template, as token ids: its messages as vLLM
+    hands them to the template (chat_messages.py: tool calls' arguments parsed, text parts joined),
+    the rendered text tokenized without the tokenizer's special tokens unless `add_special_tokens`
+    (vLLM's chat default: the template writes them), cut as `truncation` says."""
     if ctx.codec is None:
         raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise ProtocolError(400, f"{param}: must be a non-empty list of messages", param)
-    messages = [dict(m, content=_text_content(m.get("content"), f"{param}[{i}].content")) if isinstance(
-        m.get("content"), list) else m for i, m in enumerate(messages)]
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ProtocolError(400, f"{param}[{i}]: needs a string role and a string content", f"{param}[{i}]")
+    messages = template_messages(messages, param, ctx.codec.chat_template)
     try:
         text = ctx.codec.render_chat(messages, add_generation_prompt, **(template_kwargs or {}))
     except NoTokenizer as e:
@@ -50,17 +46,6 @@ def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Opt
     except Exception as e:  # the template raised (raise_exception) or did not render
         raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
     return ctx.encode(text, param, add_special_tokens, truncation)
-
-
-def _text_content(parts: list, param: str) -> str:
-    """OpenAI's content parts, text only: their texts joined (an image part is refused by name)."""
-    texts = []
-    for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ProtocolError(400, f"{param}[{j}]: a {kind!r} part; only text parts are supported", f"{param}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 def spec_of(fields: dict) -> SamplingSpec:
