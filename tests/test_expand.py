@@ -21,3 +21,26 @@ def test_an_invalid_n_gives_one_request_and_a_partial_one():
     assert reqs[1].output_token_ids == [5]
     with pytest.raises(InputError, match="^n=0"):
         check_request(reqs[0])
+
+
+def test_the_samples_of_a_seeded_prompt_get_distinct_seeds_as_vllms_n_does():
+    """Regression: expand and the JSONL reader gave every one of a prompt's n samples the spec's
+    seed, so with a seed the n samples were one sample n times (the same prompt, the same seed:
+    vLLM draws the same tokens), and a GRPO group had no spread. vLLM's own n > 1 seeds child j
+    with seed + j (vllm/v1/engine/parallel_sampling.py); so do these now. No seed stays no seed."""
+    import json
+
+    from rollout_cluster.client.jsonl import read_requests
+
+    reqs = expand([[1, 2], [3]], [SamplingSpec(n=4, max_tokens=8, seed=7), SamplingSpec(n=2, max_tokens=8)])
+    assert [(r.prompt_index, r.sample_index, r.sampling.seed) for r in reqs] == [
+        (0, 0, 7), (0, 1, 8), (0, 2, 9), (0, 3, 10), (1, 0, None), (1, 1, None)]
+    assert {r.sampling.n for r in reqs} == {4, 2}  # the rest of the spec as given
+    lines = [json.dumps({"prompt_token_ids": [1, 2], "n": 3, "seed": 2**63 - 2}),
+             json.dumps({"prompt_token_ids": [1, 2], "n": 2})]
+    got, errors = read_requests(lines)
+    assert not errors
+    # within 64 bits, as every seed must be: the last one wraps around
+    assert [r.sampling.seed for r in got] == [2**63 - 2, 2**63 - 1, -2**63, None, None]
+    for r in reqs + got:
+        check_request(r)

@@ -35,7 +35,8 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
         first = _request(prompt, spec, i, 0, hidden())
         out.append(first)
         for j in range(1, _samples(first)):
-            out.append(_request(prompt, spec, i, j, hidden()))
+            out.append(_request(prompt, spec.for_sample(j) if isinstance(spec, SamplingSpec) else spec, i, j,
+                                hidden()))
         if sessions is not None:
             for req in out[len(out) - _samples(first):]:
                 req.session = sessions[i]

@@ -106,7 +106,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional
                                 f"line {i + 1} takes the batch past limits.max_batch_sequences="
                                 f"{limits.max_batch_sequences} sequences (split it)")
         for j in range(spec.n):
-            requests.append(SequenceRequest(ids, spec, i, j, **extra))
+            requests.append(SequenceRequest(ids, spec.for_sample(j), i, j, **extra))
     return requests, errors
 
 
