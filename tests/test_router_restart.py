@@ -338,3 +338,32 @@ def test_a_fetch_that_finds_no_router_replica_waits_for_serves_new_one(error):
 
 def test_an_error_of_the_router_itself_is_not_taken_for_a_missing_router():
     assert not router_gone(ValueError("batch_id: no such batch"))
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, ValueError], ids=["ctrl-c", "an error"])
+def test_a_blocking_generate_that_stops_before_the_end_cancels_its_batch(fault):
+    """Regression: run_sync (generate, run_requests, the JSONL runner) left its batch running when
+    it stopped before the end: Ctrl-C in a notebook or a trainer, or a fetch error raised to the
+    caller. The router ran the rest of the batch for nobody until router.abandoned_batch_s (900 s),
+    beside the caller's next batch. The async driver cancels in that case; the sync one does now."""
+    router, reqs = FakeRouter(per_fetch=2), requests(10)
+
+    def stop():
+        raise fault("stopped")
+    router.before_fetch = [lambda: None, stop]
+    with pytest.raises(fault):
+        client_over(router).run_requests(reqs)
+    (batch,) = router.core.batches.values()
+    assert batch.cancelled and len(batch.order) < 10
+    assert all(s.cancelled for s in router.core.seqs.values() if s.batch_id == batch.batch_id)
+
+
+def test_a_batch_that_timed_out_is_cancelled_once():
+    router, reqs = FakeRouter(per_fetch=0), requests(3)
+    calls = []
+    cancel = router.cancel.fn
+    router.cancel = Method(lambda bid: calls.append(bid) or cancel(bid))
+    client = client_over(router)
+    with pytest.raises(TimeoutError, match="the batch was cancelled"):
+        client.run_requests(reqs, timeout_s=0.05)
+    assert len(calls) == 1

@@ -16,13 +16,35 @@ from ..protocol import Completion
 from .follower import BatchFollower, Cancel, Done, Fail, Fetch, Pause, Submit
 
 log = logging.getLogger(__name__)
+CANCEL_ON_EXIT_S = 10.0  # the most a stopping run_sync waits for its batch's cancel
 
 
 def run_sync(router, follower: BatchFollower, call_timeout_s: float,
              on_submitted: Optional[Callable[[str], None]] = None, on_restart: Optional[Callable[[], None]] = None,
              on_placed: Optional[Callable[[list], None]] = None) -> list:
     """The batch's completions in input order. `on_submitted(batch_id)` after each submission,
-    `on_restart()` before a resubmission after a router restart, `on_placed(completions)` after each fetch."""
+    `on_restart()` before a resubmission after a router restart, `on_placed(completions)` after each fetch.
+    A caller that stops before the end (Ctrl-C, an error raised to it) cancels the batch, as
+    run_async's does: it would otherwise run for nobody until router.abandoned_batch_s."""
+    cancelled: set = set()  # batches a Cancel reached
+    try:
+        return _run_sync(router, follower, call_timeout_s, on_submitted, on_restart, on_placed, cancelled)
+    except BaseException:
+        if follower.batch_id and not follower.done and follower.batch_id not in cancelled:
+            _cancel_quietly(router, follower.batch_id, min(call_timeout_s, CANCEL_ON_EXIT_S))
+        raise
+
+
+def _cancel_quietly(router, batch_id: str, timeout_s: float) -> None:
+    """router.cancel(batch_id) within `timeout_s`; a failure (the batch or the router gone) is logged."""
+    try:
+        router.cancel.remote(batch_id).result(timeout_s=timeout_s)
+    except Exception as e:
+        log.warning("could not cancel batch %s: %s", batch_id, e)
+
+
+def _run_sync(router, follower: BatchFollower, call_timeout_s: float, on_submitted, on_restart, on_placed,
+              cancelled: set) -> list:
     while True:
         action = follower.next(time.monotonic())
         if isinstance(action, Done):
@@ -58,6 +80,7 @@ def run_sync(router, follower: BatchFollower, call_timeout_s: float,
             except Exception:
                 follower.cancelled(False)
             else:
+                cancelled.add(action.batch_id)
                 follower.cancelled(True)
 
 
