@@ -11,13 +11,14 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-from rollout_cluster.config import PolicyConfig
+from rollout_cluster.config import ClusterConfig, PolicyConfig, RouterConfig
 from rollout_cluster.client.client import RolloutClient
 from rollout_cluster.client.follower import BatchFollower, Cancel, Fail, Fetch, Pause, Submit
 from rollout_cluster.client.loops import follow_batch, router_gone
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
+from rollout_cluster.router.intake import NoLiveReplicaError
 from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, ModelInfo, Report,
                                       SamplingSpec, SeqProgress, SequenceRequest, WeightsState, WeightsVersionError)
 
@@ -104,7 +105,7 @@ class FakeRouter:
 def client_over(router) -> RolloutClient:
     client = object.__new__(RolloutClient)  # no Ray: the fake handle instead of Serve's
     client.router, client.app_name, client.timeout_s, client.call_timeout_s = router, "fake", 60.0, 5.0
-    client.max_router_restarts, client.router_restarts = 3, 0
+    client.max_router_restarts, client.router_restarts, client.config = 3, 0, None
     return client
 
 
@@ -367,3 +368,63 @@ def test_a_batch_that_timed_out_is_cancelled_once():
     with pytest.raises(TimeoutError, match="the batch was cancelled"):
         client.run_requests(reqs, timeout_s=0.05)
     assert len(calls) == 1
+
+
+class SlowSubmitRouter(FakeRouter):
+    """A router with no replica yet: its submit waits for one (Router.submit: `wait_for_replica_s`,
+    else router.submit_wait_for_replica_s, 600 s by default) and makes the batch once one comes,
+    `replica_in_s` after the call; a driver that stops waiting first gets TimeoutError, as from
+    Serve's DeploymentResponse.result, and the batch is made all the same."""
+
+    def __init__(self, replica_in_s: float):
+        super().__init__()
+        self.replica_in_s, self.bounds = replica_in_s, []
+        self.submit_batch = Method(None)
+        self.submit_batch.remote = self._slow_submit
+
+    def _slow_submit(self, requests, wait_for_replica_s=None, weights_version=None, previous_ids=None):
+        router = self
+
+        class Slow(Call):
+            def result(self, timeout_s=None):
+                router.bounds.append(timeout_s)
+                wait = 600.0 if wait_for_replica_s is None else wait_for_replica_s
+                if router.replica_in_s > wait:
+                    raise NoLiveReplicaError(f"no live engine replica after {wait:.0f} s")
+                answer = router._submit_batch(requests, wait_for_replica_s, weights_version, previous_ids)
+                if timeout_s is not None and router.replica_in_s > timeout_s:
+                    raise TimeoutError("Timed out resolving to ObjectRef.")
+                return answer
+
+            def __await__(self):
+                async def run():
+                    return self.result(None)
+                return run().__await__()
+        return Slow(None)
+
+
+def test_a_submit_waits_as_long_as_the_router_waits_for_a_replica():
+    """Regression: the router waits for a live replica up to router.submit_wait_for_replica_s
+    (600 s) when the submit names no wait, but the drivers gave the call only call_timeout_s
+    (120 s). A batch submitted while the engines were still starting (a RayService loading a big
+    model, a fleet Serve is replacing) failed at 120 s with a bare TimeoutError, and the router
+    made it once a replica came: it ran for nobody until router.abandoned_batch_s. Now a driver
+    waits for the router's own answer (the batch, or its NoLiveReplicaError)."""
+    router, reqs = SlowSubmitRouter(replica_in_s=200.0), requests(4)
+    client = client_over(router)
+    client.call_timeout_s = 120.0
+    check_every_sequence_once_in_place(client.run_requests(reqs), reqs)
+    assert router.bounds == [720.0]  # call_timeout_s + the router's wait
+    assert len(router.core.batches) == 0  # fetched whole and released: none left behind
+    client.config = ClusterConfig(router=RouterConfig(submit_wait_for_replica_s=1800.0))
+    check_every_sequence_once_in_place(client.run_requests(reqs), reqs)
+    assert router.bounds[-1] == 1920.0  # the client's config says how long its router waits
+    check_every_sequence_once_in_place(client.run_requests(reqs, wait_for_replica_s=300.0), reqs)
+    assert router.bounds[-1] == 420.0  # a wait named by the caller is the router's wait
+    # the async driver (stream, the Gateway) bounds its submit by the same rule
+    follow = BatchFollower(reqs, call_timeout_s=120.0)
+    assert follow.submit_timeout_s(follow.next(0.0)) == 720.0
+    follow = BatchFollower(reqs, call_timeout_s=120.0, wait_for_replica_s=5.0, router_wait_s=1800.0)
+    assert follow.submit_timeout_s(follow.next(0.0)) == 125.0
+    client.submit(reqs)  # a submit that the caller fetches by itself: the same bound
+    assert router.bounds[-1] == 1920.0

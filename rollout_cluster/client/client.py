@@ -181,8 +181,9 @@ class RolloutClient:
         for one whose driver died, and dropped: a trainer that submits step k+1 and trains on step k
         for longer must fetch meanwhile, or raise the setting. With `weights_version`, a fleet on
         other weights refuses the batch (WeightsVersionError, an InputError)."""
+        wait = batches.router_wait_s(self) if wait_for_replica_s is None else wait_for_replica_s
         answer = self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
-            timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
+            timeout_s=self.call_timeout_s + wait)  # the router's wait for a live replica, then the call's
         return answer["batch_id"]
 
     def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,

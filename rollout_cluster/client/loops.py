@@ -57,7 +57,7 @@ def _run_sync(router, follower: BatchFollower, call_timeout_s: float, on_submitt
             if action.restart and on_restart is not None:
                 on_restart()
             try:
-                answer = _submit(router, action).result(timeout_s=call_timeout_s + (action.wait_for_replica_s or 0))
+                answer = _submit(router, action).result(timeout_s=follower.submit_timeout_s(action))
             except Exception as e:
                 follower.submit_failed(e)
                 continue
@@ -104,7 +104,7 @@ async def run_async(router, follower: BatchFollower, call_timeout_s: float,
                 if action.restart and on_restart is not None:
                     on_restart()
                 try:
-                    answer = await _submit_async(router, action, call_timeout_s + (action.wait_for_replica_s or 0))
+                    answer = await _submit_async(router, action, follower.submit_timeout_s(action))
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
@@ -169,13 +169,14 @@ def _cancel_unwaited(router, batch_id: str) -> None:
 async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,
                        max_restarts: int = 3, weights_version: Optional[int] = None,
                        on_restart=None, finish_fraction: Optional[float] = None,
-                       finish_by: str = "sample") -> AsyncIterator[Completion]:
+                       finish_by: str = "sample", router_wait_s: Optional[float] = None) -> AsyncIterator[Completion]:
     """Submit `requests` as one batch and yield its completions as they finish. A router restart
     loses the batch: what was not yielded yet is submitted again, on the weights the first
     submission ran on, at most `max_restarts` times. Past `timeout_s` the batch is cancelled and
-    TimeoutError raised. RolloutClient.stream and the HTTP Gateway use it."""
+    TimeoutError raised. RolloutClient.stream and the HTTP Gateway use it. `router_wait_s`: the
+    router's router.submit_wait_for_replica_s where the caller knows it (its default otherwise)."""
     follower = BatchFollower(requests, timeout_s, call_timeout_s, max_restarts, weights_version, finish_fraction,
-                             finish_by)
+                             finish_by, **({} if router_wait_s is None else {"router_wait_s": router_wait_s}))
     async for c in run_async(router, follower, call_timeout_s, on_restart):
         yield c
 
