@@ -51,3 +51,41 @@ def test_the_configs_sampling_section_fills_what_a_line_leaves_out():
     assert errors[3].startswith("min_tokens=30")
     plain, _ = read_requests(lines[:1])  # no config: SamplingSpec's own defaults
     assert plain[0].sampling.max_tokens == 128
+
+
+class FileClient:
+    """RolloutClient's face to run_jsonl, without a cluster: every sequence comes back `length`."""
+
+    def __init__(self, config=None):
+        self.config, self.batches = config, []
+
+    def sampling_defaults(self) -> dict:
+        return {}
+
+    def run_requests(self, requests, **kw):
+        self.batches.append(requests)
+        return [Completion(r.prompt_index, r.sample_index, [7], None, "length") for r in requests]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_batch_runs(tmp_path):
+    """Regression: run_jsonl (rollout-cluster generate, the Ray job) opened --output only after
+    the whole batch ran: an output in a folder that does not exist, or a folder itself, lost every
+    result of the run to a FileNotFoundError at the end. It is checked first now, naming it, and
+    so is the input."""
+    import pytest
+
+    from rollout_cluster.client.jsonl import run_jsonl
+    from rollout_cluster.protocol import InputError
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    client = FileClient()
+    for out, why in [(tmp_path / "no-such-dir" / "out.jsonl", "its folder does not exist"),
+                     (tmp_path, "is a folder")]:
+        with pytest.raises(InputError, match=f"^output=.*{why}"):
+            run_jsonl(client, str(src), str(out), progress=False)
+    with pytest.raises(InputError, match="^input=.*no file"):
+        run_jsonl(client, str(tmp_path / "missing.jsonl"), str(tmp_path / "out.jsonl"), progress=False)
+    assert client.batches == []  # nothing ran
+    assert run_jsonl(client, str(src), str(tmp_path / "out.jsonl"), progress=False)["sequences"] == 1
+

@@ -22,6 +22,7 @@ resumed output_logprobs finite numbers <= 0.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import fields
 from typing import Optional
 
@@ -135,9 +136,26 @@ def read_jsonl_lines(path: str) -> list:
         return f.read().splitlines()
 
 
+def check_paths(input_path: str, output_path: str) -> None:
+    """InputError naming `input` or `output` unless the input is a file this process can read and
+    the output one it can write: checked before a batch runs, not found once its results are in."""
+    if not os.path.isfile(input_path):
+        raise InputError("input", input_path, "no file there" if not os.path.exists(input_path) else "is not a file")
+    if not os.access(input_path, os.R_OK):
+        raise InputError("input", input_path, "cannot be read (permissions)")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if os.path.isdir(output_path):
+        raise InputError("output", output_path, "is a folder: name a file")
+    if not os.path.isdir(folder):
+        raise InputError("output", output_path, f"its folder does not exist ({folder})")
+    if not os.access(folder, os.W_OK) or (os.path.exists(output_path) and not os.access(output_path, os.W_OK)):
+        raise InputError("output", output_path, "cannot be written (permissions)")
+
+
 def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
               timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
               finish_fraction: Optional[float] = None, finish_by: str = "sample") -> dict:
+    check_paths(input_path, output_path)
     lines = read_jsonl_lines(input_path)
     requests, errors = read_requests(lines, client.sampling_defaults())
     completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s,
