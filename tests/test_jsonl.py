@@ -89,3 +89,21 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_batch_runs(tmp_p
     assert client.batches == []  # nothing ran
     assert run_jsonl(client, str(src), str(tmp_path / "out.jsonl"), progress=False)["sequences"] == 1
 
+
+def test_an_output_is_whole_or_untouched(tmp_path, monkeypatch):
+    """Regression: write_jsonl wrote the output in place, line by line: a job stopped (or failing)
+    while it wrote left a shorter file that reads as a complete batch. It is written beside and
+    moved into place once whole; an older output stays as it was until then."""
+    import pytest
+
+    from rollout_cluster.client import jsonl
+
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"old": 1}\n')
+    records = [{"i": 0}, {"i": 1}, {"i": object()}]  # the third cannot be written: the writer fails there
+    with pytest.raises(TypeError):
+        jsonl.write_jsonl(str(out), records)
+    assert out.read_text() == '{"old": 1}\n' and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+    jsonl.write_jsonl(str(out), records[:2])
+    assert out.read_text() == '{"i": 0}\n{"i": 1}\n'
+

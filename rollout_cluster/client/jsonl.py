@@ -126,9 +126,17 @@ def merge_results(num_lines: int, requests: list, completions: list, errors: dic
 
 
 def write_jsonl(path: str, records: list) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    """Written beside `path` and moved into place once whole: a writer stopped halfway leaves no
+    shorter file that reads as the whole batch, and an older output stays until then."""
+    part = f"{path}.part-{os.getpid()}"
+    try:
+        with open(part, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
 
 
 def read_jsonl_lines(path: str) -> list:
