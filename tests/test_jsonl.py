@@ -107,3 +107,30 @@ def test_an_output_is_whole_or_untouched(tmp_path, monkeypatch):
     jsonl.write_jsonl(str(out), records[:2])
     assert out.read_text() == '{"i": 0}\n{"i": 1}\n'
 
+
+def test_the_file_runner_applies_the_configs_limits():
+    """Regression: run_jsonl read its lines under LimitsConfig's defaults, whatever the config said:
+    a config that allows more lines or sequences than the defaults still had its files refused,
+    naming the default (limits.max_lines=65536), and one that allows fewer samples per line had
+    the line run."""
+    import pytest
+
+    from rollout_cluster.client.jsonl import run_jsonl
+    from rollout_cluster.config import ClusterConfig, LimitsConfig
+    from rollout_cluster.protocol import LimitExceeded
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        src, out = f"{d}/in.jsonl", f"{d}/out.jsonl"
+        with open(src, "w") as f:
+            f.write(json.dumps({"prompt_token_ids": [1], "n": 4}) + "\n" + json.dumps({"prompt_token_ids": [2]}) + "\n")
+        client = FileClient(ClusterConfig(limits=LimitsConfig(max_n=2)))
+        summary = run_jsonl(client, src, out, progress=False)
+        assert (summary["bad_lines"], summary["sequences"]) == (1, 1)
+        assert "limits.max_n=2" in [json.loads(line) for line in open(out)][0]["error"]
+        with open(src, "w") as f:
+            f.write((json.dumps({"prompt_token_ids": [1]}) + "\n") * 65537)
+        with pytest.raises(LimitExceeded, match="limits.max_lines=65536"):
+            run_jsonl(FileClient(), src, out, progress=False)  # no config: the defaults
+        summary = run_jsonl(FileClient(ClusterConfig(limits=LimitsConfig(max_lines=100000))), src, out, progress=False)
+        assert summary["sequences"] == 65537

@@ -165,7 +165,8 @@ def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
               finish_fraction: Optional[float] = None, finish_by: str = "sample") -> dict:
     check_paths(input_path, output_path)
     lines = read_jsonl_lines(input_path)
-    requests, errors = read_requests(lines, client.sampling_defaults())
+    config = getattr(client, "config", None)  # its limits, where the client knows the app's config
+    requests, errors = read_requests(lines, client.sampling_defaults(), config.limits if config else None)
     completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s,
                                       weights_version=weights_version, finish_fraction=finish_fraction,
                                       finish_by=finish_by) if requests else []
