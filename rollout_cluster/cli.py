@@ -32,8 +32,9 @@ def cmd_write_manifest(a) -> int:
 
 def cmd_serve(a) -> int:
     from .client.client import RolloutClient
+    from .config import load_config
 
-    client = RolloutClient.start(a.config, address=a.address)
+    client = RolloutClient.start(load_config(a.config), address=a.address)  # a bad config refused before Ray
     print(json.dumps(client.status(), indent=1, default=str))
     print(f"app {client.app_name!r} is serving; attach with RolloutClient.connect(app_name={client.app_name!r}). Ctrl-C stops it.")
     try:
@@ -47,11 +48,12 @@ def cmd_serve(a) -> int:
 def cmd_generate(a) -> int:
     from .client.client import RolloutClient
     from .client.jsonl import run_jsonl
+    from .config import load_config
 
     if a.app_name:
         client = RolloutClient.connect(a.app_name, address=a.address or "auto")
     else:
-        client = RolloutClient.start(a.config, address=a.address)
+        client = RolloutClient.start(load_config(a.config), address=a.address)  # a bad config refused before Ray
     try:
         summary = run_jsonl(client, a.input, a.output, progress=not a.quiet, timeout_s=a.timeout_s,
                             weights_version=a.weights_version, finish_fraction=a.finish_fraction,
@@ -232,7 +234,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "generate" and not (a.config or a.app_name):
         ap.error("generate needs --config (start a cluster) or --app-name (use a running app)")
-    return a.fn(a)
+    return refusing(f"rollout-cluster {a.cmd}", a.fn, a)
+
+
+def refusing(prog: str, fn, *args) -> int:
+    """fn(*args), with a refusal of bad input (a config key, a request field, a limit: each names
+    itself and its value) printed as one line and exit code 2, as argparse's are, not a traceback."""
+    from .config import ConfigError
+    from .protocol import InputError, LimitExceeded
+
+    try:
+        return fn(*args)
+    except (ConfigError, InputError, LimitExceeded) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

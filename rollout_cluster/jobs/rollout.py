@@ -28,6 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--finish-by", default="sample", choices=("sample", "group"),
                     help="what --finish-fraction counts: samples, or lines whose every sample is done")
     a = ap.parse_args(argv)
+    from ..cli import refusing
+
+    return refusing(ap.prog, run, a)
+
+
+def run(a) -> int:
     import ray
     from ray import serve
 

@@ -1,0 +1,55 @@
+"""`rollout-cluster` and the Ray job refuse bad arguments and configs with one line naming the
+flag (or key) and the value, exit code 2, and no traceback, before they start or join a cluster.
+Ray is never reached here: starting, joining or connecting fails the test."""
+import json
+import math
+
+import pytest
+
+from rollout_cluster import cli
+from rollout_cluster.client.client import RolloutClient
+from rollout_cluster.jobs import rollout as job
+
+ROOT_CONFIG = "configs/local-cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_cluster(monkeypatch):
+    import ray
+
+    def never(*args, **kw):
+        pytest.fail("reached Ray before refusing the arguments")
+    monkeypatch.setattr(RolloutClient, "start", classmethod(never))
+    monkeypatch.setattr(RolloutClient, "connect", classmethod(never))
+    monkeypatch.setattr(ray, "init", never)
+
+
+@pytest.fixture
+def src(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    return str(path)
+
+
+def refused(capsys, argv, said: str, run=cli.main, also: str = "") -> None:
+    try:
+        rc = run(argv)
+    except SystemExit as e:  # argparse's refusal
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert said in err and also in err and "Traceback" not in err, err
+
+
+def test_a_bad_config_is_one_line_naming_it_not_a_traceback(capsys, tmp_path, src):
+    """Regression: a ConfigError (a missing file, an unknown key, a value out of range) left
+    `rollout-cluster generate` / `serve` and the Ray job as a traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas: 0\n")
+    out = str(tmp_path / "out.jsonl")
+    refused(capsys, ["generate", "--config", "nope.yaml", "--input", src, "--output", out],
+            "config file 'nope.yaml' does not exist")
+    refused(capsys, ["generate", "--config", str(bad), "--input", src, "--output", out], "replicas=0: must be >= 1")
+    refused(capsys, ["serve", str(bad)], "replicas=0: must be >= 1")
+    refused(capsys, ["--config", str(bad), "--input", src, "--output", out], "replicas=0: must be >= 1", job.main)
+
