@@ -4,8 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+
+
+def seconds(text: str) -> float:
+    """argparse type of a wait (--timeout-s): a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, not {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type of --finish-fraction: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # nan too
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}")
+    return value
 
 
 def cmd_make_model(a) -> int:
@@ -47,9 +70,10 @@ def cmd_serve(a) -> int:
 
 def cmd_generate(a) -> int:
     from .client.client import RolloutClient
-    from .client.jsonl import run_jsonl
+    from .client.jsonl import check_paths, run_jsonl
     from .config import load_config
 
+    check_paths(a.input, a.output)  # before a cluster starts, not after its batch ran
     if a.app_name:
         client = RolloutClient.connect(a.app_name, address=a.address or "auto")
     else:
@@ -167,10 +191,10 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--address", default=None, help="Ray address; default: start a local cluster")
     p.add_argument("--app-name", default=None, help="use an app that already runs instead of starting one")
-    p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--timeout-s", type=seconds, default=None)
     p.add_argument("--weights-version", type=int, default=None,
                    help="run only on this weights version (update-weights prints it); other weights refuse the batch")
-    p.add_argument("--finish-fraction", type=float, default=None,
+    p.add_argument("--finish-fraction", type=fraction, default=None,
                    help="partial rollouts: cut the batch once this share of its sequences is done; the rest come back "
                         "with finish_reason abort and their tokens, to resume as output_token_ids lines")
     p.add_argument("--finish-by", default="sample", choices=("sample", "group"),

@@ -53,3 +53,28 @@ def test_a_bad_config_is_one_line_naming_it_not_a_traceback(capsys, tmp_path, sr
     refused(capsys, ["serve", str(bad)], "replicas=0: must be >= 1")
     refused(capsys, ["--config", str(bad), "--input", src, "--output", out], "replicas=0: must be >= 1", job.main)
 
+
+def test_generate_checks_its_files_and_numbers_before_starting_a_cluster(capsys, tmp_path, src):
+    """Regression: `rollout-cluster generate` started (or joined) the cluster first, and only then
+    found a missing input, an output it could not write, or --finish-fraction 2 / --timeout-s -1,
+    with a traceback, minutes later; the Ray job deployed the app first."""
+    out = str(tmp_path / "out.jsonl")
+    for run, base in [(cli.main, ["generate", "--config", ROOT_CONFIG]), (cli.main, ["generate", "--app-name", "x"]),
+                      (job.main, ["--config", ROOT_CONFIG])]:
+        refused(capsys, base + ["--input", str(tmp_path / "none.jsonl"), "--output", out], "input=", run)
+        refused(capsys, base + ["--input", src, "--output", str(tmp_path / "no" / "out.jsonl")],
+                "output=", run)
+        for flag, value in [("--finish-fraction", "2"), ("--finish-fraction", "0"), ("--finish-fraction", "nan"),
+                            ("--timeout-s", "-1"), ("--timeout-s", "0"), ("--timeout-s", "inf")]:
+            refused(capsys, base + ["--input", src, "--output", out, flag, value], f"argument {flag}: ", run,
+                    also=repr(value))
+    refused(capsys, ["--config", ROOT_CONFIG, "--input", src, "--output", out, "--ready-timeout-s", "-5"],
+            "argument --ready-timeout-s: ", job.main)
+
+
+def test_the_numbers_parse_as_before():
+    assert cli.seconds("1.5") == 1.5 and cli.fraction("0.9") == 0.9 and cli.fraction("1") == 1.0
+    for bad in ("-1", "0", "nan", "inf", "soon"):
+        with pytest.raises(Exception, match="must be a finite number of seconds > 0"):
+            cli.seconds(bad)
+    assert not math.isnan(cli.seconds("600"))

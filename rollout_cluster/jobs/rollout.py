@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from ..cli import fraction, refusing, seconds
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="rollout_cluster.jobs.rollout")
@@ -18,18 +20,16 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True)
     ap.add_argument("--keep-app", action="store_true", help="leave an app this job deployed running afterwards")
     ap.add_argument("--redeploy", action="store_true", help="redeploy even if an app of that name is running")
-    ap.add_argument("--timeout-s", type=float, default=None)
-    ap.add_argument("--ready-timeout-s", type=float, default=600.0,
+    ap.add_argument("--timeout-s", type=seconds, default=None)
+    ap.add_argument("--ready-timeout-s", type=seconds, default=600.0,
                     help="an app this job deploys must be running within this (replicas Ray cannot place fail it)")
     ap.add_argument("--weights", default=None,
                     help="load this checkpoint directory into every replica first (update_weights)")
-    ap.add_argument("--finish-fraction", type=float, default=None,
+    ap.add_argument("--finish-fraction", type=fraction, default=None,
                     help="partial rollouts: cut the batch once this share of its sequences is done")
     ap.add_argument("--finish-by", default="sample", choices=("sample", "group"),
                     help="what --finish-fraction counts: samples, or lines whose every sample is done")
     a = ap.parse_args(argv)
-    from ..cli import refusing
-
     return refusing(ap.prog, run, a)
 
 
@@ -39,11 +39,12 @@ def run(a) -> int:
 
     from ..config import load_config
     from ..client.client import RolloutClient
-    from ..client.jsonl import run_jsonl
+    from ..client.jsonl import check_paths, run_jsonl
     from ..serve.app import build_app
     from ..security.local import ensure_local_secrets
     from ..serve.deploy import deploy
 
+    check_paths(a.input, a.output)  # before the app is deployed, not after its batch ran
     cfg = load_config(a.config)
     ray.init(address="auto")
     running = _app_running(cfg.app_name)
