@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--version", type=int, default=None, help="default: the current version + 1")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=seconds, default=600.0)
     p.add_argument("--running", default="finish", choices=("finish", "keep", "recompute", "abort"),
                    help="what becomes of the sequences that run now (RolloutClient.update_weights)")
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
                            help="1: weights to host memory, KV cache dropped; 2: both dropped")
         p.add_argument("--app-name", default="rollout")
         p.add_argument("--address", default="auto")
-        p.add_argument("--timeout-s", type=float, default=600.0)
+        p.add_argument("--timeout-s", type=seconds, default=600.0)
         p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
         p.set_defaults(fn=cmd_sleep, level=p.get_default("level") or 0)
 
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("replicas", type=int, help="the number of EngineReplicas to run")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=seconds, default=600.0)
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_scale)
 
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--detail", action="store_true", help="every parameter's digest, dtype and shape too")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--timeout-s", type=seconds, default=120.0)
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_weights_digest)
 

@@ -72,9 +72,32 @@ def test_generate_checks_its_files_and_numbers_before_starting_a_cluster(capsys,
             "argument --ready-timeout-s: ", job.main)
 
 
+@pytest.mark.parametrize("argv", [["update-weights", "ckpt"], ["sleep"], ["wake"], ["scale", "2"], ["weights-digest"]],
+                         ids=lambda a: a[0])
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_a_fleet_command_refuses_a_timeout_that_is_no_wait(capsys, argv, value):
+    """Regression: --timeout-s -1 (or 0, nan) was taken: update-weights and sleep sent their order,
+    then failed at once with a TimeoutError (the order still carried out), scale set its target."""
+    refused(capsys, argv + ["--timeout-s", value, "--address", "ray://nowhere:1"],
+            f"argument --timeout-s: must be a finite number of seconds > 0, not {value!r}")
+
+
 def test_the_numbers_parse_as_before():
     assert cli.seconds("1.5") == 1.5 and cli.fraction("0.9") == 0.9 and cli.fraction("1") == 1.0
     for bad in ("-1", "0", "nan", "inf", "soon"):
         with pytest.raises(Exception, match="must be a finite number of seconds > 0"):
             cli.seconds(bad)
     assert not math.isnan(cli.seconds("600"))
+
+
+@pytest.mark.parametrize("call", ["update_weights", "push_weights", "sleep", "wake", "scale", "weights_digest",
+                                  "wait_ready"])
+@pytest.mark.parametrize("bad", [-1, 0, math.nan, math.inf, "10"])
+def test_the_drivers_fleet_operations_refuse_a_timeout_that_is_no_wait(call, bad):
+    """The same for RolloutClient: the check comes before any call to the router."""
+    from rollout_cluster.protocol import InputError
+
+    client = object.__new__(RolloutClient)  # no router: reaching it fails
+    args = {"update_weights": ("ckpt",), "push_weights": ([],), "scale": (2,), "wait_ready": (2,)}.get(call, ())
+    with pytest.raises(InputError, match=r"^timeout_s=.*: must be a finite number of seconds > 0$"):
+        getattr(client, call)(*args, timeout_s=bad)
