@@ -101,3 +101,21 @@ def test_the_drivers_fleet_operations_refuse_a_timeout_that_is_no_wait(call, bad
     args = {"update_weights": ("ckpt",), "push_weights": ([],), "scale": (2,), "wait_ready": (2,)}.get(call, ())
     with pytest.raises(InputError, match=r"^timeout_s=.*: must be a finite number of seconds > 0$"):
         getattr(client, call)(*args, timeout_s=bad)
+
+
+@pytest.mark.parametrize("state, uses_it", [("RUNNING", True), ("UNHEALTHY", True), ("DEPLOYING", True),
+                                            ("DEPLOY_FAILED", False), ("DELETING", False), (None, False)])
+def test_the_job_uses_a_running_service_that_is_replacing_a_replica(monkeypatch, state, uses_it):
+    """Regression: the Ray job took an app of its name for a running service only while Serve
+    called it RUNNING. While Serve replaced a replica (an engine that died fails its health check:
+    the app is UNHEALTHY until the new one is up) or applied a scale, a job redeployed the
+    long-lived service over itself (a new router and new engines: other drivers' batches lost),
+    then deleted it when it ended."""
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    apps = {} if state is None else {"rollout": SimpleNamespace(status=ApplicationStatus(state))}
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications=apps))
+    assert job._app_running("rollout") is uses_it

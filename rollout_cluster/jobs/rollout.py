@@ -52,7 +52,7 @@ def run(a) -> int:
     if deployed:
         ensure_local_secrets(cfg)  # an app this job deploys gets its token and keys as RolloutClient.start's does
         deploy(build_app(cfg), cfg, a.ready_timeout_s)
-    else:  # a long-lived rollout service: use it, never tear it down
+    else:  # a long-lived rollout service: use it (once a replica pulls), never tear it down
         print(f"using the running application {cfg.app_name!r}")
     client = RolloutClient(cfg.app_name, config=cfg)
     try:
@@ -70,13 +70,17 @@ def run(a) -> int:
 
 
 def _app_running(name: str) -> bool:
+    """An app of that name is there to use: running, or replacing a replica (UNHEALTHY while an
+    engine that died is replaced), or being deployed; not one that failed or is being deleted.
+    Deploying over a service that is replacing a replica would restart it, and then delete it."""
     from ray import serve
 
     try:
         app = serve.status().applications.get(name)
     except Exception:
         return False
-    return app is not None and str(app.status).endswith("RUNNING")
+    return app is not None and getattr(app.status, "value", str(app.status)) not in ("DEPLOY_FAILED", "DELETING",
+                                                                                    "NOT_STARTED")
 
 
 if __name__ == "__main__":
