@@ -44,3 +44,11 @@ def test_the_samples_of_a_seeded_prompt_get_distinct_seeds_as_vllms_n_does():
     assert [r.sampling.seed for r in got] == [2**63 - 2, 2**63 - 1, -2**63, None, None]
     for r in reqs + got:
         check_request(r)
+
+
+def test_a_partial_keeps_its_prompts_session():
+    """Regression: expand gave `sessions` to fresh prompts only; a resumed Partial among the prompts
+    lost its session id, so its continuation went anywhere instead of to the replica that holds
+    its session's prefix."""
+    reqs = expand([[1, 2], Partial([3, 4], [5, 6])], SamplingSpec(n=2, max_tokens=8), sessions=["a", "b"])
+    assert [(r.prompt_index, r.session) for r in reqs] == [(0, "a"), (0, "a"), (1, "b")]
