@@ -150,3 +150,13 @@ def test_registry_feeds_the_bench_and_builds_every_policy():
     for name, entry in REGISTRY.items():
         policy = make_policy(entry.settings())
         assert policy.name == name == entry.settings().name
+
+
+def test_a_scheduler_that_vllm_would_refuse_is_refused_naming_both_keys():
+    """Regression: engine.max_num_batched_tokens below engine.max_num_seqs passed load_config, and
+    every engine then failed to start (vLLM's SchedulerConfig: "max_num_batched_tokens (256) must
+    be greater than or equal to max_num_seqs (512)"), after the app was deployed and its model
+    loading, as a Serve DEPLOY_FAILED."""
+    with pytest.raises(ConfigError, match=r"^engine.max_num_batched_tokens=256: must be >= engine.max_num_seqs = 512"):
+        load_config({"engine": {"max_num_seqs": 512, "max_num_batched_tokens": 256}})
+    assert load_config({"engine": {"max_num_seqs": 512, "max_num_batched_tokens": 512}}).engine.max_num_seqs == 512

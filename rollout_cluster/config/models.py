@@ -43,7 +43,8 @@ class EngineConfig(Section):
     max_model_len: int = Field(4096, ge=2, description="context limit per sequence (prompt + output)")
     max_num_seqs: int = Field(256, ge=1, description="set always: AsyncLLM's defaults are smaller than LLM's")
     max_num_batched_tokens: int = Field(8192, ge=1, description=(
-        "vLLM scheduler: tokens per step; set always (AsyncLLM defaults to 2048)"))
+        "vLLM scheduler: tokens per step; set always (AsyncLLM defaults to 2048)"),
+        **_also(">= engine.max_num_seqs"))
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "GPUs per replica's engine; > 1: one worker process per rank, on the replica's GPUs (one node)"))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
@@ -243,6 +244,8 @@ class ClusterConfig(Section):
         self._require("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8)
         self._require("sampling.max_tokens", self.sampling.max_tokens < self.engine.max_model_len,
                       f" = {self.engine.max_model_len}")
+        self._require("engine.max_num_batched_tokens",
+                      self.engine.max_num_batched_tokens >= self.engine.max_num_seqs, f" = {self.engine.max_num_seqs}")
         self._require("engine.sim_profile", self.engine.sim_profile in PROFILES or Path(self.profile_path()).exists(),
                       f" (built-in: {', '.join(PROFILES)})")
         if self.base_dir:  # relative secret files and checkpoint roots resolve as the model path does
