@@ -160,3 +160,11 @@ def test_a_scheduler_that_vllm_would_refuse_is_refused_naming_both_keys():
     with pytest.raises(ConfigError, match=r"^engine.max_num_batched_tokens=256: must be >= engine.max_num_seqs = 512"):
         load_config({"engine": {"max_num_seqs": 512, "max_num_batched_tokens": 256}})
     assert load_config({"engine": {"max_num_seqs": 512, "max_num_batched_tokens": 512}}).engine.max_num_seqs == 512
+
+
+@pytest.mark.parametrize("vocab", [0, -5])
+def test_a_simulated_vocabulary_has_a_token(vocab):
+    """Regression: engine.sim_vocab_size took 0 and negative sizes: a simulated fleet then refused
+    every prompt (no token id is below 0), or its engine divided by zero."""
+    with pytest.raises(ConfigError, match=rf"^engine.sim_vocab_size={vocab}: must be >= 1"):
+        load_config({"engine": {"kind": "sim", "sim_vocab_size": vocab}})

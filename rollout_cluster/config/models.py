@@ -73,7 +73,7 @@ class EngineConfig(Section):
     cpu_bind_cores: bool = Field(True, description="pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)")
     sim_profile: str = Field("a100-80g-7b", description="kind=sim: built-in profile name or YAML file", **_also(
         "a built-in profile or an existing file (rollout-cluster calibrate makes one)"))
-    sim_vocab_size: int = Field(32000, description="kind=sim: token ids are drawn below this")
+    sim_vocab_size: int = Field(32000, ge=1, description="kind=sim: token ids are drawn below this")
     sim_time_scale: float = Field(1.0, gt=0, description=(
         "kind=sim: wall seconds per modelled second (>1: slower than modelled, less host CPU a second)"))
 
