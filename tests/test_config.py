@@ -168,3 +168,12 @@ def test_a_simulated_vocabulary_has_a_token(vocab):
     every prompt (no token id is below 0), or its engine divided by zero."""
     with pytest.raises(ConfigError, match=rf"^engine.sim_vocab_size={vocab}: must be >= 1"):
         load_config({"engine": {"kind": "sim", "sim_vocab_size": vocab}})
+
+
+def test_a_batch_the_limits_allow_can_always_run_once_the_router_is_empty():
+    """Regression: limits.max_live_sequences below limits.max_batch_sequences was taken. A batch
+    between the two passed the batch limit and was then refused as a full router (RouterBusy: 429
+    with Retry-After, 503 to TRL's routes) even by an empty router: its clients retried forever."""
+    with pytest.raises(ConfigError, match=r"^limits.max_live_sequences=1000: must be >= limits.max_batch_sequences = 4096"):
+        load_config({"limits": {"max_live_sequences": 1000, "max_batch_sequences": 4096}})
+    assert load_config({"limits": {"max_live_sequences": 4096, "max_batch_sequences": 4096}}).limits.max_live_sequences == 4096

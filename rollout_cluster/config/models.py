@@ -215,11 +215,18 @@ class LimitsConfig(Section):
     max_n: int = Field(1024, ge=1, le=65536, description="samples per prompt (n) on a line or in a SamplingSpec")
     max_batch_sequences: int = Field(262144, ge=1, description="sequences (prompts x n) in one batch")
     max_live_sequences: int = Field(1048576, ge=1, description=(
-        "sequences the router holds across every live batch; a batch past it is refused with 429 and Retry-After"))
+        "sequences the router holds across every live batch; a batch past it is refused with 429 and Retry-After"),
+        **_also(">= limits.max_batch_sequences"))
     retry_after_s: int = Field(5, ge=1, le=3600, description="the Retry-After a 429 carries")
     max_timeout_s: float = Field(86400.0, gt=0, description="a batch's timeout_s must be in (0, this]")
     max_queued_requests: int = Field(256, ge=1, description=(
         "HTTP requests Serve queues at the Gateway beyond those it runs (503 past it)"))
+
+    @model_validator(mode="after")
+    def _rules(self) -> "LimitsConfig":
+        self._require("max_live_sequences", self.max_live_sequences >= self.max_batch_sequences,
+                      f" = {self.max_batch_sequences}")
+        return self
 
 
 class ClusterConfig(Section):
