@@ -19,7 +19,7 @@ from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
 from rollout_cluster.router.intake import NoLiveReplicaError
-from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, ModelInfo, Report,
+from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, InputError, Listing, ModelInfo, Report,
                                       SamplingSpec, SeqProgress, SequenceRequest, WeightsState, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=64)
@@ -428,3 +428,19 @@ def test_a_submit_waits_as_long_as_the_router_waits_for_a_replica():
     assert follow.submit_timeout_s(follow.next(0.0)) == 125.0
     client.submit(reqs)  # a submit that the caller fetches by itself: the same bound
     assert router.bounds[-1] == 1920.0
+
+
+def test_a_batch_timeout_of_zero_is_refused_not_taken_for_the_default():
+    """Regression: generate, run_requests and stream read `timeout_s or client.timeout_s`, so
+    timeout_s=0 (no wait at all) silently became the client's hour; it is refused as -1 is."""
+    router = FakeRouter()
+    client = client_over(router)
+    for bad in (0, 0.0, -1):
+        with pytest.raises(InputError, match=r"^timeout_s=.*: must be a finite number of seconds > 0"):
+            client.run_requests(requests(2), timeout_s=bad)
+
+        async def collect():
+            return [c async for c in client.stream([[1, 2]], SamplingSpec(max_tokens=3), timeout_s=bad)]
+        with pytest.raises(InputError, match=r"^timeout_s="):
+            asyncio.run(collect())
+    assert not router.core.batches

@@ -17,7 +17,7 @@ from .loops import follow_batch, run_sync
 def run_requests(client, requests: list, progress: bool, timeout_s: Optional[float],
                  wait_for_replica_s: Optional[float], weights_version: Optional[int],
                  finish_fraction: Optional[float], finish_by: str) -> list:
-    follower = BatchFollower(requests, timeout_s or client.timeout_s, client.call_timeout_s,
+    follower = BatchFollower(requests, client.timeout_s if timeout_s is None else timeout_s, client.call_timeout_s,
                              client.max_router_restarts, weights_version, finish_fraction, finish_by,
                              wait_for_replica_s, router_wait_s(client))
     bar = _bar(len(requests), progress)
@@ -36,7 +36,7 @@ async def stream(client, prompts: Sequence, sampling: Union[SamplingSpec, Sequen
         status = await asyncio.wait_for(client.router.status.remote(), client.call_timeout_s)
         sampling = SamplingSpec(**status.get("sampling_defaults", {}))
     async for c in follow_batch(client.router, expand(prompts, sampling, sessions=sessions),
-                                timeout_s or client.timeout_s, client.call_timeout_s,
+                                client.timeout_s if timeout_s is None else timeout_s, client.call_timeout_s,
                                 client.max_router_restarts, weights_version,
                                 on_restart=client._count_restart, finish_fraction=finish_fraction,
                                 finish_by=finish_by, router_wait_s=router_wait_s(client)):
