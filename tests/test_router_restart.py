@@ -444,3 +444,17 @@ def test_a_batch_timeout_of_zero_is_refused_not_taken_for_the_default():
         with pytest.raises(InputError, match=r"^timeout_s="):
             asyncio.run(collect())
     assert not router.core.batches
+
+
+def test_an_empty_batch_is_not_submitted():
+    """Regression: generate([]) (a step whose prompts were all filtered out) submitted an empty
+    batch: the router waited for a live replica for it (up to router.submit_wait_for_replica_s),
+    and held it, never fetched, in status()["batch_ids"] until router.abandoned_batch_s."""
+    router = FakeRouter()
+    client = client_over(router)
+    assert client.generate([], SamplingSpec(max_tokens=3)) == [] and client.run_requests([]) == []
+
+    async def collect():
+        return [c async for c in client.stream([], SamplingSpec(max_tokens=3))]
+    assert asyncio.run(collect()) == []
+    assert not router.core.batches and router.previous_ids == []

@@ -159,6 +159,8 @@ class BatchFollower:
         if self.pending is not None:
             action, self.pending = self.pending, None
             return action
+        if not self.requests:  # nothing to generate: no batch (the router would hold it unfetched)
+            return Done([])
         if self.t0 is None and not self.batch_id:
             self.t0 = now
             return Submit(self.requests, self.wait_for_replica_s, self.asked_version, None)
