@@ -134,3 +134,31 @@ def test_the_file_runner_applies_the_configs_limits():
             run_jsonl(FileClient(), src, out, progress=False)  # no config: the defaults
         summary = run_jsonl(FileClient(ClusterConfig(limits=LimitsConfig(max_lines=100000))), src, out, progress=False)
         assert summary["sequences"] == 65537
+
+
+def test_lines_are_split_at_newlines_only(tmp_path):
+    """Regression: the JSONL reader (the file runner and POST /generate) split lines with
+    str.splitlines, which also breaks at U+2028, U+2029 and U+0085, characters JSON allows raw
+    inside a string (a writer with ensure_ascii off leaves them so). A valid line with one in its
+    session id became two bad lines, and every later line's output had the wrong prompt_index."""
+    from starlette.testclient import TestClient
+
+    from rollout_cluster.client.jsonl import read_jsonl_lines, run_jsonl
+    from rollout_cluster.serve.gateway import gateway_app
+    from test_router_restart import FakeRouter
+
+    lines = [json.dumps({"prompt_token_ids": [1], "session": f"agent{sep}7"}, ensure_ascii=False)
+             for sep in ("\u2028", "\u2029", "\u0085")] + [json.dumps({"prompt_token_ids": [2]})]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert read_jsonl_lines(str(src)) == lines
+    src.write_bytes(("\r\n".join(lines) + "\r\n").encode())  # a file written on Windows
+    assert read_jsonl_lines(str(src)) == lines
+    summary = run_jsonl(FileClient(), str(src), str(out), progress=False)
+    assert (summary["lines"], summary["bad_lines"]) == (4, 0)
+    assert [json.loads(line)["prompt_index"] for line in open(out)] == [0, 1, 2, 3]
+    app = TestClient(gateway_app(FakeRouter(per_fetch=8)))
+    answer = app.post("/generate", content="\n".join(lines).encode())
+    assert answer.status_code == 200, answer.text
+    got = [json.loads(line) for line in answer.text.splitlines()]
+    assert [(o["prompt_index"], o["finish_reason"]) for o in got] == [(i, "length") for i in range(4)]

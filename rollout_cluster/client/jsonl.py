@@ -139,9 +139,18 @@ def write_jsonl(path: str, records: list) -> None:
             os.remove(part)
 
 
+def split_lines(text: str) -> list:
+    """JSONL's lines: split at "\n" (a "\r" before it dropped), never where str.splitlines also
+    splits (U+2028, U+2029, U+0085, ...), characters JSON allows raw inside a string."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the last line's newline
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def read_jsonl_lines(path: str) -> list:
-    with open(path) as f:
-        return f.read().splitlines()
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        return split_lines(f.read())
 
 
 def check_paths(input_path: str, output_path: str) -> None:
