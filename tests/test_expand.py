@@ -52,3 +52,23 @@ def test_a_partial_keeps_its_prompts_session():
     its session's prefix."""
     reqs = expand([[1, 2], Partial([3, 4], [5, 6])], SamplingSpec(n=2, max_tokens=8), sessions=["a", "b"])
     assert [(r.prompt_index, r.session) for r in reqs] == [(0, "a"), (0, "a"), (1, "b")]
+
+
+def test_samples_cut_before_their_first_token_start_again_as_distinct_samples():
+    """Regression: a seeded batch cut at finish_fraction hands its queued samples back with no
+    token; partials() made them Partials of the prompt alone, and the next batch started each as
+    sample 0, seed + 0: the group's cut samples were one sample several times, the same as its
+    sample 0 of the batch before. A Partial keeps its sample's place, and is seeded as that sample;
+    one cut again keeps it too."""
+    from rollout_cluster.protocol import Completion, partials
+
+    spec = SamplingSpec(n=4, max_tokens=8, seed=7)
+    cut = [Completion(0, j, [] if j >= 2 else [3], None, "abort" if j else "length") for j in range(4)]
+    carry = partials([[1, 2]], cut)
+    assert [p.sample_index for p in carry] == [1, 2, 3]
+    reqs = expand(carry, spec)
+    assert [r.sampling.seed for r in reqs] == [8, 9, 10] and [r.sample_index for r in reqs] == [0, 0, 0]
+    again = partials(carry, [Completion(i, 0, [], None, "abort") for i in range(3)])  # cut again before a token
+    assert [p.sample_index for p in again] == [1, 2, 3]
+    assert [r.sampling.seed for r in expand(again, spec)] == [8, 9, 10]
+    assert expand([Partial([1, 2], [])], spec)[0].sampling.seed == 7  # a Partial made by hand: sample 0

@@ -68,5 +68,8 @@ def _resumed_request(p: Partial, spec: SamplingSpec, index: int, hidden: Optiona
     logprobs = list(p.logprobs) if isinstance(p.logprobs, (list, tuple)) else p.logprobs
     if tokens == []:
         tokens = logprobs = None
+    sample = p.sample_index
+    if isinstance(spec, SamplingSpec) and is_int(sample) and sample > 0:
+        spec = spec.for_sample(sample)  # seeded as the sample it was
     return SequenceRequest(ids, spec, index, 0, hidden, prompt_len=len(ids) if isinstance(ids, list) else 0,
                            output_token_ids=tokens, output_logprobs=logprobs)
