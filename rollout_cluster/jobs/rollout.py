@@ -1,8 +1,11 @@
 """Batch job for `ray job submit`: deploy the app on the cluster, run a JSONL batch, write results.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input in.jsonl --output out.jsonl \\
-        [--weights /checkpoints/step-7] [--finish-fraction 0.9]
+        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input $PWD/in.jsonl \\
+        --output $PWD/out.jsonl [--weights /checkpoints/step-7] [--finish-fraction 0.9]
+
+The job runs in Ray's copy of the working dir: --input and --output are paths on the head node,
+best absolute (a relative --output lands in that copy).
 """
 from __future__ import annotations
 
