@@ -4,8 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+
+
+def seconds(text: str) -> float:
+    """argparse type of a wait (--timeout-s): a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, not {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type of --finish-fraction: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # nan too
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}")
+    return value
 
 
 def cmd_make_model(a) -> int:
@@ -32,8 +55,9 @@ def cmd_write_manifest(a) -> int:
 
 def cmd_serve(a) -> int:
     from .client.client import RolloutClient
+    from .config import load_config
 
-    client = RolloutClient.start(a.config, address=a.address)
+    client = RolloutClient.start(load_config(a.config), address=a.address)  # a bad config refused before Ray
     print(json.dumps(client.status(), indent=1, default=str))
     print(f"app {client.app_name!r} is serving; attach with RolloutClient.connect(app_name={client.app_name!r}). Ctrl-C stops it.")
     try:
@@ -46,12 +70,14 @@ def cmd_serve(a) -> int:
 
 def cmd_generate(a) -> int:
     from .client.client import RolloutClient
-    from .client.jsonl import run_jsonl
+    from .client.jsonl import check_paths, run_jsonl
+    from .config import load_config
 
+    check_paths(a.input, a.output)  # before a cluster starts, not after its batch ran
     if a.app_name:
         client = RolloutClient.connect(a.app_name, address=a.address or "auto")
     else:
-        client = RolloutClient.start(a.config, address=a.address)
+        client = RolloutClient.start(load_config(a.config), address=a.address)  # a bad config refused before Ray
     try:
         summary = run_jsonl(client, a.input, a.output, progress=not a.quiet, timeout_s=a.timeout_s,
                             weights_version=a.weights_version, finish_fraction=a.finish_fraction,
@@ -165,10 +191,10 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--address", default=None, help="Ray address; default: start a local cluster")
     p.add_argument("--app-name", default=None, help="use an app that already runs instead of starting one")
-    p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--timeout-s", type=seconds, default=None)
     p.add_argument("--weights-version", type=int, default=None,
                    help="run only on this weights version (update-weights prints it); other weights refuse the batch")
-    p.add_argument("--finish-fraction", type=float, default=None,
+    p.add_argument("--finish-fraction", type=fraction, default=None,
                    help="partial rollouts: cut the batch once this share of its sequences is done; the rest come back "
                         "with finish_reason abort and their tokens, to resume as output_token_ids lines")
     p.add_argument("--finish-by", default="sample", choices=("sample", "group"),
@@ -181,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--version", type=int, default=None, help="default: the current version + 1")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=seconds, default=600.0)
     p.add_argument("--running", default="finish", choices=("finish", "keep", "recompute", "abort"),
                    help="what becomes of the sequences that run now (RolloutClient.update_weights)")
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
@@ -195,7 +221,7 @@ def main(argv=None) -> int:
                            help="1: weights to host memory, KV cache dropped; 2: both dropped")
         p.add_argument("--app-name", default="rollout")
         p.add_argument("--address", default="auto")
-        p.add_argument("--timeout-s", type=float, default=600.0)
+        p.add_argument("--timeout-s", type=seconds, default=600.0)
         p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
         p.set_defaults(fn=cmd_sleep, level=p.get_default("level") or 0)
 
@@ -203,7 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("replicas", type=int, help="the number of EngineReplicas to run")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=seconds, default=600.0)
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_scale)
 
@@ -212,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--detail", action="store_true", help="every parameter's digest, dtype and shape too")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--timeout-s", type=seconds, default=120.0)
     p.add_argument("--control-keys-file", default=None, help=KEYS_HELP)
     p.set_defaults(fn=cmd_weights_digest)
 
@@ -232,7 +258,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "generate" and not (a.config or a.app_name):
         ap.error("generate needs --config (start a cluster) or --app-name (use a running app)")
-    return a.fn(a)
+    return refusing(f"rollout-cluster {a.cmd}", a.fn, a)
+
+
+def refusing(prog: str, fn, *args) -> int:
+    """fn(*args), with a refusal of bad input (a config key, a request field, a limit: each names
+    itself and its value) printed as one line and exit code 2, as argparse's are, not a traceback."""
+    from .config import ConfigError
+    from .protocol import InputError, LimitExceeded
+
+    try:
+        return fn(*args)
+    except (ConfigError, InputError, LimitExceeded) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

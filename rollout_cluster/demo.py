@@ -144,7 +144,7 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4, log_dir: str
             say(f"made {path} (mode 0600)")
         say(f"the HTTP token is in {cfg.security.token_file}: send it as `Authorization: Bearer <token>`")
         session_dir = start_ray_quietly()
-        client = RolloutClient.start(cfg)  # joins the Ray started above; shutdown() ends it
+        client = RolloutClient.start(cfg)  # joins the Ray started above, which ends below
         try:
             ids, specs = demo_batch(prompts, samples)
             say(f"one batch: {prompts} prompts x {samples} samples, policy {cfg.policy.name}")
@@ -158,6 +158,9 @@ def run_demo(config_path: str, prompts: int = 16, samples: int = 4, log_dir: str
             http = http_check(cfg)
         finally:
             client.shutdown()
+            import ray
+
+            ray.shutdown()  # the demo's own Ray (start_ray_quietly): a client ends only a Ray it started
     if session_dir:
         append_ray_logs(session_dir, log_path)
     tokens = sum(len(r.token_ids) for r in results)

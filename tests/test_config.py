@@ -150,3 +150,30 @@ def test_registry_feeds_the_bench_and_builds_every_policy():
     for name, entry in REGISTRY.items():
         policy = make_policy(entry.settings())
         assert policy.name == name == entry.settings().name
+
+
+def test_a_scheduler_that_vllm_would_refuse_is_refused_naming_both_keys():
+    """Regression: engine.max_num_batched_tokens below engine.max_num_seqs passed load_config, and
+    every engine then failed to start (vLLM's SchedulerConfig: "max_num_batched_tokens (256) must
+    be greater than or equal to max_num_seqs (512)"), after the app was deployed and its model
+    loading, as a Serve DEPLOY_FAILED."""
+    with pytest.raises(ConfigError, match=r"^engine.max_num_batched_tokens=256: must be >= engine.max_num_seqs = 512"):
+        load_config({"engine": {"max_num_seqs": 512, "max_num_batched_tokens": 256}})
+    assert load_config({"engine": {"max_num_seqs": 512, "max_num_batched_tokens": 512}}).engine.max_num_seqs == 512
+
+
+@pytest.mark.parametrize("vocab", [0, -5])
+def test_a_simulated_vocabulary_has_a_token(vocab):
+    """Regression: engine.sim_vocab_size took 0 and negative sizes: a simulated fleet then refused
+    every prompt (no token id is below 0), or its engine divided by zero."""
+    with pytest.raises(ConfigError, match=rf"^engine.sim_vocab_size={vocab}: must be >= 1"):
+        load_config({"engine": {"kind": "sim", "sim_vocab_size": vocab}})
+
+
+def test_a_batch_the_limits_allow_can_always_run_once_the_router_is_empty():
+    """Regression: limits.max_live_sequences below limits.max_batch_sequences was taken. A batch
+    between the two passed the batch limit and was then refused as a full router (RouterBusy: 429
+    with Retry-After, 503 to TRL's routes) even by an empty router: its clients retried forever."""
+    with pytest.raises(ConfigError, match=r"^limits.max_live_sequences=1000: must be >= limits.max_batch_sequences = 4096"):
+        load_config({"limits": {"max_live_sequences": 1000, "max_batch_sequences": 4096}})
+    assert load_config({"limits": {"max_live_sequences": 4096, "max_batch_sequences": 4096}}).limits.max_live_sequences == 4096

@@ -223,8 +223,9 @@ def test_sampling_fields_reach_the_router_as_vllm_names_them(http, client, route
     assert (spec.min_p, spec.top_k, spec.top_p, spec.repetition_penalty) == (0.05, 7, 0.9, 1.1)
     http.post("/generate/", json={"prompts": [[3]], "n": 2, "min_p": 0.2, "max_tokens": 2,
                                   "generation_kwargs": {"seed": 11, "top_k": 3}}, headers=AUTH)
-    (spec,) = {r.sampling for r in router.submitted}
-    assert (spec.min_p, spec.seed, spec.top_k, spec.n) == (0.2, 11, 3, 2)
+    first, second = [r.sampling for r in router.submitted]
+    assert (first.min_p, first.seed, first.top_k, first.n) == (0.2, 11, 3, 2)
+    assert second.seed == 12 and second == first.for_sample(1)  # sample j: seed + j, as vLLM's n
 
 
 def test_a_session_comes_from_the_header_else_from_user(client, router):

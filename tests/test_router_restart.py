@@ -11,14 +11,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-from rollout_cluster.config import PolicyConfig
+from rollout_cluster.config import ClusterConfig, PolicyConfig, RouterConfig
 from rollout_cluster.client.client import RolloutClient
 from rollout_cluster.client.follower import BatchFollower, Cancel, Fail, Fetch, Pause, Submit
 from rollout_cluster.client.loops import follow_batch, router_gone
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
-from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, ModelInfo, Report,
+from rollout_cluster.router.intake import NoLiveReplicaError
+from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, InputError, Listing, ModelInfo, Report,
                                       SamplingSpec, SeqProgress, SequenceRequest, WeightsState, WeightsVersionError)
 
 COST = load_profile("h200-1.5b", max_num_seqs=64)
@@ -104,7 +105,7 @@ class FakeRouter:
 def client_over(router) -> RolloutClient:
     client = object.__new__(RolloutClient)  # no Ray: the fake handle instead of Serve's
     client.router, client.app_name, client.timeout_s, client.call_timeout_s = router, "fake", 60.0, 5.0
-    client.max_router_restarts, client.router_restarts = 3, 0
+    client.max_router_restarts, client.router_restarts, client.config = 3, 0, None
     return client
 
 
@@ -338,3 +339,122 @@ def test_a_fetch_that_finds_no_router_replica_waits_for_serves_new_one(error):
 
 def test_an_error_of_the_router_itself_is_not_taken_for_a_missing_router():
     assert not router_gone(ValueError("batch_id: no such batch"))
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, ValueError], ids=["ctrl-c", "an error"])
+def test_a_blocking_generate_that_stops_before_the_end_cancels_its_batch(fault):
+    """Regression: run_sync (generate, run_requests, the JSONL runner) left its batch running when
+    it stopped before the end: Ctrl-C in a notebook or a trainer, or a fetch error raised to the
+    caller. The router ran the rest of the batch for nobody until router.abandoned_batch_s (900 s),
+    beside the caller's next batch. The async driver cancels in that case; the sync one does now."""
+    router, reqs = FakeRouter(per_fetch=2), requests(10)
+
+    def stop():
+        raise fault("stopped")
+    router.before_fetch = [lambda: None, stop]
+    with pytest.raises(fault):
+        client_over(router).run_requests(reqs)
+    (batch,) = router.core.batches.values()
+    assert batch.cancelled and len(batch.order) < 10
+    assert all(s.cancelled for s in router.core.seqs.values() if s.batch_id == batch.batch_id)
+
+
+def test_a_batch_that_timed_out_is_cancelled_once():
+    router, reqs = FakeRouter(per_fetch=0), requests(3)
+    calls = []
+    cancel = router.cancel.fn
+    router.cancel = Method(lambda bid: calls.append(bid) or cancel(bid))
+    client = client_over(router)
+    with pytest.raises(TimeoutError, match="the batch was cancelled"):
+        client.run_requests(reqs, timeout_s=0.05)
+    assert len(calls) == 1
+
+
+class SlowSubmitRouter(FakeRouter):
+    """A router with no replica yet: its submit waits for one (Router.submit: `wait_for_replica_s`,
+    else router.submit_wait_for_replica_s, 600 s by default) and makes the batch once one comes,
+    `replica_in_s` after the call; a driver that stops waiting first gets TimeoutError, as from
+    Serve's DeploymentResponse.result, and the batch is made all the same."""
+
+    def __init__(self, replica_in_s: float):
+        super().__init__()
+        self.replica_in_s, self.bounds = replica_in_s, []
+        self.submit_batch = Method(None)
+        self.submit_batch.remote = self._slow_submit
+
+    def _slow_submit(self, requests, wait_for_replica_s=None, weights_version=None, previous_ids=None):
+        router = self
+
+        class Slow(Call):
+            def result(self, timeout_s=None):
+                router.bounds.append(timeout_s)
+                wait = 600.0 if wait_for_replica_s is None else wait_for_replica_s
+                if router.replica_in_s > wait:
+                    raise NoLiveReplicaError(f"no live engine replica after {wait:.0f} s")
+                answer = router._submit_batch(requests, wait_for_replica_s, weights_version, previous_ids)
+                if timeout_s is not None and router.replica_in_s > timeout_s:
+                    raise TimeoutError("Timed out resolving to ObjectRef.")
+                return answer
+
+            def __await__(self):
+                async def run():
+                    return self.result(None)
+                return run().__await__()
+        return Slow(None)
+
+
+def test_a_submit_waits_as_long_as_the_router_waits_for_a_replica():
+    """Regression: the router waits for a live replica up to router.submit_wait_for_replica_s
+    (600 s) when the submit names no wait, but the drivers gave the call only call_timeout_s
+    (120 s). A batch submitted while the engines were still starting (a RayService loading a big
+    model, a fleet Serve is replacing) failed at 120 s with a bare TimeoutError, and the router
+    made it once a replica came: it ran for nobody until router.abandoned_batch_s. Now a driver
+    waits for the router's own answer (the batch, or its NoLiveReplicaError)."""
+    router, reqs = SlowSubmitRouter(replica_in_s=200.0), requests(4)
+    client = client_over(router)
+    client.call_timeout_s = 120.0
+    check_every_sequence_once_in_place(client.run_requests(reqs), reqs)
+    assert router.bounds == [720.0]  # call_timeout_s + the router's wait
+    assert len(router.core.batches) == 0  # fetched whole and released: none left behind
+    client.config = ClusterConfig(router=RouterConfig(submit_wait_for_replica_s=1800.0))
+    check_every_sequence_once_in_place(client.run_requests(reqs), reqs)
+    assert router.bounds[-1] == 1920.0  # the client's config says how long its router waits
+    check_every_sequence_once_in_place(client.run_requests(reqs, wait_for_replica_s=300.0), reqs)
+    assert router.bounds[-1] == 420.0  # a wait named by the caller is the router's wait
+    # the async driver (stream, the Gateway) bounds its submit by the same rule
+    follow = BatchFollower(reqs, call_timeout_s=120.0)
+    assert follow.submit_timeout_s(follow.next(0.0)) == 720.0
+    follow = BatchFollower(reqs, call_timeout_s=120.0, wait_for_replica_s=5.0, router_wait_s=1800.0)
+    assert follow.submit_timeout_s(follow.next(0.0)) == 125.0
+    client.submit(reqs)  # a submit that the caller fetches by itself: the same bound
+    assert router.bounds[-1] == 1920.0
+
+
+def test_a_batch_timeout_of_zero_is_refused_not_taken_for_the_default():
+    """Regression: generate, run_requests and stream read `timeout_s or client.timeout_s`, so
+    timeout_s=0 (no wait at all) silently became the client's hour; it is refused as -1 is."""
+    router = FakeRouter()
+    client = client_over(router)
+    for bad in (0, 0.0, -1):
+        with pytest.raises(InputError, match=r"^timeout_s=.*: must be a finite number of seconds > 0"):
+            client.run_requests(requests(2), timeout_s=bad)
+
+        async def collect():
+            return [c async for c in client.stream([[1, 2]], SamplingSpec(max_tokens=3), timeout_s=bad)]
+        with pytest.raises(InputError, match=r"^timeout_s="):
+            asyncio.run(collect())
+    assert not router.core.batches
+
+
+def test_an_empty_batch_is_not_submitted():
+    """Regression: generate([]) (a step whose prompts were all filtered out) submitted an empty
+    batch: the router waited for a live replica for it (up to router.submit_wait_for_replica_s),
+    and held it, never fetched, in status()["batch_ids"] until router.abandoned_batch_s."""
+    router = FakeRouter()
+    client = client_over(router)
+    assert client.generate([], SamplingSpec(max_tokens=3)) == [] and client.run_requests([]) == []
+
+    async def collect():
+        return [c async for c in client.stream([], SamplingSpec(max_tokens=3))]
+    assert asyncio.run(collect()) == []
+    assert not router.core.batches and router.previous_ids == []

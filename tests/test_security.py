@@ -255,7 +255,7 @@ def test_batch_ids_are_unguessable_and_the_live_limit_refuses_with_router_busy(t
     async def go():
         from rollout_cluster.serve.router import Router
 
-        cfg = ClusterConfig(replicas=1, engine={"kind": "sim"}, limits={"max_live_sequences": 3})
+        cfg = ClusterConfig(replicas=1, engine={"kind": "sim"}, limits={"max_live_sequences": 3, "max_batch_sequences": 3})
         router = Router.func_or_class(to_dict(cfg))
         try:
             await pull(router, _report())

@@ -10,16 +10,16 @@ from typing import AsyncIterator, Optional, Sequence, Union
 
 from ..protocol import Completion, SamplingSpec
 from .expand import expand
-from .follower import BatchFollower
+from .follower import ROUTER_SUBMIT_WAIT_S, BatchFollower
 from .loops import follow_batch, run_sync
 
 
 def run_requests(client, requests: list, progress: bool, timeout_s: Optional[float],
                  wait_for_replica_s: Optional[float], weights_version: Optional[int],
                  finish_fraction: Optional[float], finish_by: str) -> list:
-    follower = BatchFollower(requests, timeout_s or client.timeout_s, client.call_timeout_s,
+    follower = BatchFollower(requests, client.timeout_s if timeout_s is None else timeout_s, client.call_timeout_s,
                              client.max_router_restarts, weights_version, finish_fraction, finish_by,
-                             wait_for_replica_s)
+                             wait_for_replica_s, router_wait_s(client))
     bar = _bar(len(requests), progress)
     try:
         return run_sync(client.router, follower, client.call_timeout_s, on_submitted=client._note_batch,
@@ -36,11 +36,18 @@ async def stream(client, prompts: Sequence, sampling: Union[SamplingSpec, Sequen
         status = await asyncio.wait_for(client.router.status.remote(), client.call_timeout_s)
         sampling = SamplingSpec(**status.get("sampling_defaults", {}))
     async for c in follow_batch(client.router, expand(prompts, sampling, sessions=sessions),
-                                timeout_s or client.timeout_s, client.call_timeout_s,
+                                client.timeout_s if timeout_s is None else timeout_s, client.call_timeout_s,
                                 client.max_router_restarts, weights_version,
                                 on_restart=client._count_restart, finish_fraction=finish_fraction,
-                                finish_by=finish_by):
+                                finish_by=finish_by, router_wait_s=router_wait_s(client)):
         yield c
+
+
+def router_wait_s(client) -> float:
+    """How long the client's router waits for a live replica at a submit that names no wait: its
+    config's router.submit_wait_for_replica_s (the default without a config)."""
+    config = getattr(client, "config", None)
+    return config.router.submit_wait_for_replica_s if config is not None else ROUTER_SUBMIT_WAIT_S
 
 
 def _bar(total: int, enabled: bool):

@@ -13,13 +13,22 @@ fleet_ops.py.
 """
 from __future__ import annotations
 
+import math
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from ..config import ClusterConfig
-from ..protocol import Completion, SamplingSpec
+from ..protocol import Completion, InputError, SamplingSpec, is_number
 from . import batches, fleet_ops, lifecycle
 from .expand import expand
 from .follower import DEFAULT_TIMEOUT_S
+
+
+def checked_wait(timeout_s) -> float:
+    """A fleet operation's `timeout_s`, refused before any order goes out unless it is a wait: an
+    order sent with none would be carried out while the call failed at once."""
+    if not (is_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise InputError("timeout_s", timeout_s, "must be a finite number of seconds > 0")
+    return timeout_s
 
 
 class RolloutClient:
@@ -52,7 +61,7 @@ class RolloutClient:
         return lifecycle.connect(cls, app_name, address, wait_s, kw)
 
     def wait_ready(self, replicas: int, timeout_s: float = 600.0) -> dict:
-        return fleet_ops.wait_ready(self, replicas, timeout_s)
+        return fleet_ops.wait_ready(self, replicas, checked_wait(timeout_s))
 
     def status(self) -> dict:
         return self.router.status.remote().result(timeout_s=self.call_timeout_s)
@@ -86,7 +95,7 @@ class RolloutClient:
         weights by re-prefill (exact); "abort" ends them as "abort" with their tokens (partial
         rollouts to resume). Each Completion's `weight_versions` says which version made which of
         its tokens."""
-        return fleet_ops.update_weights(self, path, version, timeout_s, running)
+        return fleet_ops.update_weights(self, path, version, checked_wait(timeout_s), running)
 
     def push_weights(self, named_tensors, version: Optional[int] = None, timeout_s: float = 600.0,
                      bucket_bytes: int = 256 << 20, running: str = "finish", transport: str = "object_store") -> int:
@@ -105,7 +114,8 @@ class RolloutClient:
         not with running="keep". The tensors are held until every replica loaded, then let go: a
         replica on another GPU or host, or one that joins later, fails loading this version (its
         error says why) and gets the next push."""
-        return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, timeout_s, running, transport)
+        return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, checked_wait(timeout_s), running,
+                                      transport)
 
     def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
         """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs
@@ -115,13 +125,13 @@ class RolloutClient:
         engine.enable_sleep_mode. Returns once every replica sleeps; raises with each replica's
         error once the rest are settled (they sleep: wake() wakes them all). A batch submitted
         before wake() is refused."""
-        return fleet_ops.sleep(self, level, timeout_s)
+        return fleet_ops.sleep(self, level, checked_wait(timeout_s))
 
     def wake(self, timeout_s: float = 600.0) -> dict:
         """Wake every engine; returns once each is awake and holds the current weights or failed
         loading them (status()["weights"]["errors"]: those get no work). A level-2 sleeper reloads
         them; an update_weights made while asleep loads now."""
-        return fleet_ops.wake(self, timeout_s)
+        return fleet_ops.wake(self, checked_wait(timeout_s))
 
     def scale(self, replicas: int, timeout_s: float = 600.0) -> dict:
         """Grow or shrink the engine fleet to `replicas`, in place, between or during batches: the
@@ -135,7 +145,7 @@ class RolloutClient:
         API: `RolloutClient.start` enables it; an app from a Serve config needs
         `external_scaler_enabled: true` on its application. A RayService's own num_replicas
         applies again only when its EngineReplica entry in serveConfigV2 changes (k8s/README.md)."""
-        return fleet_ops.scale(self, replicas, timeout_s)
+        return fleet_ops.scale(self, replicas, checked_wait(timeout_s))
 
     def set_policy(self, name: str, **params) -> str:
         return self.router.set_policy.remote({"name": name, **params}).result(timeout_s=self.call_timeout_s)
@@ -152,7 +162,7 @@ class RolloutClient:
         {name: {"digest", "dtype", "shape"}} (vLLM's parameter names, fused and sharded as it holds
         them). Computed on each engine's device, between engine steps; refused while weights load
         or the fleet sleeps, and a replica whose load overlapped its digest fails the call."""
-        return fleet_ops.weights_digest(self, detail, timeout_s)
+        return fleet_ops.weights_digest(self, detail, checked_wait(timeout_s))
 
     def cancel(self, batch_id: str) -> int:
         """Stop a batch: its unfinished sequences come back with finish_reason "abort"."""
@@ -181,8 +191,9 @@ class RolloutClient:
         for one whose driver died, and dropped: a trainer that submits step k+1 and trains on step k
         for longer must fetch meanwhile, or raise the setting. With `weights_version`, a fleet on
         other weights refuses the batch (WeightsVersionError, an InputError)."""
+        wait = batches.router_wait_s(self) if wait_for_replica_s is None else wait_for_replica_s
         answer = self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
-            timeout_s=self.call_timeout_s + (wait_for_replica_s or 0))
+            timeout_s=self.call_timeout_s + wait)  # the router's wait for a live replica, then the call's
         return answer["batch_id"]
 
     def generate(self, prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpec], None] = None,

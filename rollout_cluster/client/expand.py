@@ -29,15 +29,17 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
         def hidden():
             return None if hidden_lengths is None else hidden_lengths[len(out)]
 
+        start = len(out)
         if isinstance(prompt, Partial):
             out.append(_resumed_request(prompt, spec, i, hidden()))
-            continue
-        first = _request(prompt, spec, i, 0, hidden())
-        out.append(first)
-        for j in range(1, _samples(first)):
-            out.append(_request(prompt, spec, i, j, hidden()))
+        else:
+            first = _request(prompt, spec, i, 0, hidden())
+            out.append(first)
+            for j in range(1, _samples(first)):
+                out.append(_request(prompt, spec.for_sample(j) if isinstance(spec, SamplingSpec) else spec, i, j,
+                                    hidden()))
         if sessions is not None:
-            for req in out[len(out) - _samples(first):]:
+            for req in out[start:]:
                 req.session = sessions[i]
     return out
 
@@ -66,5 +68,8 @@ def _resumed_request(p: Partial, spec: SamplingSpec, index: int, hidden: Optiona
     logprobs = list(p.logprobs) if isinstance(p.logprobs, (list, tuple)) else p.logprobs
     if tokens == []:
         tokens = logprobs = None
+    sample = p.sample_index
+    if isinstance(spec, SamplingSpec) and is_int(sample) and sample > 0:
+        spec = spec.for_sample(sample)  # seeded as the sample it was
     return SequenceRequest(ids, spec, index, 0, hidden, prompt_len=len(ids) if isinstance(ids, list) else 0,
                            output_token_ids=tokens, output_logprobs=logprobs)

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from ..config import RouterConfig
 from ..protocol import BatchLostError, InputError, WeightsVersionError, is_number
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ FINISH_BY = ("sample", "group")
 DEFAULT_TIMEOUT_S = 3600.0
 FETCH_WAIT_S = 1.0  # a fetch's long-poll at the router
 GONE_PAUSE_S = 0.5  # between fetches while Serve replaces a router that died
+# how long a router waits for a live replica when a submit names no wait (its config's default)
+ROUTER_SUBMIT_WAIT_S = RouterConfig.model_fields["submit_wait_for_replica_s"].default
 
 
 # ---- actions: what the driver does next ----------------------------------------------------
@@ -123,13 +126,14 @@ class BatchFollower:
     def __init__(self, requests: list, timeout_s: float = DEFAULT_TIMEOUT_S, call_timeout_s: float = 120.0,
                  max_restarts: int = 3, weights_version: Optional[int] = None,
                  finish_fraction: Optional[float] = None, finish_by: str = "sample",
-                 wait_for_replica_s: Optional[float] = None):
+                 wait_for_replica_s: Optional[float] = None, router_wait_s: float = ROUTER_SUBMIT_WAIT_S):
         if not (is_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
             raise InputError("timeout_s", timeout_s, "must be a finite number of seconds > 0")
         self.cutter = BatchCut(requests, finish_fraction, finish_by)
         self.requests = requests
         self.timeout_s, self.call_timeout_s, self.max_restarts = timeout_s, call_timeout_s, max_restarts
         self.asked_version, self.wait_for_replica_s = weights_version, wait_for_replica_s
+        self.router_wait_s = router_wait_s  # the router's router.submit_wait_for_replica_s, as far as known
         self.results: list = [None] * len(requests)
         self.received = 0
         self.restarts = 0
@@ -155,6 +159,8 @@ class BatchFollower:
         if self.pending is not None:
             action, self.pending = self.pending, None
             return action
+        if not self.requests:  # nothing to generate: no batch (the router would hold it unfetched)
+            return Done([])
         if self.t0 is None and not self.batch_id:
             self.t0 = now
             return Submit(self.requests, self.wait_for_replica_s, self.asked_version, None)
@@ -228,6 +234,13 @@ class BatchFollower:
             self.cut = ok
 
     # ---- decisions ----------------------------------------------------------------------------
+    def submit_timeout_s(self, action: Submit) -> float:
+        """How long a driver waits for a submission's answer: a call's bound plus the router's wait
+        for a live replica (the submit's own, else the router's router.submit_wait_for_replica_s).
+        A shorter wait would give up on a batch the router then makes for nobody."""
+        wait = self.router_wait_s if action.wait_for_replica_s is None else action.wait_for_replica_s
+        return self.call_timeout_s + wait
+
     def should_cut(self) -> bool:
         """finish_fraction reached and the current batch not cut yet: cancel it now."""
         return self.cutter.reached and not self.cut and not self.done

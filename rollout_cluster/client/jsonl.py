@@ -22,6 +22,7 @@ resumed output_logprobs finite numbers <= 0.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import fields
 from typing import Optional
 
@@ -106,7 +107,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional
                                 f"line {i + 1} takes the batch past limits.max_batch_sequences="
                                 f"{limits.max_batch_sequences} sequences (split it)")
         for j in range(spec.n):
-            requests.append(SequenceRequest(ids, spec, i, j, **extra))
+            requests.append(SequenceRequest(ids, spec.for_sample(j), i, j, **extra))
     return requests, errors
 
 
@@ -125,21 +126,56 @@ def merge_results(num_lines: int, requests: list, completions: list, errors: dic
 
 
 def write_jsonl(path: str, records: list) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    """Written beside `path` and moved into place once whole: a writer stopped halfway leaves no
+    shorter file that reads as the whole batch, and an older output stays until then."""
+    part = f"{path}.part-{os.getpid()}"
+    try:
+        with open(part, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
+
+
+def split_lines(text: str) -> list:
+    """JSONL's lines: split at "\n" (a "\r" before it dropped), never where str.splitlines also
+    splits (U+2028, U+2029, U+0085, ...), characters JSON allows raw inside a string."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the last line's newline
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def read_jsonl_lines(path: str) -> list:
-    with open(path) as f:
-        return f.read().splitlines()
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        return split_lines(f.read())
+
+
+def check_paths(input_path: str, output_path: str) -> None:
+    """InputError naming `input` or `output` unless the input is a file this process can read and
+    the output one it can write: checked before a batch runs, not found once its results are in."""
+    if not os.path.isfile(input_path):
+        raise InputError("input", input_path, "no file there" if not os.path.exists(input_path) else "is not a file")
+    if not os.access(input_path, os.R_OK):
+        raise InputError("input", input_path, "cannot be read (permissions)")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if os.path.isdir(output_path):
+        raise InputError("output", output_path, "is a folder: name a file")
+    if not os.path.isdir(folder):
+        raise InputError("output", output_path, f"its folder does not exist ({folder})")
+    if not os.access(folder, os.W_OK) or (os.path.exists(output_path) and not os.access(output_path, os.W_OK)):
+        raise InputError("output", output_path, "cannot be written (permissions)")
 
 
 def run_jsonl(client, input_path: str, output_path: str, progress: bool = True,
               timeout_s: Optional[float] = None, weights_version: Optional[int] = None,
               finish_fraction: Optional[float] = None, finish_by: str = "sample") -> dict:
+    check_paths(input_path, output_path)
     lines = read_jsonl_lines(input_path)
-    requests, errors = read_requests(lines, client.sampling_defaults())
+    config = getattr(client, "config", None)  # its limits, where the client knows the app's config
+    requests, errors = read_requests(lines, client.sampling_defaults(), config.limits if config else None)
     completions = client.run_requests(requests, progress=progress, timeout_s=timeout_s,
                                       weights_version=weights_version, finish_fraction=finish_fraction,
                                       finish_by=finish_by) if requests else []

@@ -38,15 +38,35 @@ def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str], 
     cfg = load_config(config)
     # a cluster this driver starts gets its token and control keys made (security/local.py)
     ensure_local_secrets(cfg)
-    if not ray.is_initialized():
+    # Only a Ray that start connects is the client's to end: never one its caller started.
+    connected = not ray.is_initialized()
+    if connected:
         env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}}
         ray.init(address=address, runtime_env=env, **ray_init)
-    serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
-    t0 = time.monotonic()
-    deploy(build_app(cfg), cfg, wait_ready_s)
-    client = cls(cfg.app_name, config=cfg, owns_cluster=address is None)
-    client.wait_ready(cfg.replicas, max(1.0, wait_ready_s - (time.monotonic() - t0)))
-    return client
+    deployed = False
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("ROLLOUT_HTTP_PORT", 8000))})
+        t0 = time.monotonic()
+        deploy(build_app(cfg), cfg, wait_ready_s)  # removes the app itself if it does not come up
+        deployed = True
+        client = cls(cfg.app_name, config=cfg, owns_cluster=connected)
+        client.wait_ready(cfg.replicas, max(1.0, wait_ready_s - (time.monotonic() - t0)))
+        return client
+    except BaseException:  # a failed or interrupted start leaves no app and no Ray of its own behind
+        _undo_start(cfg.app_name if deployed else None, connected)
+        raise
+
+
+def _undo_start(app_name: Optional[str], connected: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if app_name is not None:
+            serve.delete(app_name)
+    finally:
+        if connected:
+            ray.shutdown()
 
 
 def connect(cls, app_name: str, address: str, wait_s: float, kw: dict):

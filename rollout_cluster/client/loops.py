@@ -16,13 +16,35 @@ from ..protocol import Completion
 from .follower import BatchFollower, Cancel, Done, Fail, Fetch, Pause, Submit
 
 log = logging.getLogger(__name__)
+CANCEL_ON_EXIT_S = 10.0  # the most a stopping run_sync waits for its batch's cancel
 
 
 def run_sync(router, follower: BatchFollower, call_timeout_s: float,
              on_submitted: Optional[Callable[[str], None]] = None, on_restart: Optional[Callable[[], None]] = None,
              on_placed: Optional[Callable[[list], None]] = None) -> list:
     """The batch's completions in input order. `on_submitted(batch_id)` after each submission,
-    `on_restart()` before a resubmission after a router restart, `on_placed(completions)` after each fetch."""
+    `on_restart()` before a resubmission after a router restart, `on_placed(completions)` after each fetch.
+    A caller that stops before the end (Ctrl-C, an error raised to it) cancels the batch, as
+    run_async's does: it would otherwise run for nobody until router.abandoned_batch_s."""
+    cancelled: set = set()  # batches a Cancel reached
+    try:
+        return _run_sync(router, follower, call_timeout_s, on_submitted, on_restart, on_placed, cancelled)
+    except BaseException:
+        if follower.batch_id and not follower.done and follower.batch_id not in cancelled:
+            _cancel_quietly(router, follower.batch_id, min(call_timeout_s, CANCEL_ON_EXIT_S))
+        raise
+
+
+def _cancel_quietly(router, batch_id: str, timeout_s: float) -> None:
+    """router.cancel(batch_id) within `timeout_s`; a failure (the batch or the router gone) is logged."""
+    try:
+        router.cancel.remote(batch_id).result(timeout_s=timeout_s)
+    except Exception as e:
+        log.warning("could not cancel batch %s: %s", batch_id, e)
+
+
+def _run_sync(router, follower: BatchFollower, call_timeout_s: float, on_submitted, on_restart, on_placed,
+              cancelled: set) -> list:
     while True:
         action = follower.next(time.monotonic())
         if isinstance(action, Done):
@@ -35,7 +57,7 @@ def run_sync(router, follower: BatchFollower, call_timeout_s: float,
             if action.restart and on_restart is not None:
                 on_restart()
             try:
-                answer = _submit(router, action).result(timeout_s=call_timeout_s + (action.wait_for_replica_s or 0))
+                answer = _submit(router, action).result(timeout_s=follower.submit_timeout_s(action))
             except Exception as e:
                 follower.submit_failed(e)
                 continue
@@ -58,6 +80,7 @@ def run_sync(router, follower: BatchFollower, call_timeout_s: float,
             except Exception:
                 follower.cancelled(False)
             else:
+                cancelled.add(action.batch_id)
                 follower.cancelled(True)
 
 
@@ -81,7 +104,7 @@ async def run_async(router, follower: BatchFollower, call_timeout_s: float,
                 if action.restart and on_restart is not None:
                     on_restart()
                 try:
-                    answer = await _submit_async(router, action, call_timeout_s + (action.wait_for_replica_s or 0))
+                    answer = await _submit_async(router, action, follower.submit_timeout_s(action))
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
@@ -146,13 +169,14 @@ def _cancel_unwaited(router, batch_id: str) -> None:
 async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s: float = 120.0,
                        max_restarts: int = 3, weights_version: Optional[int] = None,
                        on_restart=None, finish_fraction: Optional[float] = None,
-                       finish_by: str = "sample") -> AsyncIterator[Completion]:
+                       finish_by: str = "sample", router_wait_s: Optional[float] = None) -> AsyncIterator[Completion]:
     """Submit `requests` as one batch and yield its completions as they finish. A router restart
     loses the batch: what was not yielded yet is submitted again, on the weights the first
     submission ran on, at most `max_restarts` times. Past `timeout_s` the batch is cancelled and
-    TimeoutError raised. RolloutClient.stream and the HTTP Gateway use it."""
+    TimeoutError raised. RolloutClient.stream and the HTTP Gateway use it. `router_wait_s`: the
+    router's router.submit_wait_for_replica_s where the caller knows it (its default otherwise)."""
     follower = BatchFollower(requests, timeout_s, call_timeout_s, max_restarts, weights_version, finish_fraction,
-                             finish_by)
+                             finish_by, **({} if router_wait_s is None else {"router_wait_s": router_wait_s}))
     async for c in run_async(router, follower, call_timeout_s, on_restart):
         yield c
 

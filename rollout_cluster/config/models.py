@@ -43,7 +43,8 @@ class EngineConfig(Section):
     max_model_len: int = Field(4096, ge=2, description="context limit per sequence (prompt + output)")
     max_num_seqs: int = Field(256, ge=1, description="set always: AsyncLLM's defaults are smaller than LLM's")
     max_num_batched_tokens: int = Field(8192, ge=1, description=(
-        "vLLM scheduler: tokens per step; set always (AsyncLLM defaults to 2048)"))
+        "vLLM scheduler: tokens per step; set always (AsyncLLM defaults to 2048)"),
+        **_also(">= engine.max_num_seqs"))
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "GPUs per replica's engine; > 1: one worker process per rank, on the replica's GPUs (one node)"))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
@@ -72,7 +73,7 @@ class EngineConfig(Section):
     cpu_bind_cores: bool = Field(True, description="pin replica k to core k (VLLM_CPU_OMP_THREADS_BIND)")
     sim_profile: str = Field("a100-80g-7b", description="kind=sim: built-in profile name or YAML file", **_also(
         "a built-in profile or an existing file (rollout-cluster calibrate makes one)"))
-    sim_vocab_size: int = Field(32000, description="kind=sim: token ids are drawn below this")
+    sim_vocab_size: int = Field(32000, ge=1, description="kind=sim: token ids are drawn below this")
     sim_time_scale: float = Field(1.0, gt=0, description=(
         "kind=sim: wall seconds per modelled second (>1: slower than modelled, less host CPU a second)"))
 
@@ -214,11 +215,18 @@ class LimitsConfig(Section):
     max_n: int = Field(1024, ge=1, le=65536, description="samples per prompt (n) on a line or in a SamplingSpec")
     max_batch_sequences: int = Field(262144, ge=1, description="sequences (prompts x n) in one batch")
     max_live_sequences: int = Field(1048576, ge=1, description=(
-        "sequences the router holds across every live batch; a batch past it is refused with 429 and Retry-After"))
+        "sequences the router holds across every live batch; a batch past it is refused with 429 and Retry-After"),
+        **_also(">= limits.max_batch_sequences"))
     retry_after_s: int = Field(5, ge=1, le=3600, description="the Retry-After a 429 carries")
     max_timeout_s: float = Field(86400.0, gt=0, description="a batch's timeout_s must be in (0, this]")
     max_queued_requests: int = Field(256, ge=1, description=(
         "HTTP requests Serve queues at the Gateway beyond those it runs (503 past it)"))
+
+    @model_validator(mode="after")
+    def _rules(self) -> "LimitsConfig":
+        self._require("max_live_sequences", self.max_live_sequences >= self.max_batch_sequences,
+                      f" = {self.max_batch_sequences}")
+        return self
 
 
 class ClusterConfig(Section):
@@ -243,6 +251,8 @@ class ClusterConfig(Section):
         self._require("router.max_ongoing_requests", self.router.max_ongoing_requests >= self.replicas + 8)
         self._require("sampling.max_tokens", self.sampling.max_tokens < self.engine.max_model_len,
                       f" = {self.engine.max_model_len}")
+        self._require("engine.max_num_batched_tokens",
+                      self.engine.max_num_batched_tokens >= self.engine.max_num_seqs, f" = {self.engine.max_num_seqs}")
         self._require("engine.sim_profile", self.engine.sim_profile in PROFILES or Path(self.profile_path()).exists(),
                       f" (built-in: {', '.join(PROFILES)})")
         if self.base_dir:  # relative secret files and checkpoint roots resolve as the model path does

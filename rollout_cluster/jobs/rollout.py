@@ -1,14 +1,19 @@
 """Batch job for `ray job submit`: deploy the app on the cluster, run a JSONL batch, write results.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input in.jsonl --output out.jsonl \\
-        [--weights /checkpoints/step-7] [--finish-fraction 0.9]
+        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input $PWD/in.jsonl \\
+        --output $PWD/out.jsonl [--weights /checkpoints/step-7] [--finish-fraction 0.9]
+
+The job runs in Ray's copy of the working dir: --input and --output are paths on the head node,
+best absolute (a relative --output lands in that copy).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from ..cli import fraction, refusing, seconds
 
 
 def main(argv=None) -> int:
@@ -18,26 +23,31 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True)
     ap.add_argument("--keep-app", action="store_true", help="leave an app this job deployed running afterwards")
     ap.add_argument("--redeploy", action="store_true", help="redeploy even if an app of that name is running")
-    ap.add_argument("--timeout-s", type=float, default=None)
-    ap.add_argument("--ready-timeout-s", type=float, default=600.0,
+    ap.add_argument("--timeout-s", type=seconds, default=None)
+    ap.add_argument("--ready-timeout-s", type=seconds, default=600.0,
                     help="an app this job deploys must be running within this (replicas Ray cannot place fail it)")
     ap.add_argument("--weights", default=None,
                     help="load this checkpoint directory into every replica first (update_weights)")
-    ap.add_argument("--finish-fraction", type=float, default=None,
+    ap.add_argument("--finish-fraction", type=fraction, default=None,
                     help="partial rollouts: cut the batch once this share of its sequences is done")
     ap.add_argument("--finish-by", default="sample", choices=("sample", "group"),
                     help="what --finish-fraction counts: samples, or lines whose every sample is done")
     a = ap.parse_args(argv)
+    return refusing(ap.prog, run, a)
+
+
+def run(a) -> int:
     import ray
     from ray import serve
 
     from ..config import load_config
     from ..client.client import RolloutClient
-    from ..client.jsonl import run_jsonl
+    from ..client.jsonl import check_paths, run_jsonl
     from ..serve.app import build_app
     from ..security.local import ensure_local_secrets
     from ..serve.deploy import deploy
 
+    check_paths(a.input, a.output)  # before the app is deployed, not after its batch ran
     cfg = load_config(a.config)
     ray.init(address="auto")
     running = _app_running(cfg.app_name)
@@ -45,7 +55,7 @@ def main(argv=None) -> int:
     if deployed:
         ensure_local_secrets(cfg)  # an app this job deploys gets its token and keys as RolloutClient.start's does
         deploy(build_app(cfg), cfg, a.ready_timeout_s)
-    else:  # a long-lived rollout service: use it, never tear it down
+    else:  # a long-lived rollout service: use it (once a replica pulls), never tear it down
         print(f"using the running application {cfg.app_name!r}")
     client = RolloutClient(cfg.app_name, config=cfg)
     try:
@@ -63,13 +73,17 @@ def main(argv=None) -> int:
 
 
 def _app_running(name: str) -> bool:
+    """An app of that name is there to use: running, or replacing a replica (UNHEALTHY while an
+    engine that died is replaced), or being deployed; not one that failed or is being deleted.
+    Deploying over a service that is replacing a replica would restart it, and then delete it."""
     from ray import serve
 
     try:
         app = serve.status().applications.get(name)
     except Exception:
         return False
-    return app is not None and str(app.status).endswith("RUNNING")
+    return app is not None and getattr(app.status, "value", str(app.status)) not in ("DEPLOY_FAILED", "DELETING",
+                                                                                    "NOT_STARTED")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,14 @@ class SamplingSpec:
         """False where vLLM cannot be given the output-so-far state (DESIGN: pinned)."""
         return self.presence_penalty == 0 and self.frequency_penalty == 0
 
+    def for_sample(self, j: int) -> "SamplingSpec":
+        """The spec of the prompt's sample `j`: with a seed, seed + j (wrapped within 64 bits), as
+        vLLM seeds the j-th child of an n > 1 request; one seed for all n would make the n samples
+        one sample n times."""
+        if self.seed is None or j == 0 or not is_int64(self.seed):
+            return self
+        return replace(self, seed=(self.seed + j + 2**63) % 2**64 - 2**63)
+
     def for_continuation(self, generated: int) -> "SamplingSpec":
         """The spec of a segment that continues after `generated` tokens."""
         return replace(

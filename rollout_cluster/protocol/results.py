@@ -18,6 +18,9 @@ class Partial:
     prompt_token_ids: list
     token_ids: list
     logprobs: Optional[list] = None
+    # Which of its prompt's n samples it was: it is seeded as that sample (SamplingSpec.for_sample),
+    # so that the samples of a group cut before their first token do not start again as one sample.
+    sample_index: int = 0
 
 
 def partials(prompts: list, completions: list) -> list:
@@ -29,7 +32,8 @@ def partials(prompts: list, completions: list) -> list:
             continue
         item = prompts[c.prompt_index]
         prompt = item.prompt_token_ids if isinstance(item, Partial) else list(item)
-        out.append(Partial(prompt, list(c.token_ids), None if c.logprobs is None else list(c.logprobs)))
+        sample = item.sample_index if isinstance(item, Partial) else c.sample_index  # its place in the first batch
+        out.append(Partial(prompt, list(c.token_ids), None if c.logprobs is None else list(c.logprobs), sample))
     return out
 
 

@@ -40,7 +40,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from ..client.follower import check_finish_fraction
-from ..client.jsonl import merge_results, read_requests
+from ..client.jsonl import merge_results, read_requests, split_lines
 from ..niceness import set_niceness
 from ..config import LimitsConfig, load_config
 from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionError
@@ -157,7 +157,7 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
         body = await read_bounded(request, limits.max_body_bytes)
         if body is None:
             return _error(f"the body is larger than limits.max_body_bytes={limits.max_body_bytes}: split the batch", 413)
-        lines = body.decode("utf-8", errors="replace").splitlines()
+        lines = split_lines(body.decode("utf-8", errors="replace"))
         del body
         try:
             requests, errors = read_requests(lines, defaults, limits)

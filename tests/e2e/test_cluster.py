@@ -58,6 +58,25 @@ def test_stream_yields_each_completion_once(client):
     assert all(len(c.token_ids) == 20 for c in got)
 
 
+def test_the_samples_of_a_seeded_prompt_differ_and_come_again_with_the_seed(client):
+    """Regression (tests/test_expand.py): every sample of a prompt got the spec's seed, and on vLLM
+    one prompt with one seed is one sample: n=4 with a seed gave one sample four times. Sample j
+    is seeded seed + j, as vLLM seeds an n request's children."""
+    from dataclasses import replace
+
+    from rollout_cluster.protocol import SequenceRequest
+
+    spec = SamplingSpec(n=4, max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    first = client.generate([[5, 6, 7]], spec, timeout_s=300)
+    assert len({tuple(c.token_ids) for c in first}) == 4
+    assert [c.token_ids for c in client.generate([[5, 6, 7]], spec, timeout_s=300)] == [c.token_ids for c in first]
+    # what it was: two samples with one seed are one sample, the seed's first
+    one = replace(spec, n=1)
+    same = client.run_requests([SequenceRequest([5, 6, 7], one, 0, 0), SequenceRequest([5, 6, 7], one, 0, 1)],
+                               timeout_s=300)
+    assert same[0].token_ids == same[1].token_ids == first[0].token_ids
+
+
 def test_unknown_batch_and_timeouts_are_clear(client):
     with pytest.raises(Exception, match="unknown batch"):
         client.router.fetch.remote("nope", 0, 0.1).result(timeout_s=30)
