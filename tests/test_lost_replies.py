@@ -1,12 +1,15 @@
 """A pull whose reply never reaches the replica (the router applied the report and answered, the
 answer was lost): the replica sends the same deltas again, and later lists what it holds. No token
 is counted twice, and work the lost reply carried runs again; nothing is lost."""
-from rollout_cluster.config import PolicyConfig
+import pytest
+
+from rollout_cluster.client.follower import BatchFollower, Done, Fetch, Pause
+from rollout_cluster.config import ConfigError, PolicyConfig, load_config
 from rollout_cluster.engines.cost_model import load_profile
 from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.router.core import RouterCore
-from rollout_cluster.protocol import (EngineStats, Listing, ModelInfo, Report, SamplingSpec, SeqProgress,
+from rollout_cluster.protocol import (Completion, EngineStats, Listing, ModelInfo, Report, SamplingSpec, SeqProgress,
                                       SequenceRequest)
 
 COST = load_profile("h200-1.5b", max_num_seqs=8)
@@ -174,3 +177,120 @@ def test_a_final_past_the_tokens_held_makes_its_end_again():
     core.on_report(report([SeqProgress(again.seq_id, again.attempt, [9, 10, 11, 12], None, "length", offset=0)]), 0.3)
     done, _, finished = core.fetch(bid, 0)
     assert finished and done[0].token_ids == [7, 8, 9, 10, 11, 12] and core.counters.report_gaps == 1
+
+
+# ---- a driver's fetch whose answer is lost ----------------------------------------------------------
+def finish(core, work, at):
+    core.on_report(report([SeqProgress(work.seq_id, work.attempt, [3] * 6, None, "length", offset=0)]), at)
+
+
+def test_the_last_fetch_of_a_batch_lost_on_the_way_is_answered_again():
+    """Regression: the router dropped a batch once a fetch answered it whole. A driver whose call
+    timed out on that slow answer (call_timeout_s; the follower fetches again) got "unknown batch":
+    the batch's last completions were lost, or generated again. Now the retry, from the same
+    cursor, gets the same completions, none twice; the driver's fetch from the end releases it."""
+    core, bid = setup(n=3)
+    first, second, third = core.decide("a", 0.0).start
+    follow = BatchFollower([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), i, 0) for i in range(3)])
+    follow.next(0.0)
+    follow.submitted({"batch_id": bid, "weights_version": 0}, 0.0)
+    finish(core, first, 1.0)
+    assert follow.next(1.0) == Fetch(bid, 0)
+    follow.take(*core.fetch(bid, 0, 1.0)[:2])
+    finish(core, second, 2.0)
+    finish(core, third, 2.0)
+    assert follow.next(2.0) == Fetch(bid, 1)
+    lost = core.fetch(bid, 1, 2.0)  # the batch's whole answer: it never reaches the driver
+    assert lost[2] and len(lost[0]) == 2
+    follow.fetch_failed(TimeoutError("no answer"), 122.0, router_gone=True)  # the call timed out
+    assert follow.next(122.0) == Pause(0.5)
+    assert follow.next(122.5) == Fetch(bid, 1)
+    again, cursor, done = core.fetch(bid, 1, 122.5)
+    assert done and cursor == 3 and [c.index for c in again] == [c.index for c in lost[0]]
+    follow.take(again, cursor)
+    assert follow.done and sorted(c.index for c in follow.results) == [0, 1, 2]
+    assert follow.next(123.0) == Fetch(bid, 3, 0.0)  # "I hold them all": the router forgets the batch
+    assert core.fetch(bid, 3, 123.0) == ([], 3, True) and bid not in core.batches
+    follow.take([], 3)
+    assert [c.index for c in follow.next(123.1).results] == [0, 1, 2]
+    with pytest.raises(KeyError, match="unknown batch"):
+        core.fetch(bid, 1, 124.0)
+
+
+def test_a_batch_fetched_whole_and_never_acknowledged_is_dropped_after_finished_batch_keep_s():
+    core, bid = setup(n=1)
+    (work,) = core.decide("a", 0.0).start
+    finish(core, work, 1.0)
+    assert core.fetch(bid, 0, 10.0)[2]  # answered whole; the driver stops (or dies) without saying so
+    assert core.fetch(bid, 0, 20.0)[2]  # a retry: the same answer, the keep time counted from the first
+    assert core.drop_finished(370.0, keep_s=360.0) == [] and bid in core.batches
+    assert core.drop_finished(370.5, keep_s=360.0) == [bid] and bid not in core.batches
+    with pytest.raises(KeyError, match=r"fetched whole 360 s ago.*router.finished_batch_keep_s"):
+        core.fetch(bid, 0, 371.0)
+
+
+def test_a_batch_not_fetched_whole_is_not_dropped_as_finished():
+    core, bid = setup(n=2)
+    first, _ = core.decide("a", 0.0).start
+    finish(core, first, 1.0)
+    core.fetch(bid, 0, 1.0)
+    assert core.drop_finished(1e6, keep_s=360.0) == [] and bid in core.batches
+
+
+def test_finished_batch_keep_s_covers_a_retry():
+    assert load_config({}).router.finished_batch_keep_s == 360.0
+    with pytest.raises(ConfigError, match=r"router.finished_batch_keep_s=100.0: must be >= router.call_timeout_s = 120"):
+        load_config({"router": {"finished_batch_keep_s": 100}})
+
+
+def test_a_failed_final_fetch_does_not_fail_a_batch_received_whole():
+    follow = BatchFollower([SequenceRequest([1, 2], SamplingSpec(max_tokens=6), 0, 0)])
+    follow.next(0.0)
+    follow.submitted({"batch_id": "r-b0", "weights_version": 0}, 0.0)
+    follow.next(0.1)
+    follow.take([Completion(0, 0, [1], None, "length", index=0)], 1)
+    assert follow.next(0.2) == Fetch("r-b0", 1, 0.0)
+    follow.fetch_failed(KeyError("unknown batch"), 0.3)  # (a router of before the fix released it already)
+    done = follow.next(0.3)
+    assert isinstance(done, Done) and [c.index for c in done.results] == [0]
+
+
+def test_the_serve_router_answers_a_retried_last_fetch_and_forgets_the_batch_at_the_drivers_final_fetch(
+        tmp_path, monkeypatch):
+    """The same at the Router deployment's class (in-process, no Ray), where the batch was
+    released: its fetch answered done, then "unknown batch" to the retry of that fetch."""
+    import asyncio
+
+    from rollout_cluster.config import ClusterConfig, to_dict
+    from rollout_cluster.protocol import WeightsState
+    from rollout_cluster.security.signing import Signer
+    from rollout_cluster.serve.router import Router
+
+    monkeypatch.delenv("ROLLOUT_CONTROL_KEYS")  # unsigned orders (allow_unsigned_control)
+
+    async def run():
+        cfg = ClusterConfig(replicas=1, engine={"kind": "sim"}, router={"idle_pull_wait_s": 0.01},
+                            security={"allow_unsigned_control": True, "checkpoint_roots": [str(tmp_path)]})
+        router = Router.func_or_class(to_dict(cfg))
+        try:
+            cred = await router.register(Signer().sign("register", {"replica_id": "a", "incarnation": "i1"}))
+
+            async def pull(rep):
+                rep.credential = cred
+                rep.weights = WeightsState(version=router.core.weights.version, path=router.core.weights.path)
+                return await router.pull(rep)
+
+            await pull(report(model=ModelInfo(100, 64)))
+            bid = await router.submit([SequenceRequest([1, 2], SamplingSpec(max_tokens=4), i, 0) for i in range(2)],
+                                      wait_for_replica_s=1)
+            works = (await pull(report())).start
+            await pull(report([SeqProgress(w.seq_id, w.attempt, [5] * 4, None, "length", offset=0) for w in works]))
+            lost = await router.fetch(bid, 0, wait_s=1)  # never reaches the driver
+            again = await router.fetch(bid, 0, wait_s=1)
+            assert again[2] and again[1] == 2 and [c.index for c in again[0]] == [c.index for c in lost[0]] == [0, 1]
+            assert await router.fetch(bid, 2, wait_s=0) == ([], 2, True)  # the driver's final fetch
+            assert bid not in router.core.batches and bid not in (await router.status())["batch_ids"]
+        finally:
+            router._reaper.cancel()
+
+    asyncio.run(run())

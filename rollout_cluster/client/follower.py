@@ -149,6 +149,9 @@ class BatchFollower:
         self.lost: Optional[BatchLostError] = None  # why the submission under way is a resubmission
         self.gone_since: Optional[float] = None  # when fetches started failing because the router died
         self.pending: Optional[Action] = None  # decided by an event, returned by the next next()
+        # every completion received, and the router told so by a fetch from the batch's end (which
+        # releases it: it keeps a batch fetched whole for a retry of the last fetch, whose answer may be lost)
+        self.acknowledged = False
 
     @property
     def done(self) -> bool:
@@ -165,7 +168,10 @@ class BatchFollower:
             self.t0 = now
             return Submit(self.requests, self.wait_for_replica_s, self.asked_version, None)
         if self.done:
-            return Done(self.results)
+            if self.acknowledged or not self.batch_id:
+                return Done(self.results)
+            self.acknowledged = True  # once: a failure leaves it to router.finished_batch_keep_s
+            return Fetch(self.batch_id, self.cursor, 0.0)
         fetched, self.fetched = self.fetched, False
         if fetched and self.should_cut():  # a cancel that failed is tried again after the next fetch
             return Cancel(self.batch_id, "cut")
@@ -213,7 +219,10 @@ class BatchFollower:
         submitted again. `router_gone` (the router's process died under the call, or the call went
         unanswered for call_timeout_s): Serve starts a new router, which answers a later fetch with
         BatchLostError; fetching again is safe (a fetch only reads), for call_timeout_s more at
-        most. Anything else is raised."""
+        most. Anything else is raised. The final fetch from the end of a batch received whole
+        cannot fail it: the router drops that batch after router.finished_batch_keep_s anyway."""
+        if self.done:
+            return
         if isinstance(error, BatchLostError):
             self.pending = self._resubmission(error)
         elif not router_gone:

@@ -122,6 +122,14 @@ class RouterConfig(Section):
     abandoned_batch_s: float = Field(900.0, description=(
         "a batch no driver fetched from for this long (its driver died) is cancelled and dropped; 0: never"),
         **_also("0 (never) or >= 10: drivers fetch about once a second"))
+    # A fetch's answer can be lost (the driver's call timed out on a slow reply): its retry, from the
+    # same cursor, must get the same completions. A driver that got them fetches once more from the
+    # batch's end, which releases it at once; this bounds how long one that never does is waited for.
+    # Three call timeouts cover the lost call, the retry and a slow router; the batch's results are
+    # held in the meantime, as they were while it ran.
+    finished_batch_keep_s: float = Field(360.0, description=(
+        "a batch fetched whole is kept this long for a retry of that fetch (its answer lost), unless its driver "
+        "fetches from its end first"), **_also(">= router.call_timeout_s"))
 
     @model_validator(mode="after")
     def _rules(self) -> "RouterConfig":
@@ -129,6 +137,8 @@ class RouterConfig(Section):
         self._require("idle_pull_wait_s", self.idle_pull_wait_s <= ceiling, f" = {ceiling:g}")
         self._require("report_interval_s", self.report_interval_s <= ceiling, f" = {ceiling:g}")
         self._require("abandoned_batch_s", self.abandoned_batch_s == 0 or self.abandoned_batch_s >= 10)
+        self._require("finished_batch_keep_s", self.finished_batch_keep_s >= self.call_timeout_s,
+                      f" = {self.call_timeout_s:g}")
         self._require("stall_timeout_s", self.stall_timeout_s == 0 or self.stall_timeout_s >= 2 * ceiling,
                       f" = {2 * ceiling:g}")
         return self

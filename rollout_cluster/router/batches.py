@@ -1,8 +1,10 @@
 """The batches a router holds: their results in finishing order, who fetched them last, and why
 a batch that is gone went.
 
-A batch lives in the router's memory from `submit` until its driver fetched it whole (`release`)
-or abandoned it: no fetch for `router.abandoned_batch_s` (its trainer died), or for
+A batch lives in the router's memory from `submit` until its driver fetched it whole and said so
+(a fetch with its cursor at the batch's end: `fetch` releases it), or abandoned it: a batch whose
+whole answer went out is kept `router.finished_batch_keep_s` for a retry of that fetch (its answer
+may be lost on the way: the driver's call timed out), then dropped (`drop_finished`); or no fetch for `router.abandoned_batch_s` (its trainer died), or for
 CANCELLED_UNFETCHED_S once cancelled (its driver timed out). A fetch of a batch that is gone says
 which of these happened, or that another router made it (the router restarted, and its batches
 went with it: BatchLostError, which the driver answers by submitting again).
@@ -33,6 +35,9 @@ class BatchState:
     weights_version: int = 0  # the version the batch runs on (every segment's)
     fetched_t: float = 0.0  # the latest fetch (or the submission): the abandonment clock
     cancelled: bool = False  # cancel() was called: the driver may fetch the aborts, or be gone
+    # when a fetch first answered it whole; it is kept for a retry of that answer (which may have
+    # been lost) until the driver's fetch from the end, or router.finished_batch_keep_s (None: not yet)
+    answered_done_t: Optional[float] = None
 
     @property
     def done(self) -> bool:
@@ -112,13 +117,21 @@ class Batches:
 
     def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple[list[Completion], int, bool]:
         """(completions finished since `cursor`, new cursor, batch done); a batch that is gone
-        raises KeyError (BatchLostError if another router made it) saying why."""
+        raises KeyError (BatchLostError if another router made it) saying why. Idempotent: a retry
+        from the same cursor gets the same completions, the last fetch's too (the batch is kept
+        after its whole answer went out); a fetch from the end of a finished batch says the driver
+        holds every completion, and releases it."""
         batch = self.live.get(batch_id)
         if batch is None:
             raise self._gone(batch_id)
         if now is not None:
             batch.fetched_t = now
+        if batch.done and isinstance(cursor, int) and cursor >= batch.size:
+            self.release(batch_id)
+            return [], batch.size, True
         new = [batch.results[i].with_lists() for i in batch.order[cursor:]]
+        if batch.done and batch.answered_done_t is None:
+            batch.answered_done_t = batch.fetched_t
         return new, len(batch.order), batch.done
 
     def _gone(self, batch_id) -> KeyError:
@@ -149,6 +162,21 @@ class Batches:
         while len(self.dropped) > DROPPED_KEPT:
             del self.dropped[next(iter(self.dropped))]
         self._forget_groups(batch_id)
+
+    def finished_unacknowledged(self, now: float, keep_s: float) -> list[str]:
+        """Batches whose whole answer went out more than `keep_s` ago with no fetch from their end
+        since (the driver got the answer and stopped, or died)."""
+        return [bid for bid, b in self.live.items()
+                if b.answered_done_t is not None and now - b.answered_done_t > keep_s]
+
+    def drop_finished(self, batch_id: str, now: float) -> None:
+        """Forget a batch fetched whole and kept past router.finished_batch_keep_s, remembering why."""
+        batch = self.live[batch_id]
+        self.release(batch_id)
+        self.dropped[batch_id] = (f"fetched whole {now - batch.answered_done_t:.0f} s ago, and kept "
+                                  "router.finished_batch_keep_s for a retry of that fetch")
+        while len(self.dropped) > DROPPED_KEPT:
+            del self.dropped[next(iter(self.dropped))]
 
     def release(self, batch_id: str) -> bool:
         """Forget a batch its driver fetched whole; returns whether it was held."""

@@ -6,7 +6,8 @@ tests call it directly. A replica's pull is two calls, as vLLM v1's scheduler sp
     applied = core.apply(report, now)       # register, take its state, its tokens, its listing
     orders = core.decide(replica_id, now)   # the policy's decision, and what waits for it
 (`on_report` does both.) Drivers call `submit`, `fetch` and `cancel`; a periodic `expire` declares
-silent replicas dead, a periodic `drop_abandoned` drops the batches nobody fetches, and a periodic
+silent replicas dead, a periodic `drop_abandoned` drops the batches nobody fetches (and
+`drop_finished` those fetched whole whose driver never said it got the answer), and a periodic
 `check_stalls` (also run at each report) declares stalled those that pull on while their sequences
 make no progress: their work continues elsewhere as a dead replica's does, and their further
 pulls are answered with an order to stop. Migration semantics: docs/semantics.md.
@@ -185,7 +186,8 @@ class RouterCore:
         return self.intake.submit(requests, now, batch_id, weights_version, previous_ids)
 
     def fetch(self, batch_id: str, cursor: int, now: Optional[float] = None) -> tuple:
-        """(completions finished since `cursor`, new cursor, batch done)."""
+        """(completions finished since `cursor`, new cursor, batch done). A retry gets the same
+        answer, the last one too; a fetch from the end of a finished batch releases it (batches.py)."""
         return self.batches.fetch(batch_id, cursor, now)
 
     def cancel(self, batch_id: str, now: float) -> int:
@@ -196,6 +198,14 @@ class RouterCore:
     def drop_abandoned(self, now: float, idle_s: float) -> list:
         """Cancel and forget every batch nobody fetched from for `idle_s` seconds; returns their ids."""
         return self.intake.drop_abandoned(now, idle_s)
+
+    def drop_finished(self, now: float, keep_s: float) -> list:
+        """Forget every batch fetched whole more than `keep_s` ago whose driver never fetched from
+        its end (router.finished_batch_keep_s); returns their ids."""
+        gone = self.batches.finished_unacknowledged(now, keep_s)
+        for bid in gone:
+            self.batches.drop_finished(bid, now)
+        return gone
 
     def release(self, batch_id: str) -> None:
         """The driver fetched the whole batch: forget it."""

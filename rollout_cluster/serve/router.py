@@ -98,6 +98,8 @@ class Router:
                 self.submit_t.pop(bid, None)
             if dropped:
                 self._wake_all()  # give-up orders for the replicas that ran them
+            for bid in self.core.drop_finished(now, self.cfg.router.finished_batch_keep_s):
+                self.submit_t.pop(bid, None)  # (fetched whole; its driver never fetched from its end)
             self.metrics.gauges(self.core)
 
     def _wake_all(self) -> None:
@@ -213,8 +215,7 @@ class Router:
             except asyncio.TimeoutError:
                 pass
             new, new_cursor, done = self.core.fetch(batch_id, cursor, time.monotonic())
-        if done:
-            self.core.release(batch_id)
+        if done:  # kept for a retry of this answer, until a fetch from its end (router/batches.py)
             self.batch_progress.pop(batch_id, None)
         return new, new_cursor, done
 
