@@ -81,3 +81,16 @@ def test_a_client_never_ends_the_ray_its_caller_started(monkeypatch):
     assert client.owns_cluster and cluster.apps == {"rollout"}
     lifecycle.shutdown(client)
     assert not cluster.connected and cluster.apps == set()
+
+
+@pytest.mark.parametrize("wait_s", [float("nan"), float("inf"), -1.0, "5", True, None])
+def test_connect_refuses_a_wait_that_is_not_a_finite_number_of_seconds(monkeypatch, wait_s):
+    """Regression: RolloutClient.connect(wait_s=nan) never returned (no time is past a NaN
+    deadline): a wait that is not a finite number >= 0 is refused, naming the field, before Ray."""
+    from rollout_cluster.client.client import RolloutClient
+    from rollout_cluster.protocol import InputError
+
+    cluster = Cluster(monkeypatch)
+    with pytest.raises(InputError, match=r"wait_s=.*must be a finite number of seconds >= 0"):
+        RolloutClient.connect("rollout", wait_s=wait_s)
+    assert cluster.inits == 0

@@ -10,6 +10,7 @@ import time
 from typing import Optional, Union
 
 from ..config import ClusterConfig, SecurityConfig, load_config
+from ..protocol import InputError, is_number
 from ..security.secrets import read_keys
 from ..security.signed_router import SignedRouter
 from ..security.signing import Signer
@@ -71,6 +72,10 @@ def _undo_start(app_name: Optional[str], connected: bool) -> None:
 
 def connect(cls, app_name: str, address: str, wait_s: float, kw: dict):
     import ray
+
+    # NaN never passes the deadline (the loop would wait forever), and a negative wait is a mistake
+    if not (is_number(wait_s) and wait_s >= 0):
+        raise InputError("wait_s", wait_s, "must be a finite number of seconds >= 0")
 
     if not ray.is_initialized():
         ray.init(address=address)
