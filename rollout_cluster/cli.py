@@ -186,11 +186,11 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="JSONL batch in, JSONL results out")
-    p.add_argument("--config", required=False)
+    p.add_argument("--config", required=False, help="start a local cluster with this config (not with --app-name)")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--address", default=None, help="Ray address; default: start a local cluster")
-    p.add_argument("--app-name", default=None, help="use an app that already runs instead of starting one")
+    p.add_argument("--app-name", default=None, help="use an app that already runs (with its own config) instead of starting one")
     p.add_argument("--timeout-s", type=seconds, default=None)
     p.add_argument("--weights-version", type=int, default=None,
                    help="run only on this weights version (update-weights prints it); other weights refuse the batch")
@@ -258,6 +258,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "generate" and not (a.config or a.app_name):
         ap.error("generate needs --config (start a cluster) or --app-name (use a running app)")
+    if a.cmd == "generate" and a.config and a.app_name:
+        # The running app was deployed with its own config: its engine, policy and sampling
+        # defaults are the ones that count, so this one would have no effect. Refuse, not ignore.
+        ap.error(f"generate takes --config {a.config} (start a cluster with it) or --app-name {a.app_name} "
+                 "(use an app that runs, with the config it was deployed with), not both")
     return refusing(f"rollout-cluster {a.cmd}", a.fn, a)
 
 

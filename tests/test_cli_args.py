@@ -119,3 +119,11 @@ def test_the_job_uses_a_running_service_that_is_replacing_a_replica(monkeypatch,
     apps = {} if state is None else {"rollout": SimpleNamespace(status=ApplicationStatus(state))}
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications=apps))
     assert job._app_running("rollout") is uses_it
+
+
+def test_generate_refuses_a_config_with_an_app_that_runs(capsys, tmp_path, src):
+    """Regression: `generate --config C --app-name X` joined X and ignored C without a word (X runs
+    with the config it was deployed with: its engine, policy and sampling defaults). Both flags
+    at once are refused, naming them, before Ray."""
+    refused(capsys, ["generate", "--config", ROOT_CONFIG, "--app-name", "x", "--input", src, "--output",
+                     str(tmp_path / "out.jsonl")], f"--config {ROOT_CONFIG}", also="--app-name x")
