@@ -94,3 +94,24 @@ def test_connect_refuses_a_wait_that_is_not_a_finite_number_of_seconds(monkeypat
     with pytest.raises(InputError, match=r"wait_s=.*must be a finite number of seconds >= 0"):
         RolloutClient.connect("rollout", wait_s=wait_s)
     assert cluster.inits == 0
+
+
+def test_the_ray_job_deletes_the_app_it_deployed_when_its_client_cannot_be_made(monkeypatch, tmp_path):
+    """Regression: the Ray job (jobs/rollout.py) made its RolloutClient after deploying and before
+    its try/finally: a client that failed to construct (no control key to sign with, Serve's
+    handle not found) left the app it had just deployed running."""
+    from rollout_cluster.client.client import RolloutClient
+    from rollout_cluster.jobs import rollout as job
+
+    cluster = Cluster(monkeypatch)
+    monkeypatch.setattr(job, "_app_running", lambda name: False)
+
+    def broken(self, *args, **kw):
+        raise ValueError("no control key configured")
+    monkeypatch.setattr(RolloutClient, "__init__", broken)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt_token_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="no control key"):
+        job.run(job.argparse.Namespace(input=str(src), output=str(tmp_path / "out.jsonl"), config={}, redeploy=False,
+                                       keep_app=False, ready_timeout_s=5.0))
+    assert cluster.inits == 1 and cluster.apps == set()

@@ -57,8 +57,8 @@ def run(a) -> int:
         deploy(build_app(cfg), cfg, a.ready_timeout_s)
     else:  # a long-lived rollout service: use it (once a replica pulls), never tear it down
         print(f"using the running application {cfg.app_name!r}")
-    client = RolloutClient(cfg.app_name, config=cfg)
-    try:
+    try:  # (from here on, an app this job deployed is deleted whatever fails: the client's making too)
+        client = RolloutClient(cfg.app_name, config=cfg)
         client.wait_ready(cfg.replicas if deployed else 1)
         version = client.update_weights(a.weights) if a.weights else None
         summary = run_jsonl(client, a.input, a.output, progress=False, timeout_s=a.timeout_s, weights_version=version,
