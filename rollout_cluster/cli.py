@@ -190,7 +190,8 @@ def main(argv=None) -> int:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--address", default=None, help="Ray address; default: start a local cluster")
-    p.add_argument("--app-name", default=None, help="use an app that already runs (with its own config) instead of starting one")
+    p.add_argument("--app-name", default=None,
+                   help="use an app that already runs (with its own config) instead of starting one")
     p.add_argument("--timeout-s", type=seconds, default=None)
     p.add_argument("--weights-version", type=int, default=None,
                    help="run only on this weights version (update-weights prints it); other weights refuse the batch")

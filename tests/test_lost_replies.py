@@ -239,7 +239,8 @@ def test_a_batch_not_fetched_whole_is_not_dropped_as_finished():
 
 def test_finished_batch_keep_s_covers_a_retry():
     assert load_config({}).router.finished_batch_keep_s == 360.0
-    with pytest.raises(ConfigError, match=r"router.finished_batch_keep_s=100.0: must be >= router.call_timeout_s = 120"):
+    with pytest.raises(ConfigError,
+                       match=r"router.finished_batch_keep_s=100.0: must be >= router.call_timeout_s = 120"):
         load_config({"router": {"finished_batch_keep_s": 100}})
 
 

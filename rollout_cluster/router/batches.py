@@ -2,9 +2,10 @@
 a batch that is gone went.
 
 A batch lives in the router's memory from `submit` until its driver fetched it whole and said so
-(a fetch with its cursor at the batch's end: `fetch` releases it), or abandoned it: a batch whose
+(a fetch with its cursor at the batch's end: `fetch` releases it), or abandoned it. A batch whose
 whole answer went out is kept `router.finished_batch_keep_s` for a retry of that fetch (its answer
-may be lost on the way: the driver's call timed out), then dropped (`drop_finished`); or no fetch for `router.abandoned_batch_s` (its trainer died), or for
+may be lost on the way: the driver's call timed out), then dropped (`drop_finished`). A batch
+nobody fetches is dropped after `router.abandoned_batch_s` (its trainer died), or after
 CANCELLED_UNFETCHED_S once cancelled (its driver timed out). A fetch of a batch that is gone says
 which of these happened, or that another router made it (the router restarted, and its batches
 went with it: BatchLostError, which the driver answers by submitting again).
