@@ -77,6 +77,16 @@ def test_the_samples_of_a_seeded_prompt_differ_and_come_again_with_the_seed(clie
     assert same[0].token_ids == same[1].token_ids == first[0].token_ids
 
 
+def test_a_batch_received_whole_is_released_by_the_drivers_final_fetch(client):
+    """The router keeps a batch fetched whole for a retry of that fetch (its answer may be lost,
+    router.finished_batch_keep_s); the driver's fetch from the batch's end releases it at once,
+    so a finished generate leaves nothing held, and a retried last fetch got the same answer."""
+    (c,) = client.generate([[1, 2, 3]], SamplingSpec(max_tokens=4, ignore_eos=True))
+    assert c.batch_id and c.batch_id not in client.status()["batch_ids"]
+    with pytest.raises(Exception, match="unknown batch"):
+        client.router.fetch.remote(c.batch_id, 0, 0.1).result(timeout_s=30)
+
+
 def test_unknown_batch_and_timeouts_are_clear(client):
     with pytest.raises(Exception, match="unknown batch"):
         client.router.fetch.remote("nope", 0, 0.1).result(timeout_s=30)
