@@ -189,8 +189,10 @@ class RolloutClient:
         """Queue a batch and return its id without waiting; fetch it with router.fetch, as
         run_requests does. A batch nobody fetches from for router.abandoned_batch_s (900 s) is taken
         for one whose driver died, and dropped: a trainer that submits step k+1 and trains on step k
-        for longer must fetch meanwhile, or raise the setting. With `weights_version`, a fleet on
-        other weights refuses the batch (WeightsVersionError, an InputError)."""
+        for longer must fetch meanwhile, or raise the setting. A batch fetched whole is kept for a
+        retry of that fetch until a fetch from its end (cursor = its size, as run_requests sends)
+        or router.finished_batch_keep_s. With `weights_version`, a fleet on other weights refuses
+        the batch (WeightsVersionError, an InputError)."""
         wait = batches.router_wait_s(self) if wait_for_replica_s is None else wait_for_replica_s
         answer = self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
             timeout_s=self.call_timeout_s + wait)  # the router's wait for a live replica, then the call's
