@@ -202,6 +202,17 @@ def test_request_id_names_the_answer_as_vllm_does(router, codec):  # noqa: F811
     assert got.json()["id"] == "chatcmpl-h1"
 
 
+def test_a_request_id_is_bounded_as_it_is_echoed_back(router, codec):  # noqa: F811
+    http = app_over(router, codec)
+    auth = {"content-type": "application/json", "Authorization": "Bearer proto-token-" + "z" * 24}
+    long_id = "r" * 257
+    got = http.post("/v1/completions", content=json.dumps({"prompt": [1], "request_id": long_id}), headers=auth)
+    assert got.status_code == 400 and "request_id" in got.json()["error"]["message"]
+    got = http.post("/v1/chat/completions", content=json.dumps(CHAT), headers={**auth, "X-Request-Id": long_id})
+    assert got.status_code == 400 and "X-Request-Id: 257 characters" in got.json()["error"]["message"]
+    assert not hasattr(router, "submitted")  # nothing was submitted
+
+
 # ---- refused unless vLLM's default; ignored ones change nothing ----------------------------------
 REFUSALS = [("watermarking", True, False), ("priority", 3, 0), ("routed_experts_prompt_start", 4, 0),
             ("kv_transfer_params", {"do_remote_prefill": True}, {}), ("ec_transfer_params", {"a": 1}, None),

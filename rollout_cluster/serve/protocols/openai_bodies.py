@@ -10,6 +10,7 @@ from typing import ClassVar, Literal, Mapping, Optional, Union
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ...validation import MAX_SESSION_CHARS as MAX_ID_CHARS
 from .context import ProtocolContext, ProtocolError
 from .truncation import Truncation, truncation_of
 
@@ -94,7 +95,8 @@ class Sampling(BaseModel):
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
     truncation_side: Optional[Literal["left", "right"]] = None
     session_id: Optional[str] = None
-    request_id: Optional[str] = None  # the answer's id ("cmpl-<request_id>"), as vLLM's
+    # the answer's id ("cmpl-<request_id>"), as vLLM's; echoed back, so bounded as a session id is
+    request_id: Optional[str] = Field(None, max_length=MAX_ID_CHARS)
     # IGNORED
     stream_interval: Optional[int] = Field(None, ge=1)
     length_penalty: float = 1.0
@@ -103,7 +105,12 @@ class Sampling(BaseModel):
     return_mm_kwargs: Optional[bool] = None
 
     def check_supported(self, headers: Mapping) -> None:
-        """ProtocolError naming the first field set that this server cannot honour."""
+        """ProtocolError naming the first field set that this server cannot honour (or a request
+        id header longer than the body's field may be)."""
+        header_id = headers.get(REQUEST_ID_HEADER)
+        if header_id is not None and len(header_id) > MAX_ID_CHARS:
+            raise ProtocolError(400, f"{REQUEST_ID_HEADER}: {len(header_id)} characters; at most {MAX_ID_CHARS}",
+                                REQUEST_ID_HEADER)
         extra = dict(self.model_extra or {})
         try:  # vLLM's header, over the body's field (one that is no integer: ignored, as vLLM does)
             extra["priority"] = int(headers.get(PRIORITY_HEADER))
