@@ -19,6 +19,7 @@ from rollout_cluster.protocol import Completion
 from rollout_cluster.serve.protocols.outputs import output_of
 from rollout_cluster.text.codec import TextCodec
 from test_gateway_review import _ctx
+from test_openai_vllm_fields import wp_codec  # noqa: F401 (fixture: a WordPiece tokenizer)
 from test_protocols import SCRIPT, TextRouter, app_over, codec  # noqa: F401 (fixtures)
 
 pytest.importorskip("vllm.v1.engine.detokenizer")
@@ -35,16 +36,6 @@ def metaspace_codec():
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     tok.train_from_iterator([TEXT] * 20, trainer=trainers.BpeTrainer(
         vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
-    return TextCodec(tok, None, {})
-
-
-@pytest.fixture(scope="module")
-def wordpiece_codec():
-    """A WordPiece tokenizer: its decoder puts a space before every token but a "##" piece."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
-    tok.train_from_iterator([TEXT] * 20, trainer=trainers.WordPieceTrainer(
-        vocab_size=200, special_tokens=["[UNK]", "[CLS]", "[SEP]"], show_progress=False))
     return TextCodec(tok, None, {})
 
 
@@ -86,7 +77,7 @@ def test_the_answer_of_a_completion_route_is_decoded_after_its_prompt(metaspace_
 ids_of = st.lists(st.integers(0, 119), min_size=0, max_size=12)
 
 
-@pytest.mark.parametrize("which", ["metaspace_codec", "wordpiece_codec", "codec"])
+@pytest.mark.parametrize("which", ["metaspace_codec", "wp_codec", "codec"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=ids_of, ids=st.lists(st.integers(0, 119), min_size=1, max_size=24), skip=st.booleans(),
        stops=st.lists(st.text(alphabet=" abelorwdñ▁", min_size=1, max_size=3), max_size=2))
@@ -105,7 +96,7 @@ def test_text_and_stop_cuts_equal_vllms_detokenizer(request, which, prompt, ids,
         assert cut.text == full and cut.token_ids == ids
 
 
-@pytest.mark.parametrize("which", ["metaspace_codec", "wordpiece_codec", "codec"])
+@pytest.mark.parametrize("which", ["metaspace_codec", "wp_codec", "codec"])
 def test_logprob_token_texts_are_named_as_vllm_names_them(request, which):
     """Regression: a SentencePiece token's text in logprobs lost its leading space ("world" where
     vLLM's logprobs say " world"): decoding one token alone drops it, and vLLM puts it back."""

@@ -126,14 +126,15 @@ class BatchFollower:
     def __init__(self, requests: list, timeout_s: float = DEFAULT_TIMEOUT_S, call_timeout_s: float = 120.0,
                  max_restarts: int = 3, weights_version: Optional[int] = None,
                  finish_fraction: Optional[float] = None, finish_by: str = "sample",
-                 wait_for_replica_s: Optional[float] = None, router_wait_s: float = ROUTER_SUBMIT_WAIT_S):
+                 wait_for_replica_s: Optional[float] = None, router_wait_s: Optional[float] = None):
         if not (is_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
             raise InputError("timeout_s", timeout_s, "must be a finite number of seconds > 0")
         self.cutter = BatchCut(requests, finish_fraction, finish_by)
         self.requests = requests
         self.timeout_s, self.call_timeout_s, self.max_restarts = timeout_s, call_timeout_s, max_restarts
         self.asked_version, self.wait_for_replica_s = weights_version, wait_for_replica_s
-        self.router_wait_s = router_wait_s  # the router's router.submit_wait_for_replica_s, as far as known
+        # the router's router.submit_wait_for_replica_s, as far as known (None: its default)
+        self.router_wait_s = ROUTER_SUBMIT_WAIT_S if router_wait_s is None else router_wait_s
         self.results: list = [None] * len(requests)
         self.received = 0
         self.restarts = 0

@@ -176,7 +176,7 @@ async def follow_batch(router, requests: list, timeout_s: float, call_timeout_s:
     TimeoutError raised. RolloutClient.stream and the HTTP Gateway use it. `router_wait_s`: the
     router's router.submit_wait_for_replica_s where the caller knows it (its default otherwise)."""
     follower = BatchFollower(requests, timeout_s, call_timeout_s, max_restarts, weights_version, finish_fraction,
-                             finish_by, **({} if router_wait_s is None else {"router_wait_s": router_wait_s}))
+                             finish_by, router_wait_s=router_wait_s)
     async for c in run_async(router, follower, call_timeout_s, on_restart):
         yield c
 
