@@ -14,6 +14,7 @@ from rollout_cluster.serve.gateway import gateway_app
 from rollout_cluster.serve.protocols.batch import ProtocolContext
 from rollout_cluster.text.codec import TextCodec
 from rollout_cluster.text.make_tokenizer import make_tokenizer
+from ports import free_port
 from test_router_restart import FakeRouter, Method
 
 TOKEN = "proto-token-" + "z" * 24
@@ -319,14 +320,6 @@ def relay_http(router, codec):
     ctx = ProtocolContext(router, codec, LimitsConfig(), 5.0, model_name="models/tiny", model_root="/m/tiny",
                           world_size=1)
     return TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(), ctx, runner)), commits
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def vllm_group(http, timeout_s: float):

@@ -1,7 +1,6 @@
 """The weight relay (transfer/relay.py) over its CPU channel (transfer/channels.py), with real
 TCPStores between threads: both protocols' rendezvous roles, vLLM's packed chunking, the commit
 once an update is whole, and refusals that name the field."""
-import socket
 import threading
 
 import pytest
@@ -11,14 +10,9 @@ from hypothesis import strategies as st
 
 from rollout_cluster.transfer.channels import CpuChannel, CpuSender
 from rollout_cluster.transfer.relay import RelayError, WeightRelay, packed_chunks
+from ports import free_port
 
 SPEC = {"a.weight": (4, 3), "b.bias": (5,), "c.weight": (2, 2, 2)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tensors(dtype=torch.float32, seed=0) -> dict:

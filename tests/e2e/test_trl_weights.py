@@ -5,7 +5,6 @@
   equal those of the same weights from a checkpoint;
 - TRL <= 1.10's /init_communicator/, /update_named_param/ per tensor, /reset_prefix_cache/ as its
   GRPOTrainer sends them, which bring the first weights back, token for token."""
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,17 +17,12 @@ from rollout_cluster.protocol import SamplingSpec
 from rollout_cluster.transfer.channels import CpuSender
 
 from e2e_support import ROOT, gateway_url, netrc_token
+from ports import free_port
 
 pytestmark = pytest.mark.e2e
 
 GREEDY = SamplingSpec(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, [11, 12, 13] * 7]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CpuVLLMClient(VLLMClient):
