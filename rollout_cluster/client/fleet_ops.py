@@ -17,14 +17,19 @@ from ..protocol import InputError, WeightsNotLearned, is_int
 
 log = logging.getLogger(__name__)
 REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
+VERSION_FIRST_POLL_S = 0.01  # a weights wait polls the router's status this soon first, then doubling to 0.1 s
 NUMBER_RETRY_S = 0.5  # a weights order a new router refused (WeightsNotLearned) is asked again this often
 
 
 def wait_until(probe: Callable[[], object], settled: Callable[[object], object], deadline: float,
-               interval_s: float, timed_out: Callable[[object], Optional[Exception]]):
-    """probe() every interval_s until settled(value) returns something other than None, and return
-    that. Past `deadline` (time.monotonic()) raise timed_out(last value), or return None where it
-    gives no error (a wait that may end unsettled)."""
+               interval_s: float, timed_out: Callable[[object], Optional[Exception]],
+               first_interval_s: Optional[float] = None, sleep: Callable[[float], None] = time.sleep):
+    """probe() until settled(value) returns something other than None, and return that. Past
+    `deadline` (time.monotonic()) raise timed_out(last value), or return None where it gives no
+    error (a wait that may end unsettled). The probes are interval_s apart; with
+    `first_interval_s`, the first gap is that and each next one doubles up to interval_s (a wait
+    that usually ends within a fraction of a second, as a weights load, sees its end sooner)."""
+    gap = interval_s if first_interval_s is None else min(first_interval_s, interval_s)
     while True:
         value = probe()
         done = settled(value)
@@ -35,7 +40,8 @@ def wait_until(probe: Callable[[], object], settled: Callable[[object], object],
             if error is None:
                 return None
             raise error
-        time.sleep(interval_s)
+        sleep(gap)
+        gap = min(2 * gap, interval_s)
 
 
 def check_replicas(replicas) -> None:
@@ -144,7 +150,8 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
                             f"version {v} after {timeout_s:.0f} s; still without it: {', '.join(lacking) or 'none'}"
                             + (f" (sleep level of each: {st['sleep'].get('replicas')})" if lacking else ""))
 
-    return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, timed_out)
+    return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, timed_out,
+                      first_interval_s=VERSION_FIRST_POLL_S)
 
 
 def weights_digest(client, detail: bool, timeout_s: float) -> dict:
