@@ -59,6 +59,7 @@ class EngineMoves:
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.loading = None  # (version, asyncio.Task) of a load in progress
+        self.loading_path = ""  # ... and its source: a restarted router may number other weights the same
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
         self.noted_buckets: Optional[tuple] = None  # a noted push's buckets (a restarted router has lost them)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
@@ -98,9 +99,9 @@ class EngineMoves:
         moves = self.in_progress()
         if not moves:
             return True
-        loading = self.loading[0] if self.loading else None
+        loading = (self.loading[0], self.loading_path) if self.loading else None
         await asyncio.gather(*moves, return_exceptions=True)
-        if loading is not None and self.weights_version != loading:
+        if loading is not None and (self.weights_version, self.weights_path) != loading:
             return False
         return not (self.sleep_level or self.sleep_error or self.broken or self.sleep_goal)
 
@@ -127,16 +128,21 @@ class EngineMoves:
 
     # ---- the orders -----------------------------------------------------------------------------
     def _load(self, order: LoadWeights) -> None:
-        if order.version in (self.weights_version, self.loading and self.loading[0]):
-            return  # a resent order of what is done or under way
+        # A resent order of what is done or under way starts nothing: the same number from the same
+        # source (a router that restarted may give the number to other weights, which do load).
+        if (order.version, order.path) in ((self.weights_version, self.weights_path),
+                                           (self.loading and self.loading[0], self.loading_path)):
+            return
         before = self.in_progress()
         task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before,
                                                                          order.buckets, order.keep))
-        self.loading = (order.version, task)
+        self.loading, self.loading_path = (order.version, task), order.path
 
     def _note(self, order: NoteWeights) -> None:
         """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
-        if order.version > max(self.weights_version, self.noted[0]):
+        if (order.version, order.path) in ((self.weights_version, self.weights_path), self.noted):
+            return  # (the same number from another source is other weights: noted)
+        if order.version >= max(self.weights_version, self.noted[0]):
             self.noted, self.noted_buckets = (order.version, order.path), order.buckets
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
@@ -287,5 +293,5 @@ class EngineMoves:
             if self.noted[0] <= version:
                 self.noted, self.noted_buckets = (0, ""), None
         finally:
-            if self.loading and self.loading[0] == version:  # not a later load's flag
+            if self.loading and (self.loading[0], self.loading_path) == (version, path):  # not a later load's flag
                 self.loading = None
