@@ -31,23 +31,25 @@ log = logging.getLogger("ray.serve")
 
 async def fetched(buckets: tuple):
     """The pushed buckets' (name, tensor) lists, fetched from the object store one ahead of the
-    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)"""
+    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)
+    However it ends (a fetch failed, or the loader stopped and closed it: a refused bucket, a
+    failed or cancelled load), the fetch ahead is cancelled: nothing runs on, or holds a bucket,
+    for a load that is over."""
     async def get(item):
         return item if isinstance(item, dict) else await item
 
     ahead = asyncio.ensure_future(get(buckets[0])) if buckets else None
-    for i in range(len(buckets)):
-        current, ahead = ahead, asyncio.ensure_future(get(buckets[i + 1])) if i + 1 < len(buckets) else None
-        try:
+    try:
+        for i in range(len(buckets)):
+            current, ahead = ahead, asyncio.ensure_future(get(buckets[i + 1])) if i + 1 < len(buckets) else None
             bucket = await current
-        except BaseException:
-            if ahead is not None:
-                ahead.cancel()
-            raise
-        if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
-            yield Manifest(bucket["manifest"])
-        else:  # IPC: handles to the trainer's GPU memory
-            yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
+            if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
+                yield Manifest(bucket["manifest"])
+            else:  # IPC: handles to the trainer's GPU memory
+                yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
+    finally:
+        if ahead is not None:
+            ahead.cancel()
 
 
 class EngineMoves:
