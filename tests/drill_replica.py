@@ -127,7 +127,7 @@ class Engine:
     def _whole(run: Run, reason: str) -> SeqProgress:
         w = run.work
         return SeqProgress(w.seq_id, w.attempt, run.out[:run.produced], None, reason, offset=0,
-                           prompt_token_ids=list(w.prompt_token_ids))
+                           prompt_token_ids=list(w.prompt_token_ids), weight_versions=w.weight_versions)
 
     def whole_final(self, p: SeqProgress) -> SeqProgress:
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None

@@ -209,7 +209,7 @@ class WeightedEngine(SimEngineCore):
         work, tokens, lps = kept
         return SeqProgress(work.seq_id, work.attempt, list(tokens), lps, reason, p.error, offset=0,
                            cached_tokens=p.cached_tokens, prompt_token_ids=list(work.prompt_token_ids),
-                           prior_logprobs=work.prior_logprobs)
+                           prior_logprobs=work.prior_logprobs, weight_versions=work.weight_versions, swaps=p.swaps)
 
     def report_whole(self, keys: list) -> None:
         held = {(s.work.seq_id, s.work.attempt) for group in (self.running, self.waiting) for s in group}

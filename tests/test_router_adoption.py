@@ -149,6 +149,7 @@ def test_earlier_segments_are_taken_over_with_the_logprobs_their_work_carried():
     core = new_router()
     out = whole("r1-b0:6", [3, 3], [-0.3, -0.4], prompt=PROMPT + [4, 4])
     out.prior_logprobs = [-0.1, -0.2]  # Work.prior_logprobs, sent back in the whole final
+    out.weight_versions = [(0, 0)]  # Work.weight_versions: the earlier segments' too
     orphan_handed_over(core, out)
     bid = core.submit([request(max_tokens=10, logprobs=0)], 2.0, previous_ids=["r1-b0:6"])
     seq = core.seqs[f"{bid}:0"]
@@ -159,7 +160,9 @@ def test_earlier_segments_are_taken_over_with_the_logprobs_their_work_carried():
 
 def test_earlier_segments_are_taken_over_when_no_logprobs_are_asked():
     core = new_router()
-    orphan_handed_over(core, whole("r1-b0:6", [3, 3], None, prompt=PROMPT + [4, 4]))
+    out = whole("r1-b0:6", [3, 3], None, prompt=PROMPT + [4, 4])
+    out.weight_versions = [(0, 0)]
+    orphan_handed_over(core, out)
     bid = core.submit([request(max_tokens=10, logprobs=None)], 2.0, previous_ids=["r1-b0:6"])
     assert core.seqs[f"{bid}:0"].token_ids.tolist() == [4, 4, 3, 3]
 
@@ -258,7 +261,8 @@ def started_key(work) -> tuple:
 
 def test_of_two_attempts_the_old_router_made_the_latest_is_kept():
     core = new_router()
-    later = SeqProgress("r1-b0:2", 2, [7, 7, 7], [-1.0] * 3, "abort", offset=0, prompt_token_ids=PROMPT + [6])
+    later = SeqProgress("r1-b0:2", 2, [7, 7, 7], [-1.0] * 3, "abort", offset=0, prompt_token_ids=PROMPT + [6],
+                        weight_versions=[(0, 0)])
     earlier = SeqProgress("r1-b0:2", 1, [6], [-1.0], "abort", offset=0, prompt_token_ids=PROMPT)
     core.on_report(report([later, earlier], held=[]), 1.0)
     assert core.adoption.orphan_outputs["r1-b0:2"].attempt == 2

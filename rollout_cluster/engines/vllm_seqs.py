@@ -155,7 +155,7 @@ class VllmSeqs:
         lps = made_lps.tolist() if work.sampling.logprobs is not None and len(made_lps) == len(made) else None
         return SeqProgress(work.seq_id, work.attempt, made.tolist(), lps, reason, offset=0,
                            prompt_token_ids=list(work.prompt_token_ids or ()), prior_logprobs=work.prior_logprobs,
-                           swaps=swaps)
+                           swaps=swaps, weight_versions=work.weight_versions)
 
     def report_whole(self, keys: list) -> None:
         for key in map(tuple, keys):

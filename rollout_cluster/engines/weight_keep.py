@@ -75,25 +75,27 @@ async def swap_into(engine, buckets, spec: dict | None, fence=None) -> dict:
     sampled after it began; cut if the swap broke the weights (none of those tokens is kept). The
     caller opens it once the swap's marks are recorded."""
     import asyncio
+    from contextlib import aclosing
 
     from .base import WeightsLoadBroken
     from .weight_loader import _each
 
     check = BucketCheck(spec)
     try:
-        async for bucket in _each(buckets):
-            if is_manifest(bucket):  # a push's manifest: refused before a bucket is staged
-                check_ahead(bucket, spec)
-                continue
-            if is_ipc(bucket):
-                raise ValueError("running='keep' cannot take a push by CUDA IPC (the swap stages copies "
-                                 "while the engine runs on): push with running='finish' or transport='object_store'")
-            check.bucket(bucket)
-            header, path = await asyncio.to_thread(write_bucket, bucket)
-            try:
-                await engine.collective_rpc("rc_swap_stage", args=(header, path))
-            finally:
-                os.unlink(path)
+        async with aclosing(_each(buckets)) as source:  # stopped early, the source stops its fetch ahead
+            async for bucket in source:
+                if is_manifest(bucket):  # a push's manifest: refused before a bucket is staged
+                    check_ahead(bucket, spec)
+                    continue
+                if is_ipc(bucket):
+                    raise ValueError("running='keep' cannot take a push by CUDA IPC (the swap stages copies while "
+                                     "the engine runs on): push with running='finish' or transport='object_store'")
+                check.bucket(bucket)
+                header, path = await asyncio.to_thread(write_bucket, bucket)
+                try:
+                    await engine.collective_rpc("rc_swap_stage", args=(header, path))
+                finally:
+                    os.unlink(path)
         check.finish()
     except BaseException:
         await engine.collective_rpc("rc_swap_drop")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
+from contextlib import aclosing
 
 from ..transfer.trace import mark
 from .bucket_files import SHM_DIR, layout, pack_bucket, write_bucket
@@ -31,10 +32,16 @@ _SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> i
 async def _each(buckets):
     """The buckets of a list, an iterator or an async iterator. An iterator's next bucket is made
     in a thread: a checkpoint's (weight_keep.checkpoint_buckets) reads up to a bucket of tensors
-    from disk, which on the event loop held the replica's pulls and reports for each bucket."""
+    from disk, which on the event loop held the replica's pulls and reports for each bucket.
+    Closed early (its caller stopped: `async with aclosing(...)`), it closes an async source too,
+    which then stops fetching ahead (serve/engine_moves.fetched)."""
     if hasattr(buckets, "__aiter__"):
-        async for b in buckets:
-            yield b
+        try:
+            async for b in buckets:
+                yield b
+        finally:
+            if hasattr(buckets, "aclose"):
+                await buckets.aclose()
     elif isinstance(buckets, (list, tuple)):
         for b in buckets:
             yield b
@@ -83,40 +90,43 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
     slots = _slots_of(engine) if transport == "shm" else None
     mark("load_start")
     try:
-        async for bucket in _each(buckets):
-            if is_manifest(bucket):  # the whole push, ahead of its buckets: refused before any goes in
+        async with aclosing(_each(buckets)) as source:  # stopped early, the source stops its fetch ahead
+            async for bucket in source:
+                if is_manifest(bucket):  # the whole push, ahead of its buckets: refused before any goes in
+                    if not started:
+                        check_ahead(bucket, spec)
+                    continue
+                mark("bucket_here")
+                if not checked:
+                    check.bucket(bucket)
+                if is_ipc(bucket):  # handles only: nothing to stage; the trainer's tensors live while the lease does
+                    if not leases:
+                        leases.append(hold_lease(bucket))
+                    staged = (bucket.header, None, bucket, None)
+                else:  # written while the worker loads the previous bucket: at most two buckets staged at once
+                    staged = await _stage_in_thread(bucket, transport, slots)
+                mark("bucket_staged")
+                if inflight is not None:  # (kept until it is done: a load stopped meanwhile waits for its end)
+                    await inflight
+                    inflight = None
                 if not started:
-                    check_ahead(bucket, spec)
-                continue
-            mark("bucket_here")
-            if not checked:
-                check.bucket(bucket)
-            if is_ipc(bucket):  # handles only: nothing to stage; the trainer's tensors live while the lease does
-                if not leases:
-                    leases.append(hold_lease(bucket))
-                staged = (bucket.header, None, bucket, None)
-            else:  # written while the worker loads the previous bucket: at most two buckets staged at once
-                staged = await asyncio.to_thread(_stage, bucket, transport, slots)
-            mark("bucket_staged")
-            if inflight is not None:
-                inflight, done = None, inflight
-                await done
-            if not started:
-                await engine.collective_rpc("rc_tensors_begin")
-                started = True
-            inflight, staged = asyncio.ensure_future(_send(engine, staged, slots)), None
+                    await engine.collective_rpc("rc_tensors_begin")
+                    started = True
+                inflight, staged = asyncio.ensure_future(_send(engine, staged, slots)), None
         if inflight is not None:
-            inflight, done = None, inflight
-            await done
+            await inflight
+            inflight = None
         if not checked:
             check.finish()
-    except Exception as e:
+    except BaseException as e:  # (cancelled too: the replica stops; what it staged goes back)
         if inflight is not None:
+            if not isinstance(e, Exception):
+                inflight.cancel()
             await asyncio.gather(inflight, return_exceptions=True)
-        if staged is not None:
+        if staged is not None:  # written, never sent: its slot (and file) back, not kept by a load that is over
             _unstage(staged, slots, ok=True)
-        if not started:
-            raise  # the engine was not touched: its weights are the old ones
+        if not started or not isinstance(e, Exception):
+            raise  # the engine was not touched (its weights are the old ones), or the load was cancelled
         await _end(engine, WeightsLoadBroken, slots)
         raise WeightsLoadBroken(f"loading tensors failed after the engine began replacing its weights, "
                                 f"which are now a mix of old and new: {type(e).__name__}: {e}") from e
@@ -160,6 +170,17 @@ def _stage(bucket: list, transport: str, slots=None) -> tuple:
         raise ValueError(f"transport={transport!r}: shm, file or bytes")
     header, buf = pack_bucket(bucket)
     return header, None, buf, None
+
+
+async def _stage_in_thread(bucket: list, transport: str, slots=None) -> tuple:
+    """`_stage` in a thread (the copy holds no pull up). A load cancelled meanwhile gives the
+    slot the thread takes back once the thread is done with it."""
+    job = asyncio.ensure_future(asyncio.to_thread(_stage, bucket, transport, slots))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(lambda j: j.cancelled() or j.exception() or _unstage(j.result(), slots, ok=True))
+        raise
 
 
 def _unstage(staged: tuple, slots, ok: bool) -> None:

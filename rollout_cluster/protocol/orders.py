@@ -33,6 +33,11 @@ class Work:
     # final report (Orders.report_whole), so that a restarted router takes the sequence over with
     # every logprob. Not used to generate.
     prior_logprobs: Optional[object] = None
+    # (offset, version) at each change of the weights the sequence's tokens came from, up to this
+    # segment's own start (the last pair): offsets count its generated tokens. Not used to
+    # generate: it goes back in a whole final report, so that a restarted router labels what it
+    # takes over with the versions that made it (router/adoption.py), not with its own.
+    weight_versions: Optional[list] = None
 
     def __post_init__(self):
         if self.prompt_len < 0:

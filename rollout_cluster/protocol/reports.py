@@ -33,6 +33,9 @@ class SeqProgress:
     # Weights swapped while this attempt ran (LoadWeights.keep): (offset, version) pairs, the
     # attempt's tokens from `offset` on made by `version`. Sent with every report after the swap.
     swaps: Optional[list] = None
+    # ... and, on a whole final, its Work's weight_versions: the versions of the prompt's generated
+    # tail, and the one this segment started on
+    weight_versions: Optional[list] = None
 
     def __post_init__(self):
         if self.num_tokens < 0:

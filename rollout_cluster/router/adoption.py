@@ -7,18 +7,23 @@ and asks for their whole output in the final report (Orders.report_whole), not a
 that output for ORPHAN_KEEP_S, by the old sequence id. A resubmitted sequence names its old id
 (`previous_ids`), and takes the output over: it continues from it as after a migration
 (prompt + partial), or finishes at once if the segment had ended. Its Completion records the
-take-over as a Migration with reason "router_restart". Taken only when it is exact: the segment
-ran on the batch's weights version throughout (no keep swap under it; its tokens are labelled with
-that version), its prompt starts with the request's, and the logprobs asked for are all there.
+take-over as a Migration with reason "router_restart". Taken only when it is exact: every token's weights
+version is known and the segment ended on the batch's version, its prompt starts with the
+request's, and the logprobs asked for are all there. The versions come back with the whole final:
+the old router's Work carried the sequence's marks up to the segment's start
+(Work.weight_versions), the engine adds where a keep swap changed them under it (swaps), and the
+replica's version at the final must be the last of them (else its weights changed unmarked). The
+taken-over tokens keep those labels, not the batch's version. A final without the marks is taken
+only for a segment that had no earlier one (labelled with its replica's version, no swap under it).
 Otherwise the sequence is generated again from its prompt, as before.
 """
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from ..protocol import Migration, SeqProgress
+from ..protocol import Migration, SeqProgress, is_int
 from .counters import RouterCounters, RouterMetrics
 from .fleet import Fleet
 from .outbox import Outbox
@@ -48,13 +53,59 @@ class OrphanOutput:
     t: float
     prior_logprobs: Optional[array] = None  # of the prompt's generated tail (a continuation's earlier segments)
     swapped: bool = False  # weights were swapped under it (running="keep"): it did not run on one version
+    # Its Work's weight_versions, then its swaps (offsets counted from the segment's start) as
+    # (offset, version) pairs; None: the final did not carry its Work's marks (or bad ones)
+    versions: Optional[list] = None
+    swaps: list = field(default_factory=list)
 
     @classmethod
     def of(cls, rep: ReplicaState, p: SeqProgress, now: float) -> "OrphanOutput":
+        swaps = int_pairs(p.swaps or [])  # (bad ones: the versions are not known)
+        versions = int_pairs(p.weight_versions) if p.weight_versions and swaps is not None else None
         return cls(rep.replica_id, rep.weights_version, p.attempt, array("i", p.prompt_token_ids),
                    array("i", p.token_ids), None if p.logprobs is None else array("d", p.logprobs),
                    p.finish_reason, now, None if p.prior_logprobs is None else array("d", p.prior_logprobs),
-                   bool(p.swaps))
+                   bool(p.swaps), versions, swaps or [])
+
+    def labels(self, resumed: int, earlier: int) -> Optional[list]:
+        """The taken-over tokens' weight_versions (from `resumed` on; the segment started after
+        `earlier` tokens), or None if they are not all known: no marks (and an earlier segment, or
+        a swap), or weights that changed under the segment unmarked (the replica's version at the
+        final is not the last mark)."""
+        if self.versions is None:
+            if earlier > resumed or self.swapped:
+                return None
+            return [(resumed, self.weights_version)]
+        marks = self.versions + [(earlier + o, v) for o, v in self.swaps]
+        if marks[-1][1] != self.weights_version or marks[0][0] > resumed:
+            return None
+        if any(b[0] < a[0] for a, b in zip(marks, marks[1:])):
+            return None
+        total = earlier + len(self.token_ids)
+        out: list = []
+        for offset, version in marks:
+            offset = max(offset, resumed)
+            if offset >= total and out:  # a change at or past the last token labels none of them
+                break
+            while out and out[-1][0] >= offset:  # a later change at the same token replaces it
+                out.pop()
+            if not out or out[-1][1] != version:
+                out.append((offset, version))
+        return out
+
+
+def int_pairs(pairs) -> Optional[list]:
+    """A replica's (offset, version) pairs as tuples; None unless every one is two integers,
+    the offset not negative."""
+    if not isinstance(pairs, (list, tuple)):
+        return None
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and is_int(pair[0]) and is_int(pair[1])
+                and pair[0] >= 0):
+            return None
+        out.append((pair[0], pair[1]))
+    return out
 
 
 class AdoptionHost(Protocol):
@@ -175,12 +226,15 @@ class OrphanAdoption:
             return False
         req = seq.request
         version = self.host.batch_version(seq.batch_id)
-        if version is None or out.weights_version != version or out.swapped or req.prompt_token_ids is None:
+        if version is None or out.weights_version != version or req.prompt_token_ids is None:
             return False
         prompt = req.prompt_token_ids
         if out.prompt_token_ids[:len(prompt)].tolist() != prompt:
             return False
         earlier = out.prompt_token_ids[len(prompt):]  # a continuation's earlier segments
+        labels = out.labels(seq.resumed, len(earlier))
+        if labels is None:
+            return False
         tokens = earlier + out.token_ids
         if tokens[:seq.resumed] != seq.token_ids:
             return False
@@ -193,7 +247,7 @@ class OrphanAdoption:
         seq.token_ids = tokens
         seq.logprobs = ((out.prior_logprobs + out.logprobs) if earlier else out.logprobs) if wants_logprobs else None
         seq.generated = len(tokens)
-        seq.weight_versions = [(seq.resumed, version)]  # what it took over ran on the batch's version
+        seq.weight_versions = labels  # the versions that made what it took over
         seq.replicas.append(out.replica_id)
         seq.migrations.append(Migration(out.replica_id, None, seq.generated, now - seq.submitted_t, "router_restart"))
         self.counters.adopted += 1

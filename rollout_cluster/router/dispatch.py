@@ -84,7 +84,7 @@ class Dispatcher:
         for a in decision.assign:
             seq = a.seq
             rep = self.fleet.replicas.get(a.replica_id)
-            if seq.status is not SeqStatus.QUEUED or rep is None or rep.weights_version != self.weights.version:
+            if seq.status is not SeqStatus.QUEUED or rep is None or not self.weights.holds(rep):
                 self.counters.policy_errors += 1
                 continue
             self.queue.remove(seq)

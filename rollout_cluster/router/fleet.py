@@ -3,8 +3,10 @@
 Replicas join by pulling, and leave by saying goodbye (Serve stopped them), by restarting (a new
 incarnation), by going silent for `replica_timeout_s`, or by stalling: pulling on while holding
 running sequences that make no progress for the router's stall timeout (`stalled`). The expected count is what static's
-shares, chunked's first round and update_weights wait for. It starts at the config's count,
-follows a driver's `scale` (set_target), and corrects itself from what it sees:
+shares, chunked's first round and update_weights wait for. It starts at the live deployment's
+target (the Serve Router reads it at its start, serve/fleet_target.py: a router restarted after a
+`scale` expects the scaled fleet), else the config's count, follows a driver's `scale`
+(set_target), and corrects itself from what it sees:
 - a join above the count raises it (a scale-up, or a replacement that came before its dead
   predecessor timed out: `surplus_joins` remembers those, and the next death takes one back);
 - a leave lowers it (a scale-down; `unfilled_leaves` until a join takes the place again);

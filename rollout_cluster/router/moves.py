@@ -78,7 +78,7 @@ class SeqMoves:
                  and segment_cap is None else None)
         work = Work(seq.seq_id, seq.attempt, prompt, req.sampling.for_continuation(seq.generated), stop_after,
                     prompt_len=req.prompt_len + seq.generated, prefix_key=seq.group, prefix_len=req.prompt_len,
-                    prior_logprobs=prior)
+                    prior_logprobs=prior, weight_versions=None if prompt is None else list(wv))
         self.fleet.replicas[replica_id].seqs[seq.seq_id] = seq
         self.outbox.to(replica_id).start.append(work)
 

@@ -111,6 +111,9 @@ class ReplicaState:
     seqs: SeqTable = field(default_factory=SeqTable)  # seq_id -> SeqState running (or giving up) here
     pulls: int = 0
     weights_version: int = 0  # what the replica reports holding
+    # ... and where it came from ("": not said, the config's model): a number alone may name other
+    # weights (one a replica cut off from a restarted router kept, which that router numbered again)
+    weights_path: str = ""
     weights_ordered: Optional[int] = None  # the version a load_weights order is out for
     weights_noted: Optional[int] = None  # the version a note_weights order (asleep) is out for
     weights_loading: int = 0  # the version it reports loading now (0: none): its weights are about to change

@@ -7,7 +7,10 @@ asleep gets a NoteWeights instead and loads at wake; it reports the note back, s
 restarted during the sleep still knows the update. A fresh router (a restart) learns the version
 from the replicas' reports until a driver first submits or updates: the highest any replica holds
 or noted is the latest update. No order is numbered at or below a version any replica reported,
-nor before a fresh router heard its fleet (weights_floor.py).
+nor before a fresh router heard its fleet (weights_floor.py). A replica holds the version when its
+number and its source (the checkpoint's path, or "push://<id>") are the router's: a replica cut off
+from a restarted router for longer than router.replica_timeout_s may hold the number that router
+gave other weights since, and is ordered the router's.
 
 A (path, version) whose load failed on a replica, or during whose loads DEATHS_TO_BREAK replicas
 died, is broken: no replica is ordered it again, not the failed one's replacement (a load that broke or
@@ -130,11 +133,14 @@ class FleetWeights:
         load failed, or the version broke another replica's load and it is held back."""
         v = self.version
         self.floor.saw(rep.replica_id, w)
-        just_loaded = rep.weights_version != v and w.version == v
+        held_before = self.holds(rep)
         rep.weights_version, rep.weights_loading = w.version, w.loading
-        if rep.weights_noted == v and w.noted != v and w.version != v and not note_pending:
+        rep.weights_path = w.path if isinstance(w.path, str) else ""
+        just_loaded = not held_before and self.holds(rep)
+        if (rep.weights_noted == v and not self.current(w.noted, w.noted_path) and not self.holds(rep)
+                and not note_pending):
             rep.weights_noted = None  # the note was sent and the replica never saw it: again
-        if rep.weights_version == v:
+        if self.holds(rep):
             self.errors.pop(rep.replica_id, None)
             if just_loaded:
                 self._loaded()
@@ -157,7 +163,7 @@ class FleetWeights:
     def holds_back(self, rep: ReplicaState) -> bool:
         """It lacks the current version, which broke a load, and was not ordered it before the break."""
         v = self.version
-        return ((self.path, v) in self.broken and rep.weights_version != v and rep.weights_ordered != v
+        return ((self.path, v) in self.broken and not self.holds(rep) and rep.weights_ordered != v
                 and rep.weights_loading != v and rep.weights_noted != v)
 
     def died_loading(self, rep: ReplicaState) -> None:
@@ -168,7 +174,7 @@ class FleetWeights:
         version's loads is a break, as a failed load is; a replica that loads the version shows the
         deaths were their own (`_loaded` forgets the break)."""
         v = self.version
-        if rep.weights_version == v or v not in (rep.weights_ordered, rep.weights_loading):
+        if self.holds(rep) or v not in (rep.weights_ordered, rep.weights_loading):
             return
         died = self.load_deaths.setdefault((self.path, v), [])
         died.append(rep.replica_id)
@@ -196,7 +202,7 @@ class FleetWeights:
         """The order `rep` needs now, once: a load if it does not hold the version, or a note of it
         while its engine sleeps (or moves to or from sleep). None: nothing to send."""
         v = self.version
-        if self.path is None or rep.weights_version == v or rep.weights_ordered == v or self.holds_back(rep):
+        if self.path is None or self.holds(rep) or rep.weights_ordered == v or self.holds_back(rep):
             return None
         if not awake:
             if rep.weights_noted == v:
@@ -211,9 +217,18 @@ class FleetWeights:
         self.held_back.discard(replica_id)
 
     # ---- what the fleet can do -----------------------------------------------------------------
+    def current(self, version: int, path) -> bool:
+        """`version` from `path` is the current version: the same number from the same source. (A
+        report that names no source, a goodbye's, is taken by its number.)"""
+        return version == self.version and (not path or not self.path or path == self.path)
+
+    def holds(self, rep: ReplicaState) -> bool:
+        """It holds the current version (loading another or not)."""
+        return self.current(rep.weights_version, rep.weights_path)
+
     def held_by(self, rep: ReplicaState) -> bool:
         """It holds the current version and loads no other."""
-        return rep.weights_version == self.version and not rep.weights_loading
+        return self.holds(rep) and not rep.weights_loading
 
     def none_can_load(self, replicas: dict) -> bool:
         """Every live replica failed loading the current weights: none holds them, none still loads."""
@@ -228,7 +243,7 @@ class FleetWeights:
         """Replicas ordered to load the current version that neither hold it nor failed yet."""
         v = self.version
         return sorted(rid for rid, r in replicas.items()
-                      if r.weights_ordered == v and r.weights_version != v and rid not in self.errors)
+                      if r.weights_ordered == v and not self.holds(r) and rid not in self.errors)
 
     def status(self, replicas: dict) -> dict:
         return {"version": self.version, "path": self.path,

@@ -17,6 +17,9 @@ Two rules close that:
   silent that long is dead, and its replacement starts on the config's model). Until then a
   weights order is refused with WeightsNotLearned, a retryable error: nothing changed. Once
   heard, it stays heard: a replica that dies later does not hold weights orders up.
+A replica silent past that timeout may still come back (cut off, not dead) holding a number
+numbered again since: FleetWeights.holds compares the version's source too, so it is ordered the
+router's weights rather than taken for current.
 
 Plain state, no clock (time is an argument), no I/O.
 """

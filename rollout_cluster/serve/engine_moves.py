@@ -31,23 +31,25 @@ log = logging.getLogger("ray.serve")
 
 async def fetched(buckets: tuple):
     """The pushed buckets' (name, tensor) lists, fetched from the object store one ahead of the
-    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)"""
+    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)
+    However it ends (a fetch failed, or the loader stopped and closed it: a refused bucket, a
+    failed or cancelled load), the fetch ahead is cancelled: nothing runs on, or holds a bucket,
+    for a load that is over."""
     async def get(item):
         return item if isinstance(item, dict) else await item
 
     ahead = asyncio.ensure_future(get(buckets[0])) if buckets else None
-    for i in range(len(buckets)):
-        current, ahead = ahead, asyncio.ensure_future(get(buckets[i + 1])) if i + 1 < len(buckets) else None
-        try:
+    try:
+        for i in range(len(buckets)):
+            current, ahead = ahead, asyncio.ensure_future(get(buckets[i + 1])) if i + 1 < len(buckets) else None
             bucket = await current
-        except BaseException:
-            if ahead is not None:
-                ahead.cancel()
-            raise
-        if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
-            yield Manifest(bucket["manifest"])
-        else:  # IPC: handles to the trainer's GPU memory
-            yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
+            if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
+                yield Manifest(bucket["manifest"])
+            else:  # IPC: handles to the trainer's GPU memory
+                yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
+    finally:
+        if ahead is not None:
+            ahead.cancel()
 
 
 class EngineMoves:
@@ -59,6 +61,7 @@ class EngineMoves:
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.loading = None  # (version, asyncio.Task) of a load in progress
+        self.loading_path = ""  # ... and its source: a restarted router may number other weights the same
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
         self.noted_buckets: Optional[tuple] = None  # a noted push's buckets (a restarted router has lost them)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
@@ -98,9 +101,9 @@ class EngineMoves:
         moves = self.in_progress()
         if not moves:
             return True
-        loading = self.loading[0] if self.loading else None
+        loading = (self.loading[0], self.loading_path) if self.loading else None
         await asyncio.gather(*moves, return_exceptions=True)
-        if loading is not None and self.weights_version != loading:
+        if loading is not None and (self.weights_version, self.weights_path) != loading:
             return False
         return not (self.sleep_level or self.sleep_error or self.broken or self.sleep_goal)
 
@@ -127,16 +130,21 @@ class EngineMoves:
 
     # ---- the orders -----------------------------------------------------------------------------
     def _load(self, order: LoadWeights) -> None:
-        if order.version in (self.weights_version, self.loading and self.loading[0]):
-            return  # a resent order of what is done or under way
+        # A resent order of what is done or under way starts nothing: the same number from the same
+        # source (a router that restarted may give the number to other weights, which do load).
+        if (order.version, order.path) in ((self.weights_version, self.weights_path),
+                                           (self.loading and self.loading[0], self.loading_path)):
+            return
         before = self.in_progress()
         task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before,
                                                                          order.buckets, order.keep))
-        self.loading = (order.version, task)
+        self.loading, self.loading_path = (order.version, task), order.path
 
     def _note(self, order: NoteWeights) -> None:
         """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
-        if order.version > max(self.weights_version, self.noted[0]):
+        if (order.version, order.path) in ((self.weights_version, self.weights_path), self.noted):
+            return  # (the same number from another source is other weights: noted)
+        if order.version >= max(self.weights_version, self.noted[0]):
             self.noted, self.noted_buckets = (order.version, order.path), order.buckets
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
@@ -287,5 +295,5 @@ class EngineMoves:
             if self.noted[0] <= version:
                 self.noted, self.noted_buckets = (0, ""), None
         finally:
-            if self.loading and self.loading[0] == version:  # not a later load's flag
+            if self.loading and (self.loading[0], self.loading_path) == (version, path):  # not a later load's flag
                 self.loading = None

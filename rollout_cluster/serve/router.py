@@ -17,6 +17,7 @@ from ray import serve
 
 from ..config import load_config
 from ..engines.cost_model import load_profile
+from .fleet_target import expected_replicas
 from .metrics import PrometheusRouterMetrics
 from .router_credentials import ReplicaCredentials
 from .router_status import status_of
@@ -50,7 +51,9 @@ class Router:
         self.submit_t: dict = {}  # batch_id -> router clock at submission, while tracing (trace alignment)
         # Which router process this is: a restart (which loses every live batch) changes it.
         self.router_id, self.started_t = uuid.uuid4().hex[:12], time.monotonic()
-        self.core = RouterCore(make_policy(cfg.policy, cost), cfg.replicas, cfg.router.replica_timeout_s, self.metrics,
+        # The fleet it waits for: Serve's live target (a scale() before a restart), else the config's
+        expected = expected_replicas(cfg.replicas)
+        self.core = RouterCore(make_policy(cfg.policy, cost), expected, cfg.router.replica_timeout_s, self.metrics,
                                id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits),
                                id_salt=lambda: secrets.token_hex(8),  # a batch's id is its capability: unguessable
                                stall_timeout_s=cfg.router.stall_timeout_s, max_sessions=cfg.router.max_sessions)

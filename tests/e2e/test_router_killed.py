@@ -209,3 +209,29 @@ def test_an_update_right_after_a_router_restart_is_numbered_above_the_fleets_ver
     st = client.status()
     assert st["router_id"] != old_id and again > v, (again, v)
     assert st["weights"]["version"] == again and set(st["weights"]["replicas"].values()) == {again}
+
+
+def test_a_router_restarted_after_a_scale_expects_the_scaled_fleet(client):
+    """Regression (h-route9): a restarted router expected the config's replica count, not the size
+    scale() had set: it waited a replica timeout for a replica scaled away (or, after a scale-up,
+    took the fleet as heard before every replica reported). It reads Serve's live target."""
+    st = client.scale(1, timeout_s=300)
+    assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
+    try:
+        old_id = st["router_id"]
+        kill_router()
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                st = client.status()
+                if st["router_id"] != old_id:
+                    break
+            except Exception:  # the killed one, under the call
+                pass
+            assert time.monotonic() < deadline, "no new router"
+            time.sleep(0.2)
+        # at once, not a replica timeout later (the config says 2)
+        assert st["expected_replicas"] == 1, st["expected_replicas"]
+    finally:
+        st = client.scale(2, timeout_s=600)  # the other tests' fleet
+    assert len(st["replicas"]) == 2 and st["expected_replicas"] == 2
