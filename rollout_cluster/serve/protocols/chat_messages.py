@@ -3,7 +3,7 @@ vllm/renderers/chat_utils.py's `_parse_chat_message_content` and `_postprocess_m
 them in the template's content format (text/content_format.py detects it as vLLM does), after the
 checks its request model (ChatCompletionRequest.messages) makes, and with hf.py's
 developer-to-system conversion for a template that has no developer role.
-tests/test_chat_messages.py compares with vLLM's own parsing.
+tests/test_chat_messages.py and tests/test_content_format.py compare with vLLM's own parsing.
 
 - content, "string" format (a template that does not loop over parts): a string, a list of text
   parts (their texts joined with "\n", empty ones skipped, as vLLM joins them), missing (""), or
