@@ -27,7 +27,9 @@ class TextCodec:
     def __init__(self, tokenizer, chat_template: Optional[str], special: dict):
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.chat_template = chat_template  # Jinja source, or None
-        self.special = special  # bos_token, eos_token, pad_token as strings (the template may use them)
+        # bos_token, eos_token, pad_token as strings (the template may use them); one the tokenizer
+        # lacks is None, and left undefined for the template (rendered "", not "None", as transformers does)
+        self.special = special
         self._template = None
         self._marker = ()  # the Metaspace space marker once looked up (_space_marker); () before
         self._added: Optional[dict] = None  # added tokens' ids to their content, once read
@@ -146,7 +148,7 @@ class TextCodec:
             env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
             self._template = env.from_string(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special, **kwargs)
+                                     **{k: v for k, v in self.special.items() if v is not None}, **kwargs)
 
 
 def _token_text(value) -> Optional[str]:

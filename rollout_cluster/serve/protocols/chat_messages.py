@@ -1,12 +1,17 @@
 """A conversation's messages as vLLM 0.32 hands them to the chat template, for text: what
 vllm/renderers/chat_utils.py's `_parse_chat_message_content` and `_postprocess_messages` make of
-them with the "string" content format, after the checks its request model
-(ChatCompletionRequest.messages) makes, and with hf.py's developer-to-system conversion for a
-template that has no developer role. tests/test_chat_messages.py compares with vLLM's own parsing.
+them in the template's content format (text/content_format.py detects it as vLLM does), after the
+checks its request model (ChatCompletionRequest.messages) makes, and with hf.py's
+developer-to-system conversion for a template that has no developer role.
+tests/test_chat_messages.py and tests/test_content_format.py compare with vLLM's own parsing.
 
-- content: a string, a list of text parts (their texts joined with "\n", empty ones skipped, as
-  vLLM joins them), missing (""), or null on an assistant message (""); an image, audio, video or
-  file part is refused by name;
+- content, "string" format (a template that does not loop over parts): a string, a list of text
+  parts (their texts joined with "\n", empty ones skipped, as vLLM joins them), missing (""), or
+  null on an assistant message (""); "openai" format (a template that loops over
+  `message.content`): a list of parts, a string as one text part, each text part (refusal,
+  thinking, input/output text) as {"type": "text", "text": ...} with its other keys, a
+  tool_reference as {"type", "name"}, empty texts kept, missing or null content []; a tool
+  result's text parts joined with "\n" in either; an image, audio, video or file part refused by name;
 - assistant: `tool_calls` kept (an empty list dropped), each call's `function.arguments` (OpenAI's
   JSON string) parsed to the dict a tool-aware template expects, `{}` when it is empty, malformed
   or not a JSON object; `reasoning` (or the deprecated `reasoning_content`) as both;
@@ -28,14 +33,21 @@ TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refus
 MEDIA_TYPES = {"image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio", "audio_embeds",
                "video_url", "video_embeds", "prompt_embeds", "file"}
 BILLING_HEADER = "x-anthropic-billing-header"  # a system text's first line vLLM drops (Claude Code's, per request)
+# a content part's keys that vLLM's "openai" format does not carry over (its _KNOWN_CONTENT_PART_FIELDS)
+PART_KEYS = {"audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
+             "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
+             "video_embeds", "video_url"}
 
 
-def template_messages(messages, param: str, template: Optional[str] = None) -> list[dict]:
-    """`messages` (a request's conversation) as vLLM hands them to the chat template `template`;
-    ProtocolError (400) naming the first field vLLM's server refuses too."""
+def template_messages(messages, param: str, template: Optional[str] = None,
+                      content_format: str = "string") -> list[dict]:
+    """`messages` (a request's conversation) as vLLM hands them to the chat template `template`,
+    whose content format is `content_format` ("string" or "openai"); ProtocolError (400) naming
+    the first field vLLM's server refuses too."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ProtocolError(400, f"{param}: must be a non-empty list of messages", param)
-    conversation = [_message(m, f"{param}[{i}]") for i, m in enumerate(messages)]
+    parts = content_format == "openai"
+    conversation = [_message(m, f"{param}[{i}]", parts) for i, m in enumerate(messages)]
     if template is not None and any(m["role"] == "developer" for m in conversation) and not (
             '"developer"' in template or "'developer'" in template):
         conversation = _consolidate_system([_as_system(m) for m in conversation])
@@ -47,8 +59,9 @@ def _refuse(field: str, value, why: str):
     raise ProtocolError(400, f"{field}={shown[:80] + '...' if len(shown) > 80 else shown}: {why}", field)
 
 
-def _message(m: dict, at: str) -> dict:
-    """One message as vLLM's _parse_chat_message_content writes it (string content format)."""
+def _message(m: dict, at: str, parts: bool) -> dict:
+    """One message as vLLM's _parse_chat_message_content writes it (`parts`: the "openai" content
+    format, else the "string" one)."""
     role, content = m.get("role"), m.get("content")
     if not isinstance(role, str):
         _refuse(f"{at}.role", role, "must be a string")
@@ -56,7 +69,9 @@ def _message(m: dict, at: str) -> dict:
         _refuse(f"{at}.content", None, "null content is taken on an assistant message only (as vLLM's server)")
     if content is None and "content" in m and "tool_calls" in m and m["tool_calls"] is None:
         _refuse(f"{at}.tool_calls", None, "with null content, tool_calls must be a list or absent (as vLLM's server)")
-    out = {"role": role, "content": _text(content, role, f"{at}.content")}
+    out = {"role": role, "content": (_parts if parts else _text)(content, role, f"{at}.content")}
+    if parts and role == "tool" and all(p["type"] == "text" for p in out["content"]):
+        out["content"] = "\n".join(p["text"] for p in out["content"])  # templates take a tool result as a string
     if role == "assistant":
         calls = m.get("tool_calls")
         if calls is not None and (calls := _tool_calls(calls, f"{at}.tool_calls")):
@@ -102,6 +117,29 @@ def _text(content, role: str, at: str) -> str:
             text = text.partition("\n")[2]
         texts.append(text)
     return "\n".join(t for t in texts if t)
+
+
+def _parts(content, role: str, at: str) -> list:
+    """A message's content as a list of parts (vLLM's "openai" format): a string is one text part;
+    a system text part's Claude Code header line dropped, and the part with it when nothing is left."""
+    if content is None:
+        return []
+    if not isinstance(content, (str, list)):
+        return _refuse(at, content, "must be a string or a list of text parts")
+    out = []
+    for j, part in enumerate([content] if isinstance(content, str) else content):
+        text = _part_text(part, f"{at}[{j}]")
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        if role == "system" and text.startswith(BILLING_HEADER) and part.get("type") == "text":
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        if part.get("type") == "tool_reference":
+            out.append({"type": "tool_reference", "name": part.get("name")})
+        else:
+            out.append({"type": "text", "text": text, **{k: v for k, v in part.items() if k not in PART_KEYS}})
+    return out
 
 
 def _part_text(part, at: str) -> str:
@@ -186,6 +224,10 @@ def _consolidate_system(conversation: list[dict]) -> list[dict]:
             others.append(m)
             continue
         merge = merge or i > 0 or bool(systems)
-        if m["content"]:
-            systems.append(m["content"])
+        content = m["content"]
+        if isinstance(content, list):  # the "openai" format's parts: their texts
+            content = "\n".join(p if isinstance(p, str) else p["text"] for p in content
+                                 if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if content:
+            systems.append(content)
     return [{"role": "system", "content": "\n\n".join(systems)}, *others] if merge else conversation

@@ -21,7 +21,8 @@ from .answers import answer, dumps
 from .batch import run_batch, stream_batch
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
-from .openai_answers import chat_logprobs, completion_logprobs, error, sampled_logprobs, started, usage
+from .openai_answers import (chat_logprobs, chunk_usage, completion_logprobs, error, last_usage, sampled_logprobs,
+                             started, usage)
 from .openai_bodies import ChatBody, CompletionBody, answer_id, check_model, parse_body, session_of
 from .outputs import output_of, stop_list
 from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
@@ -82,15 +83,18 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             except ProtocolError as e:
                 return error(e)
 
+            include_usage, continuous = body.usage_in_stream()
+
             async def events():
                 outputs = []
                 try:
                     async for c in completions:
                         out, ch = choice(c)
                         outputs.append(out)
-                        yield f"data: {dumps({**head, 'choices': [ch]})}\n\n"
-                    if (body.stream_options or {}).get("include_usage"):
-                        yield f"data: {dumps({**head, 'choices': [], 'usage': usage(prompts, outputs)})}\n\n"
+                        each = {"usage": chunk_usage(prompts[c.prompt_index], out, False)} if continuous else {}
+                        yield f"data: {dumps({**head, 'choices': [ch], **each})}\n\n"
+                    if include_usage:
+                        yield f"data: {dumps({**head, 'choices': [], 'usage': last_usage(prompts, outputs)})}\n\n"
                 except ProtocolError as e:
                     yield f"data: {dumps({'error': {'message': e.message, 'type': e.kind, 'param': e.param, 'code': e.status}})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -143,6 +147,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             except ProtocolError as e:
                 return error(e)
 
+            include_usage, continuous = body.usage_in_stream()
+
             async def events():
                 outputs, first = [], True
                 try:
@@ -150,10 +156,12 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                         out, ch = choice(c, "delta")
                         outputs.append(out)
                         extra = {"prompt_token_ids": prompt} if ids and first else {}
+                        if continuous:
+                            extra["usage"] = chunk_usage(prompt, out, True)
                         first = False
                         yield f"data: {dumps({**head, 'choices': [ch], **extra})}\n\n"
-                    if (body.stream_options or {}).get("include_usage"):
-                        yield f"data: {dumps({**head, 'choices': [], 'usage': usage([prompt], outputs)})}\n\n"
+                    if include_usage:
+                        yield f"data: {dumps({**head, 'choices': [], 'usage': last_usage([prompt], outputs)})}\n\n"
                 except ProtocolError as e:
                     yield f"data: {dumps({'error': {'message': e.message, 'type': e.kind, 'param': e.param, 'code': e.status}})}\n\n"
                 yield "data: [DONE]\n\n"

@@ -49,6 +49,21 @@ def usage(prompts: list, outputs: list) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": None}
 
 
+def last_usage(prompts: list, outputs: list) -> dict:
+    """A stream's usage chunk: the whole request's usage, without its null fields (vLLM dumps that
+    chunk with exclude_none)."""
+    return {k: v for k, v in usage(prompts, outputs).items() if v is not None}
+
+
+def chunk_usage(prompt: list, out, chat: bool) -> dict:
+    """The usage on one choice's chunk (stream_options.continuous_usage_stats): its prompt's tokens and
+    the choice's tokens so far (the whole choice: a stream sends each choice once, done). vLLM's chat
+    chunks set completion_tokens_details (null without a reasoning parser), its completion chunks do not."""
+    p, c = len(prompt), len(out.token_ids)
+    return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
+            **({"completion_tokens_details": None} if chat else {})}
+
+
 async def started(completions: AsyncIterator) -> AsyncIterator:
     """`completions` once its first one came: a stream sends each choice whole, so nothing is lost
     by answering then, and a refusal before it (a full router: 503 with Retry-After; a timeout; no

@@ -57,6 +57,15 @@ SESSION_HEADER = "X-Session-Id"  # vLLM reads X-Session-ID: HTTP headers are cas
 REQUEST_ID_HEADER, PRIORITY_HEADER = "X-Request-Id", "X-Vllm-Priority"  # vLLM's, over the body's fields
 
 
+class StreamOptions(BaseModel):
+    """vLLM's stream_options (its StreamOptions: other keys taken and unused, as OpenAIBaseModel's)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: Optional[bool] = False  # a last chunk with the whole request's usage
+    # every chunk carries the usage so far (its prompt's tokens, its choice's tokens); with include_usage only
+    continuous_usage_stats: Optional[bool] = False
+
+
 def _means(value, accepted: tuple) -> bool:
     """`value` is one of `accepted`, type and all (0 is not False, -1.0 is not -1)."""
     return any(value is a or (type(value) is type(a) and value == a) for a in accepted)
@@ -86,7 +95,7 @@ class Sampling(BaseModel):
     frequency_penalty: Optional[float] = None
     cache_salt: Optional[str] = None
     stream: bool = False
-    stream_options: Optional[dict] = None
+    stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     user: Optional[str] = None  # vLLM ignores it; here a session key (session_of)
@@ -106,7 +115,10 @@ class Sampling(BaseModel):
 
     def check_supported(self, headers: Mapping) -> None:
         """ProtocolError naming the first field set that this server cannot honour (or a request
-        id header longer than the body's field may be)."""
+        id header longer than the body's field may be, or stream_options without stream, as vLLM refuses it)."""
+        options = self.stream_options
+        if options is not None and not self.stream and (options.model_fields_set or options.model_extra):
+            raise ProtocolError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         header_id = headers.get(REQUEST_ID_HEADER)
         if header_id is not None and len(header_id) > MAX_ID_CHARS:
             raise ProtocolError(400, f"{REQUEST_ID_HEADER}: {len(header_id)} characters; at most {MAX_ID_CHARS}",
@@ -136,6 +148,14 @@ class Sampling(BaseModel):
             if value is not None:
                 fields[name] = value
         return fields
+
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """(a last usage chunk, usage on every chunk): vLLM's should_include_usage, which takes
+        continuous_usage_stats only with include_usage."""
+        options = self.stream_options
+        if options is None:
+            return False, False
+        return bool(options.include_usage), bool(options.include_usage) and bool(options.continuous_usage_stats)
 
     def truncation(self, max_model_len: Optional[int], max_output_tokens: int) -> Optional[Truncation]:
         return truncation_of(self.truncate_prompt_tokens, self.truncation_side, max_model_len, max_output_tokens)

@@ -8,6 +8,7 @@ from typing import Optional
 from ...client.expand import expand
 from ...protocol import InputError, SamplingSpec, is_int
 from ...text.codec import NoTokenizer
+from ...text.content_format import content_format
 from ...validation import check_request
 from .chat_messages import template_messages
 from .context import ProtocolContext, ProtocolError
@@ -33,12 +34,14 @@ def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Opt
                 add_special_tokens: bool = False, truncation: Optional[Truncation] = None,
                 add_generation_prompt: bool = True) -> list[int]:
     """A conversation's prompt through the model's chat template, as token ids: its messages as vLLM
-    hands them to the template (chat_messages.py: tool calls' arguments parsed, text parts joined),
+    hands them to the template (chat_messages.py: tool calls' arguments parsed, text parts joined, or
+    kept as parts for a template that loops over them: vLLM's "auto" content format),
     the rendered text tokenized without the tokenizer's special tokens unless `add_special_tokens`
     (vLLM's chat default: the template writes them), cut as `truncation` says."""
     if ctx.codec is None:
         raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
-    messages = template_messages(messages, param, ctx.codec.chat_template)
+    template = ctx.codec.chat_template
+    messages = template_messages(messages, param, template, content_format(template) if template else "string")
     try:
         text = ctx.codec.render_chat(messages, add_generation_prompt, **(template_kwargs or {}))
     except NoTokenizer as e:

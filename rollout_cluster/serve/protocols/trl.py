@@ -3,7 +3,7 @@ vllm_mode="server") talks to the whole fleet as to one vLLM server.
 
 - TRL up to 1.10 speaks its own protocol: GET /health/, GET /get_world_size/, POST /generate/
   (prompts as strings or token-id lists), POST /chat/ (a batch of conversations),
-  POST /reset_prefix_cache/. Answers: {prompt_ids, completion_ids, logprobs, logprob_token_ids};
+  POST /reset_prefix_cache/; TRL 0.25-0.29 send `truncate_prompt_tokens` too (truncation.py). Answers: {prompt_ids, completion_ids, logprobs, logprob_token_ids};
   a bad field is FastAPI's 422 naming it, as TRL's own server answers.
 - TRL from 1.11 talks to vLLM's OpenAI server (openai.py) plus GET /health, GET /get_world_size
   and POST /reset_prefix_cache, served here.
@@ -30,6 +30,7 @@ from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
 from .outputs import output_of, stop_list
 from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
+from .truncation import sampling_truncation_of
 
 # generation_kwargs keys (vLLM SamplingParams names) this cluster honours, beyond the request's fields
 GENERATION_KWARGS = {"ignore_eos", "min_tokens", "seed", "stop_token_ids", "presence_penalty", "frequency_penalty",
@@ -89,7 +90,7 @@ def parse_model(model: type, body: dict):
 
 def _spec(req: TRLSampling) -> tuple:
     """(SamplingSpec, stop strings, include_stop) of a request: its fields, then generation_kwargs over them."""
-    for name in ("images", "structured_outputs_regex", "guided_decoding_regex", "truncate_prompt_tokens"):
+    for name in ("images", "structured_outputs_regex", "guided_decoding_regex"):
         if getattr(req, name) is not None:
             raise ProtocolError(400, f"{name}: not supported by rollout_cluster", name)
     fields = {"n": req.n, "repetition_penalty": req.repetition_penalty, "temperature": req.temperature,
@@ -168,8 +169,10 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(GenerateRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
-            await ctx.model_info()  # its max_model_len bounds the text tokenized
-            prompts = [prompt_ids(ctx, p, f"prompts[{i}]") for i, p in enumerate(req.prompts)]
+            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
+            cut = sampling_truncation_of(req.truncate_prompt_tokens, model.max_model_len if model else None,
+                                         spec.max_tokens)
+            prompts = [prompt_ids(ctx, p, f"prompts[{i}]", truncation=cut) for i, p in enumerate(req.prompts)]
             if not prompts:
                 raise ProtocolError(400, "prompts: must not be empty", "prompts")
             return await _answer(ctx, prompts, spec, stops, include)
@@ -181,11 +184,14 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(ChatRequest, await read_json(request, ctx.limits))
             spec, stops, include = _spec(req)
-            await ctx.model_info()  # its max_model_len bounds the text tokenized
+            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
+            cut = sampling_truncation_of(req.truncate_prompt_tokens, model.max_model_len if model else None,
+                                         spec.max_tokens)
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
-            prompts = [chat_prompt(ctx, m, f"messages[{i}]", kwargs) for i, m in enumerate(req.messages)]
+            prompts = [chat_prompt(ctx, m, f"messages[{i}]", kwargs, truncation=cut)
+                       for i, m in enumerate(req.messages)]
             if not prompts:
                 raise ProtocolError(400, "messages: must not be empty", "messages")
             return await _answer(ctx, prompts, spec, stops, include)

@@ -1,6 +1,7 @@
 """vLLM's `truncate_prompt_tokens` and `truncation_side` (its renderers/params.py TokenizeParams):
 a prompt cut to its last (or first) tokens before it runs, on the text and token-id prompts of
-/v1/completions and the rendered prompt of /v1/chat/completions."""
+/v1/completions and the rendered prompt of /v1/chat/completions; and the older SamplingParams
+field of that name that TRL 0.25-0.29's /generate/ and /chat/ pass on (sampling_truncation_of)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,3 +44,18 @@ def truncation_of(keep: Optional[int], side: Optional[str], max_model_len: Optio
             return None
         keep = max_model_len if max_output_tokens == 0 else max(0, max_model_len - 1)
     return Truncation(keep, side)
+
+
+def sampling_truncation_of(keep: Optional[int], max_model_len: Optional[int],
+                           max_output_tokens: int) -> Optional[Truncation]:
+    """TRL 0.25-0.29's `truncate_prompt_tokens` (trl vllm-serve put it in vLLM's SamplingParams; vLLM
+    0.10.2-0.12, the ones those TRLs take, cut as their LLM class cut): the last `keep` tokens, by the
+    tokenizer's own left cut (a BOS stays) for a text, sliced for token ids and a rendered chat; 0 or
+    below -1 refused (SamplingParams), more than the context refused (_validate_truncation_size).
+    -1: the context less a token for the output, as truncation_of resolves it. vLLM 0.12 kept the
+    whole context and sampled one token; the engines here (as vLLM's today) refuse a prompt that
+    fills the context, so the cut leaves room for that token."""
+    if keep is not None and (keep == 0 or keep < -1):
+        raise ProtocolError(400, f"truncate_prompt_tokens={keep}: must be an integer >= 1 or -1",
+                            "truncate_prompt_tokens")
+    return truncation_of(keep, None, max_model_len, max_output_tokens)
