@@ -2,7 +2,10 @@
 summary and the table, from pairs as the bench prints them (no engine needed)."""
 from types import SimpleNamespace
 
-from rollout_cluster.bench.overhead import combine, control_stats, pct_over, table
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollout_cluster.bench.overhead import combine, control_stats, merge_runs, pct_over, split_by_prompt, table
 from rollout_cluster.bench.repeats import round_order
 
 
@@ -21,7 +24,8 @@ def pair(seed: int, r: int, cluster: float, bare: float, control: float | None =
 
 ARGS = SimpleNamespace(config="c.yaml", memory_fraction=0.28, rounds=2, prompts=4, samples=2, median=10,
                        sigma_prompt=0.5, sigma_sample=0.5, max_tokens=64, prompt_min=4, prompt_max=8)
-CFG = SimpleNamespace(engine=SimpleNamespace(model="m", max_num_seqs=8, max_num_batched_tokens=64))
+CFG = SimpleNamespace(engine=SimpleNamespace(model="m", max_num_seqs=8, max_num_batched_tokens=64), replicas=1,
+                      policy=SimpleNamespace(name="pull"))
 
 
 def test_pct_over_is_how_much_longer_the_run_took():
@@ -53,3 +57,40 @@ def test_every_engine_leads_a_round_in_turn():
     names = ["cluster", "bare", "control"]
     firsts = [round_order(names, k)[0] for k in range(3)]
     assert sorted(firsts) == sorted(names)
+
+
+def requests(samples_per_prompt: list) -> list:
+    return [SimpleNamespace(prompt_index=p, sample_index=j) for p, n in enumerate(samples_per_prompt) for j in range(n)]
+
+
+@given(st.lists(st.integers(1, 5), max_size=40), st.integers(1, 6))
+def test_bare_engines_split_a_batch_by_contiguous_prompt_shares(samples, engines):
+    reqs = requests(samples)
+    shares = split_by_prompt(reqs, engines)
+    assert len(shares) == engines
+    assert sorted(id(r) for share in shares for r in share) == sorted(id(r) for r in reqs)  # each request once
+    prompts = [sorted({r.prompt_index for r in share}) for share in shares]
+    flat = [p for ps in prompts for p in ps]
+    assert flat == list(range(len(samples)))  # contiguous, in order, no prompt on two engines
+    counts = [len(ps) for ps in prompts]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_two_engines_take_half_the_prompts_each_with_all_their_samples():
+    shares = split_by_prompt(requests([2, 3, 1, 2]), 2)
+    assert [[(r.prompt_index, r.sample_index) for r in s] for s in shares] == [
+        [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)], [(2, 0), (3, 0), (3, 1)]]
+
+
+def test_bare_engines_run_together_end_with_the_slowest():
+    merged = merge_runs([{"makespan_s": 40.0, "tokens": 10, "finish_times": [1.0, 40.0]},
+                         {"makespan_s": 55.5, "tokens": 7, "finish_times": [55.5]}])
+    assert merged == {"makespan_s": 55.5, "tokens": 17, "finish_times": [1.0, 40.0, 55.5]}
+
+
+def test_combine_records_the_cluster_shape():
+    cfg = SimpleNamespace(**{**vars(CFG), "replicas": 2, "policy": SimpleNamespace(name="steal")})
+    result = combine([pair(0, 0, 52.0, 50.0)], cfg, ARGS)
+    assert (result["replicas"], result["policy"]) == (2, "steal")
+    assert "the cluster: 2 replicas, policy steal; bare: 2 engines" in table(result)
+    assert "the cluster:" not in table(combine([pair(0, 0, 52.0, 50.0)], CFG, ARGS))

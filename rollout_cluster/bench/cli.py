@@ -117,7 +117,8 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="output directory: multiturn.json, multiturn.md")
     p.set_defaults(fn=cmd_multiturn)
 
-    p = sub.add_parser("overhead", help="the cluster with one replica against one bare AsyncLLM, in paired rounds")
+    p = sub.add_parser("overhead", help="the cluster against bare AsyncLLMs in paired rounds: one replica against "
+                                        "one engine, or --replicas N against N engines that split the batch")
     workload_flags(p)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--rounds", type=int, default=2, help="paired rounds per seed (the order alternates)")

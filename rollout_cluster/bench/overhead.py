@@ -1,4 +1,10 @@
-"""`rollout-cluster overhead`: the cluster with one replica against one bare AsyncLLM, in paired rounds.
+"""`rollout-cluster overhead`: the cluster against bare AsyncLLMs, in paired rounds.
+
+With one replica (the default), the cluster (policy `pull`) against one bare AsyncLLM. With
+`--replicas N`, the cluster of N replicas (the config's policy) against N bare AsyncLLMs placed as
+the replicas are (engine rank i: on a CPU, replica i's core), which split the batch as an offline
+data-parallel job does: each engine takes a contiguous share of the prompts, every sample of a
+prompt on the same engine, all at once; the bare side's makespan is the slowest engine's.
 
 Separate engine instances differ by a few percent from one run to the next, so one pair of runs
 cannot resolve a 2 % overhead. Here both stay up side by side (on a GPU each takes
@@ -34,22 +40,28 @@ def overhead(args) -> dict:
 
     args.engine = "vllm"
     fill_defaults(args)
+    replicas = args.replicas or 1
+    if replicas < 1:
+        raise ValueError(f"--replicas {replicas}: must be at least 1")
+    if args.control and replicas > 1:
+        raise ValueError(f"--control with --replicas {replicas}: the control is a second bare engine beside one "
+                         "replica; measure the control with --replicas 1")
     cfg = cluster_config(args)
     engine = cfg.engine.model_copy(update={"gpu_memory_utilization": args.memory_fraction})
-    cfg = cfg.model_copy(update={"replicas": 1, "engine": engine})
-    if cfg.policy.name != "pull":
+    cfg = cfg.model_copy(update={"replicas": replicas, "engine": engine})
+    if replicas == 1 and cfg.policy.name != "pull":
         cfg.policy = PolicyConfig(name="pull")  # one replica: the plainest dispatch
     cfg = cfg.validate()
     seeds = [int(s) for s in str(args.seeds).split(",")]
-    bare = BareEngine(cfg)  # first: its memory is taken before the replica's
+    bare = BareEngines(cfg, replicas)  # first: its memory is taken before the replicas'
     client = RolloutClient.start(cfg)
     # The control: a second bare engine, started last. Its difference from the first bare engine
     # is what separate engine instances (and their start order) make on their own.
     control = BareEngine(cfg, "control") if args.control else None
     try:
         vocab = int(client.status()["model"]["vocab_size"])
-        client.run_requests(warmup_batch(1, vocab), timeout_s=args.timeout_s)
-        bare.run(warmup_batch(1, vocab), "warmup")
+        client.run_requests(warmup_batch(replicas, vocab), timeout_s=args.timeout_s)
+        bare.run(warmup_batch(replicas, vocab), "warmup")  # 4 prompts an engine
         if control is not None:
             control.run(warmup_batch(1, vocab), "warmup")
         names = ["cluster", "bare"] + (["control"] if control is not None else [])
@@ -108,7 +120,8 @@ def summary(makespan: float, finish_times: list, tokens: int) -> dict:
 def combine(pairs: list, cfg, args) -> dict:
     pct = [p["overhead_pct"] for p in pairs]
     seeds = sorted({p["seed"] for p in pairs})
-    return {"config": args.config, "model": cfg.engine.model, "max_num_seqs": cfg.engine.max_num_seqs,
+    return {"config": args.config, "model": cfg.engine.model, "replicas": cfg.replicas, "policy": cfg.policy.name,
+            "max_num_seqs": cfg.engine.max_num_seqs,
             "max_num_batched_tokens": cfg.engine.max_num_batched_tokens, "memory_fraction": args.memory_fraction,
             "workload": {k: getattr(args, k) for k in ("prompts", "samples", "median", "sigma_prompt",
                                                         "sigma_sample", "max_tokens", "prompt_min", "prompt_max")},
@@ -143,6 +156,9 @@ def table(result: dict) -> str:
             row += f" {p['control']['makespan_s']:.2f} | {p['control_pct']:+.2f} % |"
         rows.append(row + f" {c['median_finish_s']:.2f} / {b['median_finish_s']:.2f} |")
     rows.append("")
+    if result.get("replicas", 1) > 1:
+        rows.append(f"the cluster: {result['replicas']} replicas, policy {result['policy']}; bare: "
+                    f"{result['replicas']} engines, each a contiguous share of the prompts (the slowest one's time)")
     rows.append(f"median paired overhead {result['median_overhead_pct']:+.2f} % (spread {result['min_pct']:+.2f} "
                 f"to {result['max_pct']:+.2f} %); per seed: "
                 + ", ".join(f"{s}: {v:+.2f} %" for s, v in result["per_seed_median_pct"].items()))
@@ -156,24 +172,50 @@ def table(result: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-class BareEngine:
-    """One bare AsyncLLM in a spawned process that runs batch after batch on request."""
+def split_by_prompt(requests: list, engines: int) -> list:
+    """The requests in `engines` lists, as an offline data-parallel job splits a batch: contiguous
+    shares of the prompts (in order of first appearance), every sample of a prompt in one share,
+    the shares' prompt counts differing by at most one."""
+    prompts = list(dict.fromkeys(r.prompt_index for r in requests))
+    share = {p: i * engines // len(prompts) for i, p in enumerate(prompts)} if prompts else {}
+    out: list = [[] for _ in range(engines)]
+    for r in requests:
+        out[share[r.prompt_index]].append(r)
+    return out
 
-    def __init__(self, cfg, name: str = "bare"):
+
+def merge_runs(answers: list) -> dict:
+    """Bare engines that ran their shares at once, as one run: the slowest one's makespan, every
+    sequence's finish time (each from its own engine's start), every token."""
+    return {"makespan_s": max(a["makespan_s"] for a in answers), "tokens": sum(a["tokens"] for a in answers),
+            "finish_times": [t for a in answers for t in a["finish_times"]]}
+
+
+class BareEngine:
+    """One bare AsyncLLM in a spawned process that runs batch after batch on request; `rank`
+    places it as the cluster places replica `rank` (engines/engine_env.py)."""
+
+    def __init__(self, cfg, name: str = "bare", rank: int = 0):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_main, args=(cfg.engine, cfg.model_path(), child, name))
+        self.proc = ctx.Process(target=_serve_main, args=(cfg.engine, cfg.model_path(), child, name, rank))
         self.proc.start()
         ready = self.conn.recv()
         if ready != "ready":
             raise RuntimeError(f"bare engine failed to start: {ready}")
 
-    def run(self, requests: list, tag: str) -> dict:
+    def start(self, requests: list, tag: str) -> None:
         self.conn.send((tag, requests))
+
+    def wait(self) -> dict:
         answer = self.conn.recv()
         if isinstance(answer, str):
             raise RuntimeError(f"bare engine: {answer}")
         return answer
+
+    def run(self, requests: list, tag: str) -> dict:
+        self.start(requests, tag)
+        return self.wait()
 
     def close(self) -> None:
         try:
@@ -184,22 +226,45 @@ class BareEngine:
                 self.proc.terminate()
 
 
-def _serve_main(engine_cfg, model: str, conn, name: str) -> None:
+class BareEngines:
+    """`n` bare engines (ranks 0..n-1) that run a batch together, split by split_by_prompt."""
+
+    def __init__(self, cfg, n: int):
+        self.engines: list = []
+        try:
+            for rank in range(n):
+                self.engines.append(BareEngine(cfg, "bare" if n == 1 else f"bare{rank}", rank))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, requests: list, tag: str) -> dict:
+        shares = split_by_prompt(requests, len(self.engines))
+        for i, (engine, share) in enumerate(zip(self.engines, shares)):
+            engine.start(share, tag if len(self.engines) == 1 else f"{tag}-e{i}")
+        return merge_runs([engine.wait() for engine in self.engines])
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+def _serve_main(engine_cfg, model: str, conn, name: str, rank: int = 0) -> None:
     try:
-        asyncio.run(_serve(engine_cfg, model, conn, name))
+        asyncio.run(_serve(engine_cfg, model, conn, name, rank))
     except BaseException as e:  # noqa: BLE001  (the parent must hear of any failure)
         conn.send(f"{type(e).__name__}: {e}")
     os._exit(0)
 
 
-async def _serve(engine_cfg, model: str, conn, name: str) -> None:
+async def _serve(engine_cfg, model: str, conn, name: str, rank: int = 0) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ..engines.engine_env import apply_engine_env
     from ..engines.vllm_engine import engine_args, is_cpu_build
     from ..serve.timeline import Timeline
 
-    apply_engine_env(engine_cfg, 0, is_cpu_build())  # the replica's core on a CPU; its threads on a GPU
+    apply_engine_env(engine_cfg, rank, is_cpu_build())  # replica `rank`'s core on a CPU; its threads on a GPU
     engine = AsyncLLM.from_engine_args(engine_args(engine_cfg, model))
     timeline = Timeline.from_env(name)
     if timeline is not None:
