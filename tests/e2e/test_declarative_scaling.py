@@ -87,19 +87,23 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
 
         # Shrink 2 -> 1 while a batch runs on both: Serve stops one replica gracefully; it hands
         # its sequences back with every token, and the other finishes them. The batch must outlast
-        # the `serve deploy` CLI (seconds on a busy 2-core machine): 700 tokens once did not.
-        lengths = [1600] * 64
+        # the `serve deploy` CLI, which takes from seconds to over 25 s on a busy 2-core machine:
+        # 700 and then 1600 tokens (25 s on both replicas) once finished first.
+        lengths = [3000] * 64
         bid = client.submit(batch(300, lengths))
         wait_running_on(client, 2)
+        t0 = time.monotonic()
         serve_deploy(cfg_file, serve_config(cluster_config, 1))
+        cli_s = time.monotonic() - t0
         results = collect(client, bid, len(lengths))
+        assert any(len(set(c.replicas)) == 2 for c in results), (  # resumed where it was handed back
+            f"the batch ended on both replicas before the shrink (the serve deploy CLI took {cli_s:.0f} s)")
         assert [len(c.token_ids) for c in results] == lengths
         assert all(c.finish_reason == "length" for c in results)
         st = client.status()
         assert st["router_id"] == router_id
         assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
         assert st["counters"]["replica_leaves"] == 1 and st["counters"]["replica_deaths"] == 0
-        assert any(len(set(c.replicas)) == 2 for c in results)  # resumed where it was handed back
 
         # The same through the driver (Serve's external scaling API): grow 1 -> 2, then shrink
         # 2 -> 1 while a batch runs on both. scale() asks Serve's controller itself (no CLI to
