@@ -144,7 +144,7 @@ class FleetWeights:
             self.errors.pop(rep.replica_id, None)
             if just_loaded:
                 self._loaded()
-        elif w.error and w.error_version == v:
+        elif w.error and self.current(w.error_version, w.error_path):  # (not another source's same number)
             if rep.replica_id not in self.errors or rep.replica_id in self.held_back:
                 self.held_back.discard(rep.replica_id)
                 self.errors[rep.replica_id] = w.error
