@@ -46,3 +46,26 @@ def test_an_orphan_made_on_a_renumbered_version_from_other_weights_is_not_adopte
     seq = core.seqs[f"{bid}:0"]
     # made by the old weights: generated again from the prompt on the router's version 3
     assert core.counters.adopted == 0 and seq.generated == 0, seq.weight_versions
+
+
+def test_a_goodbye_naming_no_source_does_not_make_a_cut_off_replicas_orphan_current():
+    # the goodbye report names the version only (serve/pull_loop.py goodbye): the router must keep
+    # the source it knows for that number, not take the replica for current by its number
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2,
+                      replica_timeout_s=TIMEOUT_S, id_prefix="r2-")
+    pull(core, "a", 0.0)
+    assert core.update_weights(NEW, 3, now=TIMEOUT_S + 1) == 3
+    pull(core, "a", TIMEOUT_S + 2, version=3, path=NEW)
+    key = ("r1-b0:0", 1)
+    t = TIMEOUT_S + 3
+    bid = core.submit([SequenceRequest(list(PROMPT), SamplingSpec(max_tokens=10), 0, 0)], t,
+                      previous_ids=["r1-b0:0"])  # resubmitted first: it waits for the old segment's output
+    for i in range(2):
+        orders = pull(core, "b", t + 0.1 + 0.1 * i, version=3, path=OLD, held=[key])
+    assert key in orders.report_whole
+    final = SeqProgress("r1-b0:0", 1, [3, 3], None, "abort", offset=0, prompt_token_ids=list(PROMPT),
+                        weight_versions=[(0, 3)])
+    core.on_report(Report("b", "i1", progress=[final], stats=EngineStats(), model=None, capacity=4,
+                          weights=WeightsState(version=3), leaving=True), t + 0.4)  # Serve stops b
+    seq = core.seqs[f"{bid}:0"]
+    assert core.counters.adopted == 0 and seq.generated == 0, seq.weight_versions
