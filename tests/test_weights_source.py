@@ -83,3 +83,32 @@ def test_a_sleeping_replica_keeps_a_note_that_reuses_its_versions_number_for_oth
     assert moves.noted == (0, "")
     moves.apply(NoteWeights("/ckpt/new-3", 3))
     assert moves.states()[0].noted == 3 and moves.states()[0].noted_path == "/ckpt/new-3"
+
+
+def test_a_cut_off_replicas_failed_load_of_a_renumbered_version_does_not_break_the_routers_weights():
+    # Regression (h-rev9): the router took a load error by its version number alone. b, cut off,
+    # had failed loading the OLD router's version 3; its stale error marked the new router's
+    # version 3 (another checkpoint, which a loaded) broken: b was held back from it for good.
+    core = renumbered("/ckpt/old-3", "/ckpt/new-3")
+    orders = core.on_report(Report("b", "i1", stats=EngineStats(), model=ModelInfo(1000, 4096), capacity=8,
+                                   weights=WeightsState(version=2, path="/ckpt/2", error="b: load failed",
+                                                        error_version=3, error_path="/ckpt/old-3")),
+                            TIMEOUT_S + 3)
+    assert not core.weights.broken and "b" not in core.weights.errors
+    assert [c for c in orders.control if isinstance(c, LoadWeights)] == [LoadWeights("/ckpt/new-3", 3)]
+
+
+def test_a_replica_reports_the_source_of_the_load_that_failed():
+    class Engine:
+        async def load_weights(self, path, keep_as=None):
+            raise RuntimeError("bad checkpoint")
+
+    moves = EngineMoves(Engine(), ClusterConfig(engine=EngineConfig(model="models/none")), "b")
+
+    async def go():
+        moves.apply(LoadWeights("/ckpt/old-3", 3))
+        await moves.loading[1]
+
+    asyncio.run(go())
+    w = moves.states()[0]
+    assert (w.error_version, w.error_path) == (3, "/ckpt/old-3") and "bad checkpoint" in w.error

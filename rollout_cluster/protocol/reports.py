@@ -76,6 +76,7 @@ class WeightsState:
     loading: int = 0  # the version being loaded now (0: none)
     error: Optional[str] = None  # why the last LoadWeights failed, until one succeeds
     error_version: int = 0  # the version that failed load was for (an older error is stale)
+    error_path: str = ""  # ... and its source ("": not said): a restarted router may number other weights the same
     # A NoteWeights made while the engine sleeps, which it loads at wake (0: none). The replica holds
     # it, so that a router that restarts during the sleep learns it back.
     noted: int = 0

@@ -57,6 +57,7 @@ class OrphanOutput:
     # (offset, version) pairs; None: the final did not carry its Work's marks (or bad ones)
     versions: Optional[list] = None
     swaps: list = field(default_factory=list)
+    weights_path: str = ""  # the source of the replica's `weights_version` at the final ("": not said)
 
     @classmethod
     def of(cls, rep: ReplicaState, p: SeqProgress, now: float) -> "OrphanOutput":
@@ -65,7 +66,7 @@ class OrphanOutput:
         return cls(rep.replica_id, rep.weights_version, p.attempt, array("i", p.prompt_token_ids),
                    array("i", p.token_ids), None if p.logprobs is None else array("d", p.logprobs),
                    p.finish_reason, now, None if p.prior_logprobs is None else array("d", p.prior_logprobs),
-                   bool(p.swaps), versions, swaps or [])
+                   bool(p.swaps), versions, swaps or [], rep.weights_path)
 
     def labels(self, resumed: int, earlier: int) -> Optional[list]:
         """The taken-over tokens' weight_versions (from `resumed` on; the segment started after
@@ -113,6 +114,7 @@ class AdoptionHost(Protocol):
 
     def seq(self, seq_id: str) -> Optional[SeqState]: ...  # a live sequence
     def batch_version(self, batch_id: str) -> Optional[int]: ...  # its batch's weights version (None: gone)
+    def same_weights(self, version: int, path: str) -> bool: ...  # not other weights under the router's number
     def requeue(self, seq: SeqState) -> None: ...  # into the queue (a continuation if it has tokens)
     def unqueue(self, seq: SeqState) -> None: ...  # out of the queue: it waits for its output
     def finish(self, seq: SeqState, reason: str, now: float, replica_id: Optional[str]) -> None: ...
@@ -228,6 +230,8 @@ class OrphanAdoption:
         version = self.host.batch_version(seq.batch_id)
         if version is None or out.weights_version != version or req.prompt_token_ids is None:
             return False
+        if not self.host.same_weights(out.weights_version, out.weights_path):
+            return False  # a cut-off replica's number, which this router gave other weights since
         prompt = req.prompt_token_ids
         if out.prompt_token_ids[:len(prompt)].tolist() != prompt:
             return False

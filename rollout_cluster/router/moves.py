@@ -198,6 +198,11 @@ class SeqMoves:
         batch = self.batches.get(batch_id)
         return None if batch is None else batch.weights_version
 
+    def same_weights(self, version: int, path: str) -> bool:
+        """`version` from `path` is not other weights than this router's `version` (a source is
+        known only for the current version: another number is taken by its number)."""
+        return version != self.weights.version or self.weights.current(version, path)
+
     def requeue(self, seq: SeqState) -> None:
         self.queue.push(seq)
 

@@ -134,8 +134,10 @@ class FleetWeights:
         v = self.version
         self.floor.saw(rep.replica_id, w)
         held_before = self.holds(rep)
+        # (a report that names no source for the number it held, a goodbye's, keeps the known one)
+        same = w.version == rep.weights_version
+        rep.weights_path = w.path if isinstance(w.path, str) and w.path else rep.weights_path if same else ""
         rep.weights_version, rep.weights_loading = w.version, w.loading
-        rep.weights_path = w.path if isinstance(w.path, str) else ""
         just_loaded = not held_before and self.holds(rep)
         if (rep.weights_noted == v and not self.current(w.noted, w.noted_path) and not self.holds(rep)
                 and not note_pending):
@@ -144,7 +146,7 @@ class FleetWeights:
             self.errors.pop(rep.replica_id, None)
             if just_loaded:
                 self._loaded()
-        elif w.error and w.error_version == v:
+        elif w.error and self.current(w.error_version, w.error_path):  # (not another source's same number)
             if rep.replica_id not in self.errors or rep.replica_id in self.held_back:
                 self.held_back.discard(rep.replica_id)
                 self.errors[rep.replica_id] = w.error

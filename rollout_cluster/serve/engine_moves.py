@@ -60,6 +60,7 @@ class EngineMoves:
         self.weights_buckets: Optional[tuple] = None  # a pushed version's buckets (a level-2 wake reloads them)
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
+        self.weights_error_path = ""  # ... and its source
         self.loading = None  # (version, asyncio.Task) of a load in progress
         self.loading_path = ""  # ... and its source: a restarted router may number other weights the same
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
@@ -110,7 +111,7 @@ class EngineMoves:
     def states(self) -> tuple[WeightsState, SleepState]:
         """The report's WeightsState and SleepState."""
         weights = WeightsState(version=self.weights_version, error=self.weights_error,
-                               error_version=self.weights_error_version,
+                               error_version=self.weights_error_version, error_path=self.weights_error_path,
                                loading=self.loading[0] if self.loading else 0, path=self.weights_path,
                                noted=self.noted[0], noted_path=self.noted[1])
         return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
@@ -286,7 +287,7 @@ class EngineMoves:
         except Exception as e:
             log.exception("replica %s: load_weights %r failed", self.replica_id, path)
             self.weights_error = f"replica {self.replica_id}: load_weights({path!r}): {e}"
-            self.weights_error_version = version
+            self.weights_error_version, self.weights_error_path = version, path
             if isinstance(e, WeightsLoadBroken):
                 self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
         else:
