@@ -14,9 +14,9 @@ import time
 from typing import Callable, Optional
 
 from ..protocol import InputError, WeightsNotLearned, is_int
+from ..serve.fleet_target import REPLICA_DEPLOYMENT
 
 log = logging.getLogger(__name__)
-REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py)
 VERSION_FIRST_POLL_S = 0.01  # a weights wait polls the router's status this soon first, then doubling to 0.1 s
 NUMBER_RETRY_S = 0.5  # a weights order a new router refused (WeightsNotLearned) is asked again this often
 

@@ -61,8 +61,9 @@ class EngineMoves:
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.weights_error_path = ""  # ... and its source
-        self.loading = None  # (version, asyncio.Task) of a load in progress
-        self.loading_path = ""  # ... and its source: a restarted router may number other weights the same
+        # (version, asyncio.Task, path) of a load in progress; the path because a restarted router may
+        # number other weights the same
+        self.loading = None
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
         self.noted_buckets: Optional[tuple] = None  # a noted push's buckets (a restarted router has lost them)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
@@ -102,7 +103,7 @@ class EngineMoves:
         moves = self.in_progress()
         if not moves:
             return True
-        loading = (self.loading[0], self.loading_path) if self.loading else None
+        loading = (self.loading[0], self.loading[2]) if self.loading else None
         await asyncio.gather(*moves, return_exceptions=True)
         if loading is not None and (self.weights_version, self.weights_path) != loading:
             return False
@@ -133,13 +134,13 @@ class EngineMoves:
     def _load(self, order: LoadWeights) -> None:
         # A resent order of what is done or under way starts nothing: the same number from the same
         # source (a router that restarted may give the number to other weights, which do load).
-        if (order.version, order.path) in ((self.weights_version, self.weights_path),
-                                           (self.loading and self.loading[0], self.loading_path)):
+        loading = (self.loading[0], self.loading[2]) if self.loading else None
+        if (order.version, order.path) in ((self.weights_version, self.weights_path), loading):
             return
         before = self.in_progress()
         task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before,
                                                                          order.buckets, order.keep))
-        self.loading, self.loading_path = (order.version, task), order.path
+        self.loading = (order.version, task, order.path)
 
     def _note(self, order: NoteWeights) -> None:
         """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
@@ -296,5 +297,5 @@ class EngineMoves:
             if self.noted[0] <= version:
                 self.noted, self.noted_buckets = (0, ""), None
         finally:
-            if self.loading and (self.loading[0], self.loading_path) == (version, path):  # not a later load's flag
+            if self.loading and (self.loading[0], self.loading[2]) == (version, path):  # not a later load's flag
                 self.loading = None

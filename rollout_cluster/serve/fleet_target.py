@@ -16,7 +16,7 @@ from typing import Optional
 
 log = logging.getLogger("ray.serve")
 
-REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py; client/fleet_ops.py)
+REPLICA_DEPLOYMENT = "EngineReplica"  # the engines' Serve deployment (serve/app.py's class name)
 ASK_TIMEOUT_S = 5.0  # the most a starting Router waits for the controller's answer
 
 
