@@ -2,7 +2,8 @@
 generate with token ids and with strings, chat, reset_prefix_cache, get_world_size), the `openai`
 package (completions with and without streaming, n > 1, logprobs, chat, a chat stream's role
 chunks), TRL <= 1.10's routes as HTTP bodies, and multi-turn session affinity by X-Session-Id.
-Every check counts tokens exactly (ignore_eos), aligns logprobs with tokens, and sees every sample once and both replicas work."""
+Every check counts tokens exactly (ignore_eos), aligns logprobs with tokens, and sees every sample
+once and both replicas work."""
 import json
 import math
 import re
