@@ -77,7 +77,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                          "prompt_logprobs": None, "prompt_token_ids": prompts[c.prompt_index] if ids else None}
 
         if body.stream:
-            return await streamed(stream_batch(ctx, requests), head, choice, prompts, body.usage_in_stream(), chat=False)
+            return await streamed(stream_batch(ctx, requests), head, choice, prompts, body.usage_in_stream(),
+                                  chat=False)
         try:
             results = await run_batch(ctx, requests)
         except ProtocolError as e:
@@ -95,7 +96,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             cut = body.truncation(model.max_model_len if model else None, max_tokens or 0)
             prompt = chat_prompt(ctx, body.messages, "messages", body.template_kwargs(), body.add_special_tokens, cut,
-                                 body.add_generation_prompt)
+                                 body.add_generation_prompt, body.chat_template)
             if body.top_logprobs and not body.logprobs:  # as vLLM's server refuses it, not ignored
                 raise ProtocolError(400, f"top_logprobs={body.top_logprobs}: needs logprobs true", "top_logprobs")
             logprobs = sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
