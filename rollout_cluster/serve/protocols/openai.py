@@ -5,8 +5,10 @@ and POST /v1/chat/completions (JSON, or server-sent events with `stream`), with 
 
 What differs from vLLM's server (docs/trainers.md): the engines return the sampled token's
 logprob only, so `logprobs` (completions) and `top_logprobs` (chat) must be 0; stop strings are
-applied to each whole output; a stream sends each choice whole, once it is done; `echo`,
-`best_of`, beam search, structured outputs, logit bias and prompt logprobs are refused by name.
+applied to each whole output; a stream sends each choice whole, once it is done (a chat stream
+first sends each choice's role chunk, as vLLM's does); a request's `chat_template` must name one
+of the model's templates (vLLM takes a template's text too, with --trust-request-chat-template);
+`echo`, `best_of`, beam search, structured outputs, logit bias and prompt logprobs are refused by name.
 Every other field of vLLM's request models is honoured, ignored for a stated reason, or refused by
 name (openai_bodies.py).
 """
