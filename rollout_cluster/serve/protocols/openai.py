@@ -5,8 +5,10 @@ and POST /v1/chat/completions (JSON, or server-sent events with `stream`), with 
 
 What differs from vLLM's server (docs/trainers.md): the engines return the sampled token's
 logprob only, so `logprobs` (completions) and `top_logprobs` (chat) must be 0; stop strings are
-applied to each whole output; a stream sends each choice whole, once it is done; `echo`,
-`best_of`, beam search, structured outputs, logit bias and prompt logprobs are refused by name.
+applied to each whole output; a stream sends each choice whole, once it is done (a chat stream
+first sends each choice's role chunk, as vLLM's does); a request's `chat_template` must name one
+of the model's templates (vLLM takes a template's text too, with --trust-request-chat-template);
+`echo`, `best_of`, beam search, structured outputs, logit bias and prompt logprobs are refused by name.
 Every other field of vLLM's request models is honoured, ignored for a stated reason, or refused by
 name (openai_bodies.py).
 """
@@ -15,14 +17,13 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from .answers import answer, dumps
+from .answers import answer
 from .batch import run_batch, stream_batch
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
-from .openai_answers import (chat_logprobs, chunk_usage, completion_logprobs, error, last_usage, sampled_logprobs,
-                             started, usage)
+from .openai_answers import (chat_logprobs, completion_logprobs, error, role_chunks, sampled_logprobs, streamed,
+                             usage)
 from .openai_bodies import ChatBody, CompletionBody, answer_id, check_model, parse_body, session_of
 from .outputs import output_of, stop_list
 from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
@@ -78,28 +79,8 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                          "prompt_logprobs": None, "prompt_token_ids": prompts[c.prompt_index] if ids else None}
 
         if body.stream:
-            try:
-                completions = await started(stream_batch(ctx, requests))
-            except ProtocolError as e:
-                return error(e)
-
-            include_usage, continuous = body.usage_in_stream()
-
-            async def events():
-                outputs = []
-                try:
-                    async for c in completions:
-                        out, ch = choice(c)
-                        outputs.append(out)
-                        each = {"usage": chunk_usage(prompts[c.prompt_index], out, False)} if continuous else {}
-                        yield f"data: {dumps({**head, 'choices': [ch], **each})}\n\n"
-                    if include_usage:
-                        yield f"data: {dumps({**head, 'choices': [], 'usage': last_usage(prompts, outputs)})}\n\n"
-                except ProtocolError as e:
-                    yield f"data: {dumps({'error': {'message': e.message, 'type': e.kind, 'param': e.param, 'code': e.status}})}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return await streamed(stream_batch(ctx, requests), head, choice, prompts, body.usage_in_stream(),
+                                  chat=False)
         try:
             results = await run_batch(ctx, requests)
         except ProtocolError as e:
@@ -117,7 +98,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             cut = body.truncation(model.max_model_len if model else None, max_tokens or 0)
             prompt = chat_prompt(ctx, body.messages, "messages", body.template_kwargs(), body.add_special_tokens, cut,
-                                 body.add_generation_prompt)
+                                 body.add_generation_prompt, body.chat_template)
             if body.top_logprobs and not body.logprobs:  # as vLLM's server refuses it, not ignored
                 raise ProtocolError(400, f"top_logprobs={body.top_logprobs}: needs logprobs true", "top_logprobs")
             logprobs = sampled_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
@@ -130,43 +111,24 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             return error(e)
         rid, created = answer_id(request, body, "chatcmpl"), int(time.time())
         ids = body.return_token_ids
+        # vLLM's: the model speaks as the assistant, or continues the last message in its role
+        role = "assistant" if body.add_generation_prompt else body.messages[-1]["role"]
 
-        def choice(c, key: str):
+        def choice(c, key: str = "delta"):
             out = output_of(ctx, c, stops, body.include_stop_str_in_output, **body.decoding(), prompt_ids=prompt)
             lp = chat_logprobs(ctx, out, body.return_tokens_as_token_ids) if logprobs is not None else None
-            return out, {"index": c.index, key: {"role": "assistant", "content": out.text, "tool_calls": [],
-                                                 "reasoning": None},
-                         "logprobs": lp, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                         "token_ids": out.token_ids if ids else None}
+            # a chunk's delta is the text alone, as vLLM's: the role came in the choice's role chunk
+            said = {"content": out.text} if key == "delta" else {"role": role, "content": out.text, "tool_calls": [],
+                                                                  "reasoning": None}
+            return out, {"index": c.index, key: said, "logprobs": lp, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason, "token_ids": out.token_ids if ids else None}
 
         if body.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-
-            try:
-                completions = await started(stream_batch(ctx, requests))
-            except ProtocolError as e:
-                return error(e)
-
-            include_usage, continuous = body.usage_in_stream()
-
-            async def events():
-                outputs, first = [], True
-                try:
-                    async for c in completions:
-                        out, ch = choice(c, "delta")
-                        outputs.append(out)
-                        extra = {"prompt_token_ids": prompt} if ids and first else {}
-                        if continuous:
-                            extra["usage"] = chunk_usage(prompt, out, True)
-                        first = False
-                        yield f"data: {dumps({**head, 'choices': [ch], **extra})}\n\n"
-                    if include_usage:
-                        yield f"data: {dumps({**head, 'choices': [], 'usage': last_usage([prompt], outputs)})}\n\n"
-                except ProtocolError as e:
-                    yield f"data: {dumps({'error': {'message': e.message, 'type': e.kind, 'param': e.param, 'code': e.status}})}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            usage_in_stream = body.usage_in_stream()
+            opening = role_chunks(head, body.n, role, prompt, ids, usage_in_stream[1])
+            return await streamed(stream_batch(ctx, requests), head, choice, [prompt], usage_in_stream, chat=True,
+                                  opening=opening)
         try:
             results = await run_batch(ctx, requests)
         except ProtocolError as e:

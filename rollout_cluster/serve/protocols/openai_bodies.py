@@ -20,8 +20,7 @@ _OFF = (None, False)
 REFUSED = {"echo": _OFF, "best_of": _OFF, "use_beam_search": _OFF, "suffix": _OFF, "logit_bias": _OFF,
            "prompt_logprobs": _OFF, "structured_outputs": _OFF, "response_format": _OFF, "guided_json": _OFF,
            "guided_regex": _OFF, "guided_choice": _OFF, "allowed_token_ids": _OFF, "bad_words": (None, False, []),
-           "continue_final_message": _OFF, "prompt_embeds": _OFF, "logprob_token_ids": _OFF,
-           "chat_template": _OFF}  # (a client's own chat template: the model's is the one rendered)
+           "continue_final_message": _OFF, "prompt_embeds": _OFF, "logprob_token_ids": _OFF}
 REFUSED = {name: (accepted, "") for name, accepted in REFUSED.items()}
 REFUSED.update({
     "watermarking": (_OFF, "the engines run without a watermark"),
@@ -201,6 +200,9 @@ class ChatBody(Sampling):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = 0
+    # the name of one of the model's chat templates (transformers' named templates, "default" for a
+    # model's one); a template's own text is refused by name (the model's templates are the ones rendered)
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict] = None
     tools: Optional[list] = None
     add_generation_prompt: bool = True
@@ -221,7 +223,7 @@ class ChatBody(Sampling):
             kwargs["enable_thinking"] = self.reasoning_effort != "none"
         kwargs.update({k: v for k, v in (("documents", self.documents), ("reasoning_effort", self.reasoning_effort))
                        if v is not None})
-        if self.tools:
+        if self.tools is not None:  # an empty list too: vLLM passes it, and transformers picks "tool_use"
             kwargs["tools"] = self.tools
         return kwargs
 

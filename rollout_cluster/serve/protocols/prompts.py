@@ -7,7 +7,7 @@ from typing import Optional
 
 from ...client.expand import expand
 from ...protocol import InputError, SamplingSpec, is_int
-from ...text.codec import NoTokenizer
+from ...text.codec import NoSuchTemplate, NoTokenizer
 from ...text.content_format import content_format
 from ...validation import check_request
 from .chat_messages import template_messages
@@ -32,20 +32,31 @@ def prompt_ids(ctx: ProtocolContext, prompt, param: str, add_special_tokens: boo
 
 def chat_prompt(ctx: ProtocolContext, messages, param: str, template_kwargs: Optional[dict] = None,
                 add_special_tokens: bool = False, truncation: Optional[Truncation] = None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """A conversation's prompt through the model's chat template, as token ids: its messages as vLLM
-    hands them to the template (chat_messages.py: tool calls' arguments parsed, text parts joined, or
-    kept as parts for a template that loops over them: vLLM's "auto" content format),
-    the rendered text tokenized without the tokenizer's special tokens unless `add_special_tokens`
-    (vLLM's chat default: the template writes them), cut as `truncation` says."""
+                add_generation_prompt: bool = True, template_name: Optional[str] = None) -> list[int]:
+    """A conversation's prompt through the model's chat template, as token ids: the template named
+    `template_name` (the request's `chat_template`), else the one transformers picks (codec.py:
+    "tool_use" with tools, "default" without); its messages as vLLM hands them to the template
+    (chat_messages.py: tool calls' arguments parsed, text parts joined, or kept as parts for a
+    template that loops over them: vLLM's "auto" content format), the rendered text tokenized
+    without the tokenizer's special tokens unless `add_special_tokens` (vLLM's chat default: the
+    template writes them), cut as `truncation` says."""
     if ctx.codec is None:
         raise ProtocolError(400, f"{param}: the model has no tokenizer (tokenizer.json), so no chat", param)
-    template = ctx.codec.chat_template
-    messages = template_messages(messages, param, template, content_format(template) if template else "string")
+    kwargs = dict(template_kwargs or {})
+    for key in ("chat_template", "tokenize"):  # vLLM refuses them too (resolve_chat_template_kwargs)
+        if key in kwargs:
+            raise ProtocolError(400, f"chat_template_kwargs.{key}={kwargs[key]!r:.80}: not a template variable "
+                                     "(a request names the model's template with its chat_template)",
+                                f"chat_template_kwargs.{key}")
     try:
-        text = ctx.codec.render_chat(messages, add_generation_prompt, **(template_kwargs or {}))
+        template = ctx.codec.template_source(template_name, kwargs.get("tools") is not None)
     except NoTokenizer as e:
         raise ProtocolError(400, f"{param}: {e}", param) from None
+    except NoSuchTemplate as e:
+        raise ProtocolError(400, str(e), "chat_template") from None
+    messages = template_messages(messages, param, template, content_format(template))
+    try:
+        text = ctx.codec.render_chat(messages, add_generation_prompt, template_name, **kwargs)
     except Exception as e:  # the template raised (raise_exception) or did not render
         raise ProtocolError(400, f"{param}: the chat template refused it: {e}", param) from None
     return ctx.encode(text, param, add_special_tokens, truncation)
