@@ -12,7 +12,9 @@ or note the OLD router's version N (or a higher one), while the new router numbe
    toward the new router's DEATHS_TO_BREAK for its version N (FleetWeights.died_loading took the
    number it loaded alone): one more death of a replica really loading N broke it. A report now
    names the source of the load (WeightsState.loading_path), and only a death loading the
-   router's version (or ordered it, with no load reported yet) counts."""
+   router's version (or ordered it, with no load reported yet) counts. The same report's source
+   also keeps such a replica from being ordered a version that broke meanwhile, and has a lost
+   order sent again (FleetWeights.holds_back, .record)."""
 import asyncio
 
 from rollout_cluster.config import ClusterConfig, EngineConfig, PolicyConfig
@@ -110,8 +112,9 @@ def test_deaths_in_loads_of_the_routers_version_still_break_it():
     report(core, "a", 0.0, WeightsState())
     report(core, "b", 0.0, WeightsState())
     core.update_weights("/ckpt/new-3", 3, now=TIMEOUT_S + 1)
-    report(core, "c", TIMEOUT_S + 3, WeightsState(version=2, path="/ckpt/2", loading=3, loading_path="/ckpt/new-3"),
-           dead=True)
+    new_load = WeightsState(version=2, path="/ckpt/2", loading=3, loading_path="/ckpt/new-3")
+    report(core, "c", TIMEOUT_S + 3, new_load)
+    report(core, "c", TIMEOUT_S + 3.5, new_load, dead=True)
     report(core, "b", TIMEOUT_S + 4, WeightsState(), dead=True)  # ordered, died before reporting its load
     assert [b["path"] for b in core.weights_status()["broken"]] == ["/ckpt/new-3"]
     assert core.weights.load_deaths == {("/ckpt/new-3", 3): ["c", "b"]}
@@ -133,3 +136,35 @@ def test_a_replica_reports_the_source_of_the_load_it_runs():
     asyncio.run(go())
     w = moves.states()[0]
     assert (w.loading, w.loading_path, w.version, w.path) == (0, "", 3, "/ckpt/old-3")
+
+
+def test_a_cut_off_replica_loading_the_old_routers_same_number_is_held_back_from_a_broken_version():
+    """Regression (h-edge): the same number loading was taken for the router's version's load
+    (FleetWeights.holds_back), so a cut-off replica coming back after that version broke was
+    ordered the broken load, which could break its engine too."""
+    core = router(expected=2)
+    report(core, "a", 0.0, WeightsState())
+    core.update_weights("/ckpt/new-3", 3, now=TIMEOUT_S + 1)
+    report(core, "a", TIMEOUT_S + 2, WeightsState(error="a: load failed", error_version=3, error_path="/ckpt/new-3"))
+    assert [b["path"] for b in core.weights_status()["broken"]] == ["/ckpt/new-3"]
+    back = report(core, "c", TIMEOUT_S + 3, WeightsState(version=2, path="/ckpt/2", loading=3,
+                                                         loading_path="/ckpt/old-3"))
+    assert [c for c in back.control if isinstance(c, LoadWeights)] == []
+    assert "its load failed on replica a" in core.weights_status()["errors"]["c"]
+
+
+def test_a_lost_order_to_a_replica_loading_the_old_routers_same_number_is_sent_again():
+    """Regression (h-edge): a replica ordered the router's version that reports loading the same
+    number (another source's) never got the order (a lost reply): it is sent again, not taken for
+    under way until that old load ends."""
+    core = router(expected=2)
+    report(core, "a", 0.0, WeightsState())
+    core.update_weights("/ckpt/new-3", 3, now=TIMEOUT_S + 1)
+    old_load = WeightsState(version=2, path="/ckpt/2", loading=3, loading_path="/ckpt/old-3")
+    first = report(core, "c", TIMEOUT_S + 2, old_load)  # back: ordered; the reply is lost
+    assert [c for c in first.control if isinstance(c, LoadWeights)] == [LoadWeights("/ckpt/new-3", 3)]
+    again = report(core, "c", TIMEOUT_S + 3, old_load)
+    assert [c for c in again.control if isinstance(c, LoadWeights)] == [LoadWeights("/ckpt/new-3", 3)]
+    taken = report(core, "c", TIMEOUT_S + 4, WeightsState(version=2, path="/ckpt/2", loading=3,
+                                                          loading_path="/ckpt/new-3"))
+    assert [c for c in taken.control if isinstance(c, LoadWeights)] == []  # under way: not again
