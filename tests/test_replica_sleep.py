@@ -144,8 +144,10 @@ def test_a_note_of_an_update_made_while_asleep_is_held_until_a_load_brings_it(tm
     run(r, Sleep(2))
 
     async def notes():
-        r.apply(NoteWeights("/ckpt/step2", 2))
-        r.apply(NoteWeights("/ckpt/step1", 1))  # older: kept out
+        r.apply(NoteWeights("/ckpt/step1", 1))
+        r.apply(NoteWeights("/ckpt/step2", 2))  # the router's later update replaces it
+        # (a note numbered lower is kept too: only a restarted router sends one, its latest word;
+        # tests/test_weights_renumbered_edges.py)
 
     asyncio.run(notes())
     assert r.noted == (2, "/ckpt/step2") and eng.calls == [("sleep", 2)]  # a note loads nothing

@@ -74,6 +74,7 @@ class WeightsState:
     version: int = 0  # the version the engine holds (0: the config's model)
     path: str = ""  # where `version` came from ("": the config's model)
     loading: int = 0  # the version being loaded now (0: none)
+    loading_path: str = ""  # ... and its source: a restarted router may number other weights the same
     error: Optional[str] = None  # why the last LoadWeights failed, until one succeeds
     error_version: int = 0  # the version that failed load was for (an older error is stale)
     error_path: str = ""  # ... and its source ("": not said): a restarted router may number other weights the same

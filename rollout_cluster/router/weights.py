@@ -5,9 +5,10 @@ a batch never mixes versions. Every replica that does not hold it gets one LoadW
 (again only when a lost reply took it) and no work until it reports the version held. An engine
 asleep gets a NoteWeights instead and loads at wake; it reports the note back, so a router
 restarted during the sleep still knows the update. A fresh router (a restart) learns the version
-from the replicas' reports until a driver first submits or updates: the highest any replica holds
-or noted is the latest update. No order is numbered at or below a version any replica reported,
-nor before a fresh router heard its fleet (weights_floor.py). A replica holds the version when its
+from the replicas' reports until a driver first submits or updates: the highest any replica noted
+or, with no note, holds is the latest update (a note is a replica's latest word, whatever its
+number). No order is numbered at or below a version any replica reported, nor before a fresh
+router heard its fleet (weights_floor.py). A replica holds the version when its
 number and its source (the checkpoint's path, or "push://<id>") are the router's: a replica cut off
 from a restarted router for longer than router.replica_timeout_s may hold the number that router
 gave other weights since, and is ordered the router's.
@@ -116,16 +117,18 @@ class FleetWeights:
 
     # ---- a replica's report --------------------------------------------------------------------
     def learn(self, w: WeightsState) -> None:
-        """A restarted router, with no batch running: take the highest version a replica holds or
-        noted while asleep (a batch that ran before the restart is lost with the router, and none
+        """A restarted router, with no batch running: take the highest version a replica noted
+        while asleep or, with no note, holds (a batch that ran before the restart is lost with the router, and none
         runs now: no batch mixes versions)."""
         if not self.learning and self.path is not None:
             return
-        for version, path in ((w.version, w.path), (w.noted, w.noted_path)):
-            if version > self.version and path:
-                self.version, self.path, self.buckets = version, path, None
-                self.errors.clear()  # they were for an older version
-                self.held_back.clear()
+        # A note is newer than the weights held (a load as high clears it): a note numbered below
+        # them is a later router's, which the replica loads at wake, not the weights it holds.
+        version, path = (w.noted, w.noted_path) if w.noted and w.noted_path else (w.version, w.path)
+        if version > self.version and path:
+            self.version, self.path, self.buckets = version, path, None
+            self.errors.clear()  # they were for an older version
+            self.held_back.clear()
 
     def record(self, rep: ReplicaState, w: WeightsState, load_pending: bool, note_pending: bool) -> bool:
         """What the replica reports holding. `load_pending`/`note_pending`: an order of that kind
@@ -138,6 +141,7 @@ class FleetWeights:
         same = w.version == rep.weights_version
         rep.weights_path = w.path if isinstance(w.path, str) and w.path else rep.weights_path if same else ""
         rep.weights_version, rep.weights_loading = w.version, w.loading
+        rep.weights_loading_path = w.loading_path if w.loading and isinstance(w.loading_path, str) else ""
         just_loaded = not held_before and self.holds(rep)
         if (rep.weights_noted == v and not self.current(w.noted, w.noted_path) and not self.holds(rep)
                 and not note_pending):
@@ -152,7 +156,7 @@ class FleetWeights:
                 self.errors[rep.replica_id] = w.error
                 self._broke(rep.replica_id, w.error)
                 return True
-        elif rep.weights_ordered == v and w.loading != v and not load_pending:
+        elif rep.weights_ordered == v and not self.current(w.loading, w.loading_path) and not load_pending:
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
         if self.holds_back(rep) and rep.replica_id not in self.errors:
             b = self.broken[(self.path, v)]
@@ -166,7 +170,7 @@ class FleetWeights:
         """It lacks the current version, which broke a load, and was not ordered it before the break."""
         v = self.version
         return ((self.path, v) in self.broken and not self.holds(rep) and rep.weights_ordered != v
-                and rep.weights_loading != v and rep.weights_noted != v)
+                and not self.loads_current(rep) and rep.weights_noted != v)
 
     def died_loading(self, rep: ReplicaState) -> None:
         """`rep` died (its engine, or its process) with the current version ordered or loading and
@@ -174,9 +178,11 @@ class FleetWeights:
         load, would die the same way, in a loop of restarts; but a replica also dies of other causes,
         and its replacement must get the version. So the DEATHS_TO_BREAK-th death during one
         version's loads is a break, as a failed load is; a replica that loads the version shows the
-        deaths were their own (`_loaded` forgets the break)."""
+        deaths were their own (`_loaded` forgets the break). Only a death in a load of the current
+        version counts (or with it ordered and no load reported yet): not one in a load of another
+        source's same number (a replica cut off from this restarted router, loading its predecessor's)."""
         v = self.version
-        if self.holds(rep) or v not in (rep.weights_ordered, rep.weights_loading):
+        if self.holds(rep) or not (self.loads_current(rep) if rep.weights_loading else rep.weights_ordered == v):
             return
         died = self.load_deaths.setdefault((self.path, v), [])
         died.append(rep.replica_id)
@@ -223,6 +229,10 @@ class FleetWeights:
         """`version` from `path` is the current version: the same number from the same source. (A
         report that names no source, a goodbye's, is taken by its number.)"""
         return version == self.version and (not path or not self.path or path == self.path)
+
+    def loads_current(self, rep: ReplicaState) -> bool:
+        """It reports loading the current version (a report that names no source: by its number)."""
+        return self.current(rep.weights_loading, rep.weights_loading_path)
 
     def holds(self, rep: ReplicaState) -> bool:
         """It holds the current version (loading another or not)."""

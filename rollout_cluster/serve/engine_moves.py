@@ -114,6 +114,7 @@ class EngineMoves:
         weights = WeightsState(version=self.weights_version, error=self.weights_error,
                                error_version=self.weights_error_version, error_path=self.weights_error_path,
                                loading=self.loading[0] if self.loading else 0, path=self.weights_path,
+                               loading_path=self.loading[2] if self.loading else "",
                                noted=self.noted[0], noted_path=self.noted[1])
         return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
 
@@ -146,8 +147,10 @@ class EngineMoves:
         """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
         if (order.version, order.path) in ((self.weights_version, self.weights_path), self.noted):
             return  # (the same number from another source is other weights: noted)
-        if order.version >= max(self.weights_version, self.noted[0]):
-            self.noted, self.noted_buckets = (order.version, order.path), order.buckets
+        # Kept whatever its number: a router notes only its current version, in the order it made
+        # them, so a number below the one held or noted is a restarted router's (this replica was
+        # cut off from it while it numbered other weights): its word, which the wake loads.
+        self.noted, self.noted_buckets = (order.version, order.path), order.buckets
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
         failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
