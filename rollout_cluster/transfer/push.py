@@ -2,7 +2,8 @@
 to the router naming them, then the same wait as update_weights.
 
 The design (docs/architecture.md, "Weights without a filesystem"): the trainer `ray.put`s each
-bucket once (and its manifest ahead of them: buckets.py); the router sends the buckets' handles
+bucket once (and its manifest ahead of them: buckets.py), sending the order once the first bucket
+is in and the later ones as they come (`push`); the router sends the buckets' handles
 with every LoadWeights of the version, to the replicas that hold the fleet now and to any that
 join later; each replica fetches the buckets
 (Ray's object manager moves each one to its node once, from any node that has it) and loads them
@@ -15,7 +16,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable, Iterable, Optional
 
-from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack, pack_group, plan, planned_header
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
@@ -46,9 +47,28 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
     `refs` until every replica holds the version (its process owns them anyway), and `ipc` (an
     ipc.IpcHold: push by CUDA IPC) until then too. `until_numbered(send)`: calls send() again while
-    a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew."""
-    refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
+    a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew.
+
+    Through the object store the order goes out once the manifest and the first bucket are in the
+    store, and each later bucket follows as soon as it is (`push_more`): the replicas fetch and load
+    while the trainer puts (transfer/bucket_stream.py). `named_tensors` is gone through once first,
+    names and sizes only, to plan the buckets: the manifest goes ahead of them. (By CUDA IPC the
+    buckets are handles, put at once: one order names them all.)"""
+    import ray
+
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
+    if ipc is not None:
+        refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
+        later = []
+    else:
+        groups = plan(named_tensors, bucket_bytes)
+        if not groups:
+            raise ValueError("named_tensors: no tensors to push")
+        tensors = sum(len(g) for g in groups)
+        nbytes = sum(t.numel() * t.element_size() for g in groups for _, t in g)
+        mark("put_start")
+        refs = [ray.put(manifest([planned_header(g) for g in groups])), _put(groups[0], 0)]
+        later = groups[1:]
 
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
@@ -57,4 +77,25 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     v = until_numbered(send) if until_numbered is not None else send()
     mark("router_ack", version=v)
+    refs = list(refs)
+    sending = None  # the last push_more, answered while the next bucket is put
+    for g in later:
+        ref = _put(g, len(refs) - 1)
+        if sending is not None:
+            sending.result(timeout_s=call_timeout_s)
+        more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [ref.hex()]})
+        sending = router.push_more.remote(more, [ref])
+        refs.append(ref)
+    if sending is not None:
+        sending.result(timeout_s=call_timeout_s)
+        mark("push_more_ack", objects=len(refs))
     return v, source, refs
+
+
+def _put(group: list, i: int):
+    import ray
+
+    bucket = pack_group(group)
+    ref = ray.put(bucket)
+    mark("put_bucket", i=i, bytes=bucket_bytes_of(bucket))
+    return ref
