@@ -90,6 +90,40 @@ def test_a_worker_that_cannot_map_the_store_gets_every_bucket_through_slots(monk
     assert not getattr(eng.worker, "_rc_regions", {})
 
 
+def test_a_mapping_is_looked_up_again_once_another_file_is_mapped_at_its_addresses():
+    """The replica remembers where the store is mapped (no read of /proc/self/maps per bucket),
+    but checks by the file's name that the same file is still there."""
+    store = Store()
+    views = store_views.StoreViews()
+    first, _ = views.region([store.put(torch.ones(64)).view(torch.uint8)])
+    start = next(iter(views.known)).start
+    assert views.region([store.put(torch.ones(64)).view(torch.uint8)])[0] == first
+    del store  # unmapped; another file mapped where it was
+    import gc
+    gc.collect()
+    path = f"/dev/shm/rollout-test-store-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, STORE_BYTES)
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        MAP_FIXED_NOREPLACE = 0x100000
+        addr = libc.mmap(start, STORE_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED_NOREPLACE,
+                         fd, 0)
+        assert addr == start, "could not map the other file at the same addresses"
+        t = torch.frombuffer((ctypes.c_uint8 * 64).from_address(start), dtype=torch.uint8)
+        second, _ = views.region([t])
+        assert second["ino"] == os.fstat(fd).st_ino != first["ino"]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        del t
+        libc.munmap(start, STORE_BYTES)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def test_a_region_that_is_another_file_is_refused():
     store = Store()
     t = store.put(torch.ones(64))
@@ -151,6 +185,9 @@ region, offsets = found
 assert region["path"].startswith(f"/proc/{os.getppid()}/fd/"), region["path"]
 buf = open_region(region)
 assert torch.equal(buf[offsets[0]:offsets[0] + 4096], flat)
+views = StoreViews()
+views.region([flat])
+assert views.known, "readlink of map_files needs no capability: the mapping is remembered"
 print("ok")
 """
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
+KNOWN_KEPT = 8  # mappings remembered (the store is one; Ray's fallback allocations add others)
 ENV = "ROLLOUT_STORE_VIEWS"  # "0": always copy into slots (the measurement's baseline)
 
 
@@ -49,6 +50,9 @@ class StoreViews:
 
     usable: bool = field(default_factory=lambda: os.environ.get(ENV, "1") != "0")  # false once the worker could not map one
     paths: dict = field(default_factory=dict)  # Mapping -> a path the worker may open it by (None: none)
+    # Mapping -> the file it maps as /proc/self/map_files names it: a mapping found before is
+    # taken again while that name is the same (one readlink, not a read of every mapping's line)
+    known: dict = field(default_factory=dict)
     mapped: set = field(default_factory=set)  # region keys the worker has mapped now
     used: set = field(default_factory=set)  # region keys this load sent (kept mapped at its end)
 
@@ -61,7 +65,7 @@ class StoreViews:
         spans = [(f.data_ptr(), f.numel()) for f in flats if f.numel()]
         if not spans:
             return None
-        m = mapping_of(spans[0][0])
+        m = self._mapping(spans[0][0])
         if m is None or any(not (m.start <= a and a + n <= m.end) for a, n in spans):
             return None
         if m not in self.paths:
@@ -72,6 +76,17 @@ class StoreViews:
         key = f"{m.dev}:{m.ino}:{m.offset}:{m.end - m.start}"
         region = {"path": path, "dev": m.dev, "ino": m.ino, "offset": m.offset, "length": m.end - m.start, "key": key}
         return region, [f.data_ptr() - m.start if f.numel() else 0 for f in flats]
+
+    def _mapping(self, addr: int) -> Optional[Mapping]:
+        for m, name in self.known.items():
+            if m.start <= addr < m.end and _linked(m) == name:
+                return m
+        m = mapping_of(addr)
+        if m is not None and (name := _linked(m)) is not None:
+            self.known[m] = name
+            while len(self.known) > KNOWN_KEPT:
+                self.known.pop(next(iter(self.known)))
+        return m
 
     def refused(self, why: str) -> None:
         self.usable = False
@@ -140,6 +155,14 @@ def open_region(region: dict) -> "torch.Tensor":
     with warnings.catch_warnings():  # read only: loaders copy out of it
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _linked(m: Mapping) -> Optional[str]:
+    """The name of the file at the range of `m` now (readlink needs no capability, unlike open)."""
+    try:
+        return os.readlink(f"/proc/self/map_files/{m.start:x}-{m.end:x}")
+    except OSError:
+        return None
 
 
 def _same_file(path: str, m: Mapping) -> bool:
