@@ -13,6 +13,7 @@ owns the objects (Ray's ownership): they live while it does and the router still
 """
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Callable, Iterable, Optional
 
@@ -20,6 +21,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pa
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
+STREAM_ENV = "ROLLOUT_PUSH_STREAM"  # "0": the order waits for every bucket (experiments/weights-sync compares)
 
 
 def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None) -> tuple:
@@ -67,8 +69,9 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
         tensors = sum(len(g) for g in groups)
         nbytes = sum(t.numel() * t.element_size() for g in groups for _, t in g)
         mark("put_start")
-        refs = [ray.put(manifest([planned_header(g) for g in groups])), _put(groups[0], 0)]
-        later = groups[1:]
+        first = 1 if os.environ.get(STREAM_ENV, "1") != "0" else len(groups)
+        refs = [ray.put(manifest([planned_header(g) for g in groups]))] + [_put(g, i) for i, g in enumerate(groups[:first])]
+        later = groups[first:]
 
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
