@@ -38,7 +38,7 @@ async def _each(buckets):
     in a thread: a checkpoint's (weight_keep.checkpoint_buckets) reads up to a bucket of tensors
     from disk, which on the event loop held the replica's pulls and reports for each bucket.
     Closed early (its caller stopped: `async with aclosing(...)`), it closes an async source too,
-    which then stops fetching ahead (serve/engine_moves.fetched)."""
+    which then stops fetching ahead (transfer/bucket_stream.fetched)."""
     if hasattr(buckets, "__aiter__"):
         try:
             async for b in buckets:

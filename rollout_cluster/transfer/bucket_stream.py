@@ -6,12 +6,16 @@ grew) names its objects so far, in order; `offer` adds the ones not seen. The ma
 object, says how many there are (`expect`). A reader waits for the next one (`ref`) at most
 `STALL_S` after the last one came: a trainer that died mid-push, or a router that restarted
 (it lost the handles), sends no more, and the load fails naming what came instead of hanging.
+`fetched` is the replica's reader: a push's buckets, one fetched ahead of the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import Optional
+
+from .buckets import Manifest, unpack
+from .ipc import unpack_ipc
 
 STALL_S = 60.0  # a push's next object came this long after the one before at most, or the load fails
 
@@ -64,3 +68,38 @@ class BucketStream:
 
     def __len__(self) -> int:
         return len(self.refs)
+
+
+async def fetched(buckets):
+    """The pushed buckets' (name, tensor) lists, fetched from the object store one ahead of the
+    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)
+    `buckets`: the objects' handles, or a BucketStream of a push whose later objects may still be
+    coming (its manifest says how many). However it ends (a fetch failed, the stream stopped, or
+    the loader stopped and closed it: a refused bucket, a failed or cancelled load), the fetch
+    ahead is cancelled: nothing runs on, or holds a bucket, for a load that is over."""
+    stream = buckets if isinstance(buckets, BucketStream) else None
+    n = len(buckets) if stream is None else stream.total  # None: known once the manifest came
+
+    async def get(i):
+        item = buckets[i] if stream is None else await stream.ref(i)
+        return item if isinstance(item, dict) else await item
+
+    i, ahead = 0, asyncio.ensure_future(get(0)) if n is None or n > 0 else None
+    try:
+        while ahead is not None:
+            current, ahead = ahead, asyncio.ensure_future(get(i + 1)) if n is None or i + 1 < n else None
+            bucket = await current
+            if n is None:  # a stream's first object: its manifest says how many follow
+                stream.expect(len(bucket["manifest"]) + 1 if "manifest" in bucket else len(stream))
+                n = stream.total
+                if ahead is not None and i + 1 >= n:
+                    ahead.cancel()
+                    ahead = None
+            if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
+                yield Manifest(bucket["manifest"])
+            else:  # IPC: handles to the trainer's GPU memory
+                yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
+            i += 1
+    finally:
+        if ahead is not None:
+            ahead.cancel()
