@@ -52,8 +52,12 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew.
 
     Through the object store the order goes out once the manifest and the first bucket are in the
-    store, and each later bucket follows as soon as it is (`push_more`): the replicas fetch and load
-    while the trainer puts (transfer/bucket_stream.py). `named_tensors` is gone through once first,
+    store, and the later buckets follow (`push_more`) while the replicas fetch and load
+    (transfer/bucket_stream.py): each time as many are in as were sent before, and the rest at the
+    end. The router orders every replica the push again at each `push_more`, naming every object so
+    far: doubling keeps that to about twice the push's objects per replica however many buckets
+    there are (one call per bucket would be quadratic), and the trainer, which puts faster than an
+    engine loads, stays ahead of the replicas. `named_tensors` is gone through once first,
     names and sizes only, to plan the buckets: the manifest goes ahead of them. (By CUDA IPC the
     buckets are handles, put at once: one order names them all.)"""
     import ray
@@ -80,15 +84,17 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     v = until_numbered(send) if until_numbered is not None else send()
     mark("router_ack", version=v)
-    refs = list(refs)
-    sending = None  # the last push_more, answered while the next bucket is put
-    for g in later:
-        ref = _put(g, len(refs) - 1)
+    refs, ready = list(refs), []
+    sending = None  # the last push_more, answered while the next buckets are put
+    for n, g in enumerate(later, start=1):
+        ready.append(_put(g, len(refs) + len(ready) - 1))
+        if len(ready) < len(refs) - 1 and n < len(later):
+            continue  # (fewer than the buckets sent so far: more first)
         if sending is not None:
             sending.result(timeout_s=call_timeout_s)
-        more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [ref.hex()]})
-        sending = router.push_more.remote(more, [ref])
-        refs.append(ref)
+        more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [r.hex() for r in ready]})
+        sending = router.push_more.remote(more, ready)
+        refs, ready = refs + ready, []
     if sending is not None:
         sending.result(timeout_s=call_timeout_s)
         mark("push_more_ack", objects=len(refs))
