@@ -118,12 +118,15 @@ class Drill:
                 "cancel": {"batch_id": self.target_batch}, "register": {"replica_id": f"r{self.n}", "incarnation": "i"},
                 "push_weights": {"source": f"push://d{self.n}", "version": self.version + 1,
                                  "buckets": [f"{self.n:032x}"], "tensors": 1, "bytes": 4},
+                # (the later buckets of the push the fleet is at)
+                "push_more": {"source": self.router.core.weights.path,
+                              "start": len(self.router.core.weights.buckets or ()), "buckets": [f"{self.n:032x}"]},
                 }[op]
 
     async def call(self, op: str, order):
-        if op == "push_weights":  # the buckets travel beside the order: those the order names
+        if op in ("push_weights", "push_more"):  # the buckets travel beside the order: those the order names
             ids = order.args.get("buckets") if isinstance(getattr(order, "args", None), dict) else None
-            return await self.router.push_weights(order, [BucketRef(h) for h in ids] if isinstance(ids, list) else [])
+            return await getattr(self.router, op)(order, [BucketRef(h) for h in ids] if isinstance(ids, list) else [])
         return await getattr(self.router, op)(order)
 
     async def valid(self, op: str, args: dict) -> None:

@@ -1,6 +1,6 @@
 """A weights load that stops early (a bucket fails or is refused, or the load is cancelled) stops
 fetching the next bucket and leaves nothing behind: no fetch of a pushed bucket still running
-(serve/engine_moves.fetched, which runs one bucket ahead), no /dev/shm slot taken and never given
+(transfer/bucket_stream.fetched, which runs one bucket ahead), no /dev/shm slot taken and never given
 back (engines/weight_loader.py, shm_slots.py).
 
 Regression (h-route9, item 4): the loader left the bucket source open when it stopped, so the

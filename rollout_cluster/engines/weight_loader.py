@@ -6,7 +6,9 @@ the served checkpoint (weight_checks.py), copies each bucket into a /dev/shm slo
 with `collective_rpc`).
 
 How a bucket travels: vLLM runs the model in a worker process behind the EngineCore process.
-The replica copies the bucket's tensors into a reusable /dev/shm slot (shm_slots.py: memory both
+A pushed bucket that lies in Ray's object store is read there: the worker maps the store's memory
+once (store_views.py) and the collective_rpc names where the tensors lie in it: no copy. Otherwise
+the replica copies the bucket's tensors into a reusable /dev/shm slot (shm_slots.py: memory both
 processes mapped before, so the one copy touches no fresh page), sends the slot's id in the
 collective_rpc, and the worker loads from its mapping. Tensors cannot ride the call: the
 EngineCore's generic msgpack decoder turns a tensor into a plain list. Bytes can, at several copies
@@ -24,9 +26,11 @@ from contextlib import aclosing
 
 from ..transfer.trace import mark
 from .bucket_files import SHM_DIR, layout, pack_bucket, write_bucket
+from .store_views import StoreViews
 from .weight_checks import BucketCheck, check_ahead
 
 _SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its shm_slots.Slots
+_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its store_views.StoreViews
 
 
 async def _each(buckets):
@@ -34,7 +38,7 @@ async def _each(buckets):
     in a thread: a checkpoint's (weight_keep.checkpoint_buckets) reads up to a bucket of tensors
     from disk, which on the event loop held the replica's pulls and reports for each bucket.
     Closed early (its caller stopped: `async with aclosing(...)`), it closes an async source too,
-    which then stops fetching ahead (serve/engine_moves.fetched)."""
+    which then stops fetching ahead (transfer/bucket_stream.fetched)."""
     if hasattr(buckets, "__aiter__"):
         try:
             async for b in buckets:
@@ -88,6 +92,7 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
         checked = False
     started, inflight, staged = False, None, None
     slots = _slots_of(engine) if transport == "shm" else None
+    views = _views_of(engine) if transport == "shm" else None
     mark("load_start")
     try:
         async with aclosing(_each(buckets)) as source:  # stopped early, the source stops its fetch ahead
@@ -102,9 +107,9 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
                 if is_ipc(bucket):  # handles only: nothing to stage; the trainer's tensors live while the lease does
                     if not leases:
                         leases.append(hold_lease(bucket))
-                    staged = (bucket.header, None, bucket, None)
-                else:  # written while the worker loads the previous bucket: at most two buckets staged at once
-                    staged = await _stage_in_thread(bucket, transport, slots)
+                    staged = (bucket.header, None, bucket, None, None)
+                else:  # read where it lies, or written while the worker loads the previous bucket (two at most)
+                    staged = _in_store(bucket, views) or await _stage_in_thread(bucket, transport, slots)
                 mark("bucket_staged")
                 if inflight is not None:  # (kept until it is done: a load stopped meanwhile waits for its end)
                     await inflight
@@ -112,7 +117,7 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
                 if not started:
                     await engine.collective_rpc("rc_tensors_begin")
                     started = True
-                inflight, staged = asyncio.ensure_future(_send(engine, staged, slots)), None
+                inflight, staged = asyncio.ensure_future(_send(engine, staged, slots, views)), None
         if inflight is not None:
             await inflight
             inflight = None
@@ -127,11 +132,11 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
             _unstage(staged, slots, ok=True)
         if not started or not isinstance(e, Exception):
             raise  # the engine was not touched (its weights are the old ones), or the load was cancelled
-        await _end(engine, WeightsLoadBroken, slots)
+        await _end(engine, WeightsLoadBroken, slots, views)
         raise WeightsLoadBroken(f"loading tensors failed after the engine began replacing its weights, "
                                 f"which are now a mix of old and new: {type(e).__name__}: {e}") from e
     mark("loads_sent")
-    missing = await _end(engine, WeightsLoadBroken, slots)
+    missing = await _end(engine, WeightsLoadBroken, slots, views)
     mark("load_end")
     if missing:
         raise WeightsLoadBroken(f"{len(missing)} of the model's parameters got no tensor, e.g. {missing[:3]}: "
@@ -149,13 +154,35 @@ def _slots_of(engine):
     return slots
 
 
+def _views_of(engine) -> StoreViews:
+    views = _VIEWS.get(engine)
+    if views is None:
+        views = _VIEWS[engine] = StoreViews()
+    return views
+
+
+def _in_store(bucket: list, views) -> tuple | None:
+    """A bucket whose tensors lie in Ray's object store, staged as where they lie there (nothing
+    copied; the bucket is held, and so its object pinned, until the worker loaded it); None
+    where store_views cannot give them to the worker."""
+    if views is None:
+        return None
+    header, flats = layout(bucket)
+    found = views.region(flats)
+    if found is None:
+        return None
+    region, header["offsets"] = found
+    return header, None, None, None, (region, bucket)
+
+
 def _stage(bucket: list, transport: str, slots=None) -> tuple:
-    """(header, /dev/shm path or None, buffer or None, slot or None): a bucket ready to send."""
+    """(header, /dev/shm path or None, buffer or None, slot or None, None): a bucket ready to send
+    (the last element: `_in_store`'s region and bucket)."""
     if transport in ("shm", "file"):
         try:
             if transport == "file":
                 header, path = write_bucket(bucket)
-                return header, path, None, None
+                return header, path, None, None, None
             header, flats = layout(bucket)
             slot = slots.take(header["nbytes"])
             try:
@@ -163,13 +190,13 @@ def _stage(bucket: list, transport: str, slots=None) -> tuple:
             except BaseException:
                 slots.give(slot, ok=False)
                 raise
-            return header, slot.path, None, slot
+            return header, slot.path, None, slot, None
         except OSError:  # no /dev/shm, or one too small for the bucket (Docker's default is 64 MiB)
             pass
     elif transport != "bytes":
         raise ValueError(f"transport={transport!r}: shm, file or bytes")
     header, buf = pack_bucket(bucket)
-    return header, None, buf, None
+    return header, None, buf, None, None
 
 
 async def _stage_in_thread(bucket: list, transport: str, slots=None) -> tuple:
@@ -191,10 +218,29 @@ def _unstage(staged: tuple, slots, ok: bool) -> None:
         os.unlink(path)
 
 
-async def _send(engine, staged: tuple, slots=None) -> None:
+async def _send(engine, staged: tuple, slots=None, views=None) -> None:
     from ..transfer.ipc import is_ipc
 
-    header, path, buf, slot = staged
+    if staged[4] is not None:
+        region, bucket = staged[4]
+        if region["key"] not in views.mapped:  # once per mapping: every worker maps it, or none loads from it
+            errors = ["refused before"]
+            if views.usable:  # (a bucket staged before a refusal is not asked again)
+                try:
+                    errors = [e for e in await engine.collective_rpc("rc_map_region", args=(region,)) if e]
+                except Exception as e:  # (nothing was loaded: the bucket goes through a slot)
+                    errors = [f"{type(e).__name__}: {e}"]
+                if errors:
+                    views.refused(errors[0])
+            if errors:
+                staged = await _stage_in_thread(bucket, "shm", slots)
+            else:
+                views.mapped.add(region["key"])
+        if staged[4] is not None:
+            views.used.add(region["key"])
+            await engine.collective_rpc("rc_tensors_load", args=(staged[0], None, None, None, region["key"]))
+            return
+    header, path, buf, slot, _ = staged
     if is_ipc(buf):
         await engine.collective_rpc("rc_tensors_load_ipc", args=(header, buf.handles))
         return
@@ -213,10 +259,11 @@ async def _send(engine, staged: tuple, slots=None) -> None:
         _unstage(staged, slots, ok)
 
 
-async def _end(engine, broken, slots=None) -> list:
+async def _end(engine, broken, slots=None, views=None) -> list:
     """rc_tensors_end on every worker: the parameters that got no tensor (any worker's)."""
     try:
-        per_worker = await engine.collective_rpc("rc_tensors_end", args=(slots.ids() if slots else [],))
+        per_worker = await engine.collective_rpc("rc_tensors_end", args=(slots.ids() if slots else [],
+                                                                         views.end_load() if views else None))
     except Exception as e:
         raise broken(f"vLLM failed finishing the load, its weights are now unknown: {e}") from e
     return sorted({n for missing in per_worker for n in (missing or ())})

@@ -66,13 +66,31 @@ class TensorLoader:
         """How the last load ran: "direct" (direct_load.py) or "layerwise" (vLLM's reload)."""
         return getattr(self, "_rc_mode", None)
 
+    def rc_map_region(self, region: dict) -> str | None:
+        """Map a region of Ray's object store (store_views.py) and keep it under region["key"];
+        returns why it cannot (the replica then copies into slots), or None."""
+        from .store_views import open_region
+
+        maps = self.__dict__.setdefault("_rc_regions", {})  # region key -> its mapping
+        if region["key"] not in maps:
+            try:
+                maps[region["key"]] = open_region(region)
+            except (OSError, ValueError) as e:
+                return f"{type(e).__name__}: {e}"
+        return None
+
     def rc_tensors_load(self, header: dict, path: str | None = None, data: bytes | None = None,
-                        slot: tuple | None = None) -> int:
-        """Load one packed bucket, from the /dev/shm file `path`, from `data`, or from the slot
-        (id, size) (shm_slots.py: mapped from `path` the first time, kept mapped). Returns the
-        number of tensors."""
+                        slot: tuple | None = None, region: str | None = None) -> int:
+        """Load one packed bucket, from the /dev/shm file `path`, from `data`, from the slot
+        (id, size) (shm_slots.py: mapped from `path` the first time, kept mapped), or from the
+        object-store region `region` mapped by rc_map_region (the header's offsets are in it).
+        Returns the number of tensors."""
         mark("worker_load_start", bytes=header["nbytes"])
-        if slot is not None:
+        if region is not None:
+            buf = self.__dict__.get("_rc_regions", {}).get(region)
+            if buf is None:
+                raise KeyError(f"object-store region {region}: not mapped in this worker (rc_map_region first)")
+        elif slot is not None:
             maps = self.__dict__.setdefault("_rc_slots", {})  # slot id -> its mapping
             if slot[0] not in maps:
                 # torch.from_file would make a new file of zeros where the slot's is gone (unlinked
@@ -85,7 +103,7 @@ class TensorLoader:
         else:
             buf = map_shm(path, header["nbytes"]) if path is not None else data
         n = self._rc_load(unpack_bucket(header, buf))
-        if slot is not None and self._rc_direct is None:
+        if (slot is not None or region is not None) and self._rc_direct is None:
             _copy_kept_views(buf)
         mark("worker_load_end")
         return n
@@ -122,10 +140,10 @@ class TensorLoader:
         self._rc_loaded |= set(loaded or ())
         return len(weights)
 
-    def rc_tensors_end(self, keep_slots: list | None = None) -> list:
+    def rc_tensors_end(self, keep_slots: list | None = None, keep_regions: list | None = None) -> list:
         """Finish the session: process what is left (attention layers), put back the weights of
-        layers that got no tensor, unmap the slots not in `keep_slots`. Returns the model's
-        parameters that got none."""
+        layers that got no tensor, unmap the slots not in `keep_slots` and the object-store regions
+        not in `keep_regions` (None: keep every region). Returns the model's parameters that got none."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -150,6 +168,9 @@ class TensorLoader:
         maps = getattr(self, "_rc_slots", {})
         for sid in [k for k in maps if k not in (keep_slots or ())]:
             del maps[sid]
+        regions = getattr(self, "_rc_regions", {})
+        for key in [k for k in regions if keep_regions is not None and k not in keep_regions]:
+            del regions[key]
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
@@ -159,7 +180,8 @@ class TensorLoader:
 def _copy_kept_views(buf) -> None:
     """vLLM's layerwise reload keeps the tensors of a layer whose other tensors have not arrived
     yet (and of a padded layer, until rc_tensors_end): views of `buf`, a shm slot the replica
-    writes another bucket into once this call returned. Each such tensor becomes a copy of its own."""
+    writes another bucket into once this call returned (or an object-store region, whose object
+    the replica lets go then). Each such tensor becomes a copy of its own."""
     import torch
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 

@@ -46,6 +46,14 @@ class FleetControl:
             self.order_weights(rep)
         return version
 
+    def push_more(self, source: str, start: int, buckets: tuple) -> int:
+        """The current push's later buckets (FleetWeights.extend): every replica ordered or noted
+        the push gets its order again, naming them. Returns how many objects the push has now."""
+        n = self.weights.extend(source, start, buckets)
+        for rep in self.fleet.replicas.values():
+            self.order_weights(rep)
+        return n
+
     def checked(self, what: str, path: str, version: Optional[int], now: Optional[float] = None) -> int:
         """The version a weights order would take (FleetWeights.checked), or why not: InputError
         for a bad path or version, WeightsNotLearned (retryable) while a fresh router has not yet
@@ -149,8 +157,14 @@ class FleetControl:
     # ---- orders --------------------------------------------------------------------------------
     def order_weights(self, rep: ReplicaState) -> None:
         order = self.weights.order_for(rep, awake=self.sleep.awake(rep.replica_id))
-        if order is not None:
-            self.outbox.to(rep.replica_id).control.append(order)
+        if order is None:
+            return
+        waiting = self.outbox.to(rep.replica_id).control
+        for i, o in enumerate(waiting):  # the same order not yet pulled (a push's buckets grew): in its place
+            if type(o) is type(order) and (o.path, o.version) == (order.path, order.version):
+                waiting[i] = order
+                return
+        waiting.append(order)
 
     def order_sleep(self, replica_id: str) -> None:
         """Replace any sleep or wake order still waiting for the replica with the fleet's level."""

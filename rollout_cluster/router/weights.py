@@ -57,7 +57,9 @@ class FleetWeights:
         self.path: Optional[str] = None  # where it comes from (None: the config's model; "push://<id>": pushed)
         # A pushed version's tensors (push_weights): their buckets' object-store handles, sent with
         # every order of it, to joiners too. None for a checkpoint, and for a push a restarted router learned.
+        # The trainer sends the first ones with the order and the rest as they are put (push_more).
         self.buckets: Optional[tuple] = None
+        self.sent: dict[str, int] = {}  # replica_id -> how many of `buckets` its last order of the version named
         self.keep = False  # the version's loads swap under running sequences (update_weights running="keep")
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
@@ -91,9 +93,24 @@ class FleetWeights:
         of it. `keep`: the load swaps under running sequences (LoadWeights.keep)."""
         self.version, self.path, self.learning, self.buckets = version, path, False, buckets
         self.keep = keep
+        self.sent.clear()
         self.errors.clear()
         self.held_back.clear()
         self.load_deaths.clear()  # (they count toward the current version's break only)
+
+    def extend(self, source, start, buckets: tuple) -> int:
+        """The current push's next buckets (push_more), the objects from `start` on; returns how
+        many it has now. InputError naming the field: another push than the current one (a newer
+        version replaced it, or a restarted router lost its handles), or a gap or overlap."""
+        if self.path is None or source != self.path or self.buckets is None:
+            raise InputError("source", source, f"is not the push the fleet is at (its weights are version {self.version}, "
+                             f"{self.path or 'the config model'!r}"
+                             + (", learned without handles by a restarted router" if source == self.path else "")
+                             + "): push the weights again")
+        if not is_int(start) or start != len(self.buckets):
+            raise InputError("start", start, f"must be {len(self.buckets)}, the number of the push's objects so far")
+        self.buckets = self.buckets + tuple(buckets)
+        return len(self.buckets)
 
     def check_batch(self, version, replicas: int) -> None:
         """A batch that names its weights version runs on it or is refused: a trainer that updated
@@ -210,18 +227,27 @@ class FleetWeights:
         """The order `rep` needs now, once: a load if it does not hold the version, or a note of it
         while its engine sleeps (or moves to or from sleep). None: nothing to send."""
         v = self.version
-        if self.path is None or self.holds(rep) or rep.weights_ordered == v or self.holds_back(rep):
+        if self.path is None or self.holds(rep) or self.holds_back(rep):
             return None
-        if not awake:
-            if rep.weights_noted == v:
+        # A push whose later buckets came after this replica's order: the order again, naming them
+        # (the replica adds them to the load or note under way; a failed one is not ordered again).
+        more = (self.buckets is not None and self.sent.get(rep.replica_id, 0) < len(self.buckets)
+                and rep.replica_id not in self.errors)
+        if rep.weights_ordered == v and not more:
+            return None
+        if not awake and rep.weights_ordered != v:
+            if rep.weights_noted == v and not more:
                 return None
             rep.weights_noted = v
+            self.sent[rep.replica_id] = len(self.buckets or ())
             return NoteWeights(self.path, v, self.buckets)
         rep.weights_ordered = v
+        self.sent[rep.replica_id] = len(self.buckets or ())
         return LoadWeights(self.path, v, self.buckets, keep=self.keep)
 
     def forget(self, replica_id: str) -> None:
         self.errors.pop(replica_id, None)
+        self.sent.pop(replica_id, None)
         self.held_back.discard(replica_id)
 
     # ---- what the fleet can do -----------------------------------------------------------------

@@ -26,6 +26,9 @@ CONTROL_OPS: dict[str, tuple[str, ...]] = {
     # push_weights: the object ids of the buckets sent beside the order (signed here, so that no
     # one can swap the tensors), their tensor and byte counts, and the push's name ("push://<id>")
     "push_weights": ("source", "version", "buckets", "tensors", "bytes", "running"),
+    # push_more: the push's later buckets (sent while the replicas load the first ones), from the
+    # object at `start` on, with their object ids
+    "push_more": ("source", "start", "buckets"),
     "sleep": ("level",),
     "wake": (),
     "set_fleet_target": ("replicas",),

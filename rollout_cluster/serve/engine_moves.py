@@ -20,36 +20,12 @@ from typing import Optional
 
 from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
-from ..transfer.buckets import Manifest, unpack
-from ..transfer.ipc import unpack_ipc
+from ..transfer.bucket_stream import BucketStream, fetched  # noqa: F401 (fetched: the replica's reader of a push)
 from ..transfer.push import PUSH_SCHEME
 from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake,
                         WeightsDigest, WeightsState)
 
 log = logging.getLogger("ray.serve")
-
-
-async def fetched(buckets: tuple):
-    """The pushed buckets' (name, tensor) lists, fetched from the object store one ahead of the
-    engine: the next bucket travels while one loads. (A bucket given as a dict is used as it is.)
-    However it ends (a fetch failed, or the loader stopped and closed it: a refused bucket, a
-    failed or cancelled load), the fetch ahead is cancelled: nothing runs on, or holds a bucket,
-    for a load that is over."""
-    async def get(item):
-        return item if isinstance(item, dict) else await item
-
-    ahead = asyncio.ensure_future(get(buckets[0])) if buckets else None
-    try:
-        for i in range(len(buckets)):
-            current, ahead = ahead, asyncio.ensure_future(get(buckets[i + 1])) if i + 1 < len(buckets) else None
-            bucket = await current
-            if "manifest" in bucket:  # a push's first object: what every bucket holds, checked before any loads
-                yield Manifest(bucket["manifest"])
-            else:  # IPC: handles to the trainer's GPU memory
-                yield unpack_ipc(bucket) if "ipc" in bucket else unpack(bucket)
-    finally:
-        if ahead is not None:
-            ahead.cancel()
 
 
 class EngineMoves:
@@ -66,6 +42,7 @@ class EngineMoves:
         self.loading = None
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
         self.noted_buckets: Optional[tuple] = None  # a noted push's buckets (a restarted router has lost them)
+        self.streams: dict[str, BucketStream] = {}  # push source -> its objects as they came (transfer/bucket_stream.py)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
         self.sleep_level, self.sleep_goal = 0, 0
@@ -136,21 +113,37 @@ class EngineMoves:
         # A resent order of what is done or under way starts nothing: the same number from the same
         # source (a router that restarted may give the number to other weights, which do load).
         loading = (self.loading[0], self.loading[2]) if self.loading else None
+        buckets = self._stream(order.path, order.buckets)  # (a resent order of a push may name more of it)
         if (order.version, order.path) in ((self.weights_version, self.weights_path), loading):
             return
         before = self.in_progress()
         task = asyncio.get_running_loop().create_task(self._load_weights(order.path, order.version, before,
-                                                                         order.buckets, order.keep))
+                                                                         buckets, order.keep))
         self.loading = (order.version, task, order.path)
 
     def _note(self, order: NoteWeights) -> None:
         """Asleep: the router orders the load at wake; kept (and reported) for a router that restarts."""
+        buckets = self._stream(order.path, order.buckets)
         if (order.version, order.path) in ((self.weights_version, self.weights_path), self.noted):
             return  # (the same number from another source is other weights: noted)
         # Kept whatever its number: a router notes only its current version, in the order it made
         # them, so a number below the one held or noted is a restarted router's (this replica was
         # cut off from it while it numbered other weights): its word, which the wake loads.
-        self.noted, self.noted_buckets = (order.version, order.path), order.buckets
+        self.noted, self.noted_buckets = (order.version, order.path), buckets
+
+    def _stream(self, path: str, buckets: Optional[tuple]) -> Optional[BucketStream]:
+        """The push `path`'s objects as they came, with those `buckets` names added (None: not a
+        push). Streams are kept for the pushes this replica holds, loads or noted, and this one."""
+        if buckets is None:
+            return None
+        stream = self.streams.get(path)
+        if stream is None:
+            stream = self.streams[path] = BucketStream(path)
+        stream.offer(buckets)
+        keep = {path, self.weights_path, self.noted[1], self.loading[2] if self.loading else ""}
+        for old in [p for p in self.streams if p not in keep]:
+            del self.streams[old]
+        return stream
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
         failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
@@ -256,7 +249,7 @@ class EngineMoves:
     async def _reload_after_deep_sleep(self, order: Wake) -> None:
         version = order.version
         path = order.path or self.reload_source()
-        buckets = order.buckets if order.path else self.weights_buckets
+        buckets = self._stream(order.path, order.buckets) if order.path else self.weights_buckets
         if version == 0 and not order.path:  # the config's model: no checkpoint version to report
             if path:
                 await self.engine.load_weights(path)

@@ -252,6 +252,16 @@ class Router:
         self._wake_all()
         return v
 
+    async def push_more(self, order, buckets: list) -> int:
+        """The later buckets of the push the fleet is at (the trainer puts them while the replicas
+        load the first ones): handed to every replica ordered it. Returns how many objects the
+        push has now. The signed order names their object ids and where they start."""
+        args = self._order(order, "push_more")
+        source = checked_push(self, args, buckets)
+        n = self.core.control.push_more(source, args.get("start"), tuple(buckets))
+        self._wake_all()
+        return n
+
     async def sleep(self, order) -> int:
         """Put every engine to sleep (vLLM sleep mode, between batches); returns the level."""
         level = self.core.sleep_fleet(self._order(order, "sleep").get("level", 1))

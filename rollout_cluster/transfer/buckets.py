@@ -61,6 +61,31 @@ def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> I
         yield bucket
 
 
+def plan(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list:
+    """The (name, tensor) pairs grouped into buckets as `pack` groups them, from their sizes
+    alone (nothing copied): a push's manifest goes out before its first bucket is packed."""
+    groups, size = [], 0
+    for name, tensor in checked(named_tensors, bucket_bytes):
+        n = tensor.numel() * tensor.element_size()
+        if not groups or (groups[-1] and size + n > bucket_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += n
+    return groups
+
+
+def planned_header(group: list) -> dict:
+    """A planned bucket's `header` (its names, dtypes and shapes), before it is packed."""
+    return {"names": [n for n, _ in group], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
+            "shapes": [list(t.shape) for _, t in group]}
+
+
+def pack_group(group: list) -> dict:
+    """One planned bucket packed (`pack`'s bucket of the same tensors)."""
+    return next(pack(group, max(1, sum(t.numel() * t.element_size() for _, t in group))))
+
+
 def unpack(bucket: dict) -> list:
     """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only). (An
     IPC bucket has no bytes: ipc.unpack_ipc reads it.)"""

@@ -2,7 +2,8 @@
 to the router naming them, then the same wait as update_weights.
 
 The design (docs/architecture.md, "Weights without a filesystem"): the trainer `ray.put`s each
-bucket once (and its manifest ahead of them: buckets.py); the router sends the buckets' handles
+bucket once (and its manifest ahead of them: buckets.py), sending the order once the first bucket
+is in and the later ones as they come (`push`); the router sends the buckets' handles
 with every LoadWeights of the version, to the replicas that hold the fleet now and to any that
 join later; each replica fetches the buckets
 (Ray's object manager moves each one to its node once, from any node that has it) and loads them
@@ -12,13 +13,15 @@ owns the objects (Ray's ownership): they live while it does and the router still
 """
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Callable, Iterable, Optional
 
-from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack, pack_group, plan, planned_header
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
+STREAM_ENV = "ROLLOUT_PUSH_STREAM"  # "0": the order waits for every bucket (experiments/weights-sync compares)
 
 
 def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None) -> tuple:
@@ -46,9 +49,33 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
     `refs` until every replica holds the version (its process owns them anyway), and `ipc` (an
     ipc.IpcHold: push by CUDA IPC) until then too. `until_numbered(send)`: calls send() again while
-    a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew."""
-    refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
+    a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew.
+
+    Through the object store the order goes out once the manifest and the first bucket are in the
+    store, and the later buckets follow (`push_more`) while the replicas fetch and load
+    (transfer/bucket_stream.py): each time as many are in as were sent before, and the rest at the
+    end. The router orders every replica the push again at each `push_more`, naming every object so
+    far: doubling keeps that to about twice the push's objects per replica however many buckets
+    there are (one call per bucket would be quadratic), and the trainer, which puts faster than an
+    engine loads, stays ahead of the replicas. `named_tensors` is gone through once first,
+    names and sizes only, to plan the buckets: the manifest goes ahead of them. (By CUDA IPC the
+    buckets are handles, put at once: one order names them all.)"""
+    import ray
+
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
+    if ipc is not None:
+        refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
+        later = []
+    else:
+        groups = plan(named_tensors, bucket_bytes)
+        if not groups:
+            raise ValueError("named_tensors: no tensors to push")
+        tensors = sum(len(g) for g in groups)
+        nbytes = sum(t.numel() * t.element_size() for g in groups for _, t in g)
+        mark("put_start")
+        first = 1 if os.environ.get(STREAM_ENV, "1") != "0" else len(groups)
+        refs = [ray.put(manifest([planned_header(g) for g in groups]))] + [_put(g, i) for i, g in enumerate(groups[:first])]
+        later = groups[first:]
 
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
@@ -57,4 +84,27 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     v = until_numbered(send) if until_numbered is not None else send()
     mark("router_ack", version=v)
+    refs, ready = list(refs), []
+    sending = None  # the last push_more, answered while the next buckets are put
+    for n, g in enumerate(later, start=1):
+        ready.append(_put(g, len(refs) + len(ready) - 1))
+        if len(ready) < len(refs) - 1 and n < len(later):
+            continue  # (fewer than the buckets sent so far: more first)
+        if sending is not None:
+            sending.result(timeout_s=call_timeout_s)
+        more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [r.hex() for r in ready]})
+        sending = router.push_more.remote(more, ready)
+        refs, ready = refs + ready, []
+    if sending is not None:
+        sending.result(timeout_s=call_timeout_s)
+        mark("push_more_ack", objects=len(refs))
     return v, source, refs
+
+
+def _put(group: list, i: int):
+    import ray
+
+    bucket = pack_group(group)
+    ref = ray.put(bucket)
+    mark("put_bucket", i=i, bytes=bucket_bytes_of(bucket))
+    return ref
