@@ -33,7 +33,7 @@ class EngineMoves:
         self.engine, self.cfg, self.replica_id = engine, cfg, replica_id
         # the weights the engine holds (0, "": the config's model), and why the last load failed
         self.weights_version, self.weights_path = 0, ""
-        self.weights_buckets: Optional[tuple] = None  # a pushed version's buckets (a level-2 wake reloads them)
+        self.weights_buckets: Optional[BucketStream] = None  # a pushed version's buckets (a level-2 wake reloads them)
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.weights_error_path = ""  # ... and its source
@@ -41,7 +41,7 @@ class EngineMoves:
         # number other weights the same
         self.loading = None
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
-        self.noted_buckets: Optional[tuple] = None  # a noted push's buckets (a restarted router has lost them)
+        self.noted_buckets: Optional[BucketStream] = None  # a noted push's buckets (a restarted router has lost them)
         self.streams: dict[str, BucketStream] = {}  # push source -> its objects as they came (transfer/bucket_stream.py)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
@@ -258,7 +258,7 @@ class EngineMoves:
         if self.weights_error and self.weights_error_version == version:
             raise RuntimeError(self.weights_error)
 
-    def kept_buckets(self, path: str) -> Optional[tuple]:
+    def kept_buckets(self, path: str) -> Optional[BucketStream]:
         """The buckets of the push `path` that this replica loaded or was noted (None: none kept).
         A restarted router names a push it learned from the replicas without its handles."""
         if path == self.weights_path and self.weights_buckets is not None:
