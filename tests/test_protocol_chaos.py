@@ -1419,6 +1419,7 @@ def check_fleet_converged(chaos: Chaos) -> None:
     status.pop("broken")
     assert status == {"version": v, "path": path or None,
                       "replicas": {rid: live[rid].weights[0] if rid in failed else v for rid in live},
+                      "handed": {rid: {} for rid in live},  # (these replicas count no bucket)
                       "errors": {rid: status["errors"][rid] for rid in failed}}
     assert core.sleep_status() == {"level": 0, "replicas": {rid: 0 for rid in live}, "moving": [], "errors": {}}
 

@@ -97,6 +97,11 @@ class EngineAdapter(ABC):
         carry SeqProgress.swaps = [(tokens made before the swap, keep_as)]."""
         raise NotImplementedError(f"{type(self).__name__} cannot load tensors")
 
+    def handed(self) -> dict[str, int]:
+        """How the last load_tensors handed its buckets to vLLM's worker: weight_loader.WAYS ->
+        buckets ({}: not counted: a checkpoint the engine read itself, or an engine with no worker)."""
+        return {}
+
     async def reset_prefix_cache(self) -> bool:
         """Drop the cached KV blocks no running sequence holds. Returns whether the engine says it
         did (vLLM refuses while requests hold blocks). Outputs never change, only prefill work."""

@@ -103,6 +103,9 @@ class VllmEngine(EngineAdapter):
     async def load_tensors(self, buckets, keep_as=None) -> int:
         return await self.weights.load_tensors(buckets, keep_as)
 
+    def handed(self) -> dict[str, int]:
+        return dict(self.weights.handed)
+
     async def reset_prefix_cache(self) -> bool:
         return await self.weights.reset_prefix_cache()
 

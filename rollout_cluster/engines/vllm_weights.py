@@ -22,6 +22,9 @@ class VllmWeights:
         self.seqs = seqs  # the VllmSeqs running on these weights
         self.require_manifest = require_manifest  # security.require_manifest: load only a sealed checkpoint
         self.weights_path = model  # the checkpoint (or, load_format dummy, the config) load_tensors checks names and shapes against
+        # How the last load handed its buckets to vLLM's worker: weight_loader.WAYS -> buckets
+        # ({}: none handed, the weights vLLM read from a checkpoint itself)
+        self.handed: dict[str, int] = {}
 
     @property
     def engine(self):
@@ -50,7 +53,7 @@ class VllmWeights:
             mark("reload_end")
         except Exception as e:
             raise WeightsLoadBroken(f"vLLM failed reloading {path!r}, its weights are now unknown: {e}") from e
-        self.weights_path = path
+        self.weights_path, self.handed = path, {}
         # The prefix cache's KV blocks were computed with the old weights.
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"weights from {path!r} loaded, but the prefix cache could not be reset")
@@ -62,7 +65,9 @@ class VllmWeights:
             log.warning("aborting %d requests left from before the tensors load", len(self.seqs.tasks))
             await self.seqs.give_up(list(self.seqs.tasks))
         spec = await asyncio.to_thread(weight_checks.load_spec, self.weights_path)
-        n = await weight_loader.load_into(self.engine, buckets, spec)
+        handed: dict = {}
+        n = await weight_loader.load_into(self.engine, buckets, spec, handed=handed)
+        self.handed = handed
         if not await self.engine.reset_prefix_cache():
             raise WeightsLoadBroken(f"{n} tensors loaded, but the prefix cache could not be reset")
         return n
@@ -72,7 +77,9 @@ class VllmWeights:
         records the token where its weights changed (SeqProgress.swaps)."""
         spec = await asyncio.to_thread(weight_checks.load_spec, self.weights_path)
         try:  # (a swap that breaks the weights cuts the running requests at the tokens they had)
-            n, sampled = await weight_keep.swap_into(self.engine, buckets, spec, fence=self.seqs)
+            handed: dict = {}
+            n, sampled = await weight_keep.swap_into(self.engine, buckets, spec, fence=self.seqs, handed=handed)
+            self.handed = handed
             self.seqs.swapped(sampled, version)
         finally:
             self.seqs.open_fence()

@@ -66,20 +66,24 @@ def external_id(internal: str) -> str:
     return head if sep and len(tail) == 8 else internal
 
 
-async def swap_into(engine, buckets, spec: dict | None, fence=None) -> dict:
+async def swap_into(engine, buckets, spec: dict | None, fence=None, handed: dict | None = None) -> dict:
     """Stage `buckets` (a list, iterator or async iterator) in the running AsyncLLM `engine`
     (worker_extension_cls=EXTENSION), then swap them in between two steps. Returns (tensors,
     {request id (ours, without vLLM's suffix): output tokens sampled before the swap}). Raises before the swap
     (old weights whole) on a refused or failed bucket; WeightsLoadBroken if vLLM fails during it.
     `fence` (VllmSeqs): closed just before the swap, so that the running requests report nothing
     sampled after it began; cut if the swap broke the weights (none of those tokens is kept). The
-    caller opens it once the swap's marks are recorded."""
+    caller opens it once the swap's marks are recorded. `handed` (optional): as load_into's, each
+    bucket a "file"."""
     import asyncio
     from contextlib import aclosing
 
     from .base import WeightsLoadBroken
-    from .weight_loader import _each
+    from .weight_loader import WAYS, _each
 
+    handed = {} if handed is None else handed
+    handed.clear()
+    handed.update(dict.fromkeys(WAYS, 0))
     check = BucketCheck(spec)
     try:
         async with aclosing(_each(buckets)) as source:  # stopped early, the source stops its fetch ahead
@@ -94,6 +98,7 @@ async def swap_into(engine, buckets, spec: dict | None, fence=None) -> dict:
                 header, path = await asyncio.to_thread(write_bucket, bucket)
                 try:
                     await engine.collective_rpc("rc_swap_stage", args=(header, path))
+                    handed["file"] += 1
                 finally:
                     os.unlink(path)
         check.finish()

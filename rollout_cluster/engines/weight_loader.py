@@ -16,6 +16,9 @@ more (experiments/weights-in-place/README.md); they are the fallback where /dev/
 bucket. The next bucket is copied while the worker loads the previous one. Buckets pushed by CUDA
 IPC (transfer/ipc.py) skip the staging: their handles ride the collective_rpc as bytes and the
 worker opens the trainer's tensors on its GPU (`rc_tensors_load_ipc`).
+
+`load_into` counts how it handed each bucket to the worker (`handed`: WAYS -> buckets), so that a
+fallback from the store to slots shows in the replica's report (WeightsState.handed) and status.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ from .weight_checks import BucketCheck, check_ahead
 
 _SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its shm_slots.Slots
 _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its store_views.StoreViews
+# How a bucket reaches the worker: where it lies in Ray's object store (no copy), a reused /dev/shm
+# slot, a /dev/shm file of its own, bytes inside the collective_rpc, CUDA IPC handles.
+WAYS = ("store", "slot", "file", "bytes", "ipc")
 
 
 async def _each(buckets):
@@ -55,17 +61,23 @@ async def _each(buckets):
             yield b
 
 
-async def load_into(engine, buckets, spec: dict | None, transport: str = "shm") -> int:
-    """`_load_into`, holding the lease of a push by CUDA IPC (transfer/ipc.py) while it loads."""
+async def load_into(engine, buckets, spec: dict | None, transport: str = "shm", handed: dict | None = None) -> int:
+    """`_load_into`, holding the lease of a push by CUDA IPC (transfer/ipc.py) while it loads.
+    `handed` (a dict, optional): set to {way: 0 for each of WAYS}, then counts each bucket the
+    worker loaded under the way it was handed (a store bucket the worker could not map: "slot")."""
     leases: list = []
+    if handed is None:
+        handed = {}
+    handed.clear()
+    handed.update(dict.fromkeys(WAYS, 0))
     try:
-        return await _load_into(engine, buckets, spec, transport, leases)
+        return await _load_into(engine, buckets, spec, transport, leases, handed)
     finally:
         for fd in leases:
             os.close(fd)
 
 
-async def _load_into(engine, buckets, spec: dict | None, transport: str, leases: list) -> int:
+async def _load_into(engine, buckets, spec: dict | None, transport: str, leases: list, handed: dict) -> int:
     """Load `buckets` into the running AsyncLLM `engine` (started with worker_extension_cls=weight_keep.EXTENSION).
 
     A list of buckets is checked whole before the engine is touched: a refusal leaves the old
@@ -117,7 +129,7 @@ async def _load_into(engine, buckets, spec: dict | None, transport: str, leases:
                 if not started:
                     await engine.collective_rpc("rc_tensors_begin")
                     started = True
-                inflight, staged = asyncio.ensure_future(_send(engine, staged, slots, views)), None
+                inflight, staged = asyncio.ensure_future(_send(engine, staged, handed, slots, views)), None
         if inflight is not None:
             await inflight
             inflight = None
@@ -218,7 +230,8 @@ def _unstage(staged: tuple, slots, ok: bool) -> None:
         os.unlink(path)
 
 
-async def _send(engine, staged: tuple, slots=None, views=None) -> None:
+async def _send(engine, staged: tuple, handed: dict, slots=None, views=None) -> None:
+    """Have the worker load the `staged` bucket; counted in `handed` (way -> buckets) once loaded."""
     from ..transfer.ipc import is_ipc
 
     if staged[4] is not None:
@@ -239,13 +252,16 @@ async def _send(engine, staged: tuple, slots=None, views=None) -> None:
         if staged[4] is not None:
             views.used.add(region["key"])
             await engine.collective_rpc("rc_tensors_load", args=(staged[0], None, None, None, region["key"]))
+            handed["store"] += 1
             return
     header, path, buf, slot, _ = staged
     if is_ipc(buf):
         await engine.collective_rpc("rc_tensors_load_ipc", args=(header, buf.handles))
+        handed["ipc"] += 1
         return
     if path is None:
         await engine.collective_rpc("rc_tensors_load", args=(header, None, buf.numpy().data))
+        handed["bytes"] += 1
         return
     ok = False
     try:
@@ -254,6 +270,7 @@ async def _send(engine, staged: tuple, slots=None, views=None) -> None:
         else:
             await engine.collective_rpc("rc_tensors_load", args=(header, path, None, (slot.id, slot.nbytes)))
             slot.worker_has_it()
+        handed["file" if slot is None else "slot"] += 1
         ok = True
     finally:
         _unstage(staged, slots, ok)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
+from .checks import is_int
+
 
 @dataclass
 class SeqProgress:
@@ -82,6 +84,19 @@ class WeightsState:
     # it, so that a router that restarts during the sleep learns it back.
     noted: int = 0
     noted_path: str = ""
+    # How the load of `version` handed its buckets to vLLM's worker: way -> buckets, the ways
+    # engines/weight_loader.WAYS ("store": read where it lies in Ray's object store, "slot": copied
+    # into a /dev/shm slot, "file", "bytes", "ipc"); {}: none counted (vLLM read a checkpoint
+    # itself, a simulated engine, a replica older than this field)
+    handed: dict = field(default_factory=dict)
+
+    def handed_counts(self) -> dict[str, int]:
+        """`handed` as the router keeps it: its (str, non-negative int) items; {} where a report
+        lacks the field (pickled by an older replica) or it is no dict."""
+        handed = getattr(self, "handed", None)
+        if not isinstance(handed, dict):
+            return {}
+        return {k: v for k, v in handed.items() if isinstance(k, str) and is_int(v) and v >= 0}
 
 
 @dataclass

@@ -118,6 +118,7 @@ class ReplicaState:
     weights_noted: Optional[int] = None  # the version a note_weights order (asleep) is out for
     weights_loading: int = 0  # the version it reports loading now (0: none): its weights are about to change
     weights_loading_path: str = ""  # ... and its source ("": not said)
+    weights_handed: dict = field(default_factory=dict)  # how its engine's load of them reached vLLM's worker (WeightsState.handed)
     last_report_number: int = 0  # Report.number of the newest report whose state was applied
     unknown_held: frozenset = frozenset()  # held attempts the router did not know at the last listing
     listed: bool = False  # it sent this router a listing of what it holds (Report.held)

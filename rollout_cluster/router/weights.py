@@ -159,6 +159,8 @@ class FleetWeights:
         rep.weights_path = w.path if isinstance(w.path, str) and w.path else rep.weights_path if same else ""
         rep.weights_version, rep.weights_loading = w.version, w.loading
         rep.weights_loading_path = w.loading_path if w.loading and isinstance(w.loading_path, str) else ""
+        handed = w.handed_counts()  # (a goodbye's, none counted, keeps the known one as the path does)
+        rep.weights_handed = handed if handed else rep.weights_handed if same else {}
         just_loaded = not held_before and self.holds(rep)
         if (rep.weights_noted == v and not self.current(w.noted, w.noted_path) and not self.holds(rep)
                 and not note_pending):
@@ -286,4 +288,6 @@ class FleetWeights:
     def status(self, replicas: dict) -> dict:
         return {"version": self.version, "path": self.path,
                 "replicas": {rid: r.weights_version for rid, r in replicas.items()},
+                # how each replica's engine had the buckets of its weights' load handed to vLLM's worker
+                "handed": {rid: dict(r.weights_handed) for rid, r in replicas.items()},
                 "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()]}

@@ -34,6 +34,7 @@ class EngineMoves:
         # the weights the engine holds (0, "": the config's model), and why the last load failed
         self.weights_version, self.weights_path = 0, ""
         self.weights_buckets: Optional[BucketStream] = None  # a pushed version's buckets (a level-2 wake reloads them)
+        self.weights_handed: dict[str, int] = {}  # how their load handed its buckets to vLLM's worker (WeightsState.handed)
         self.weights_error: Optional[str] = None
         self.weights_error_version = 0  # the version that failed load was for (an older error is stale)
         self.weights_error_path = ""  # ... and its source
@@ -92,7 +93,7 @@ class EngineMoves:
                                error_version=self.weights_error_version, error_path=self.weights_error_path,
                                loading=self.loading[0] if self.loading else 0, path=self.weights_path,
                                loading_path=self.loading[2] if self.loading else "",
-                               noted=self.noted[0], noted_path=self.noted[1])
+                               noted=self.noted[0], noted_path=self.noted[1], handed=dict(self.weights_handed))
         return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
 
     def reload_source(self) -> Optional[str]:
@@ -253,10 +254,14 @@ class EngineMoves:
         if version == 0 and not order.path:  # the config's model: no checkpoint version to report
             if path:
                 await self.engine.load_weights(path)
+                self.weights_handed = self._handed()
             return
         await self._load_weights(path, version, buckets=buckets)
         if self.weights_error and self.weights_error_version == version:
             raise RuntimeError(self.weights_error)
+
+    def _handed(self) -> dict[str, int]:  # the engine's last load's WeightsState.handed ({}: an engine that does not count)
+        return dict(self.engine.handed()) if callable(getattr(self.engine, "handed", None)) else {}
 
     def kept_buckets(self, path: str) -> Optional[BucketStream]:
         """The buckets of the push `path` that this replica loaded or was noted (None: none kept).
@@ -289,7 +294,7 @@ class EngineMoves:
                 self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
-            self.weights_buckets = buckets
+            self.weights_buckets, self.weights_handed = buckets, self._handed()
             if self.noted[0] <= version:
                 self.noted, self.noted_buckets = (0, ""), None
         finally:

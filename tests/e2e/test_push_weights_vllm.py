@@ -3,7 +3,9 @@ through Ray's object store without a checkpoint, and the greedy outputs equal th
 weights loaded from a checkpoint; a push while long sequences run (running="recompute") continues
 them exactly: old weights' tokens up to the swap, then the new weights' greedy continuation. The
 weights digest (RolloutClient.weights_digest) shows both replicas holding the same bits, and a push
-holding exactly what the same tensors loaded from a checkpoint hold."""
+holding exactly what the same tensors loaded from a checkpoint hold. Status shows how each replica's
+worker got the buckets: on Linux every push between batches is read where it lies in the object
+store (no silent fallback to /dev/shm slots), a keep swap stages files."""
 import json
 import subprocess
 
@@ -25,6 +27,14 @@ def state_dict(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).state_dict()
+
+
+def all_from_the_store(st: dict) -> None:
+    """Every replica's last load had the worker read each bucket where it lies in Ray's object store."""
+    handed = st["handed"]
+    assert set(handed) == set(st["replicas"]) and len(handed) == 2, handed
+    for rid, h in handed.items():
+        assert h["store"] >= 1 and h["slot"] == 0 and sum(h.values()) == h["store"], (rid, handed)
 
 
 def greedy(client, prompts=PROMPTS, spec=GREEDY):
@@ -61,6 +71,8 @@ def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_con
         v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)  # several buckets
         st = client.status()["weights"]
         assert set(st["replicas"].values()) == {v1} and st["path"].startswith("push://")
+        all_from_the_store(st)
+        assert all(h["store"] >= 2 for h in st["handed"].values())  # several buckets, each from the store
         pushed, out = greedy(client)
         assert {c.weights_version for c in out} == {v1} and len({c.replicas[0] for c in out}) == 2
         assert pushed != base
@@ -121,9 +133,12 @@ def test_keep_swaps_under_running_sequences_which_go_on_to_their_exact_length(cl
                 assert list(c.token_ids[:swap]) == reference[c.prompt_index][:swap]  # old weights up to the swap
                 swapped += 1
         assert swapped >= 1 and client.status()["counters"]["weights_kept"] - kept == swapped
+        handed = client.status()["weights"]["handed"]  # the swap staged each bucket as a file
+        assert all(h["file"] >= 1 and sum(h.values()) == h["file"] for h in handed.values()), handed
         assert greedy(client, prompts)[0] == after  # the running ones' old-weights blocks are not reused
         # a push between batches after the swap: the replica's /dev/shm slots still reach the worker
         client.push_weights(state_dict(original).items())
+        all_from_the_store(client.status()["weights"])
         assert greedy(client)[0] == base
     finally:
         client.update_weights(str(original))  # the next tests expect the served model
