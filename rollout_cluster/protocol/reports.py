@@ -82,6 +82,9 @@ class WeightsState:
     # it, so that a router that restarts during the sleep learns it back.
     noted: int = 0
     noted_path: str = ""
+    # How many objects it knows of the push it loads (else of the one noted; 0: not said, or no push):
+    # fewer than the router's last order of it named, and that order was lost with its reply: sent again.
+    objects: int = 0
 
 
 @dataclass
