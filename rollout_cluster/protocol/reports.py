@@ -90,6 +90,10 @@ class WeightsState:
     # itself, a simulated engine, a replica older than this field)
     handed: dict = field(default_factory=dict)
 
+    # How many objects it knows of the push it loads (else of the one noted; 0: not said, or no push):
+    # fewer than the router's last order of it named, and that order was lost with its reply: sent again.
+    objects: int = 0
+
     def handed_counts(self) -> dict[str, int]:
         """`handed` as the router keeps it: its (str, non-negative int) items; {} where a report
         lacks the field (pickled by an older replica) or it is no dict."""

@@ -177,6 +177,7 @@ class FleetWeights:
                 return True
         elif rep.weights_ordered == v and not self.current(w.loading, w.loading_path) and not load_pending:
             rep.weights_ordered = None  # the order was sent and the replica never saw it: again
+        self._lost_objects(rep, w, load_pending or note_pending)
         if self.holds_back(rep) and rep.replica_id not in self.errors:
             b = self.broken[(self.path, v)]
             self.held_back.add(rep.replica_id)
@@ -184,6 +185,17 @@ class FleetWeights:
                                            f"its load failed on replica {b.replica}: {b.error}")
             return True
         return False
+
+    def _lost_objects(self, rep: ReplicaState, w: WeightsState, pending: bool) -> None:
+        """A streamed push: the replica loads (or noted) it knowing fewer of its objects than its
+        last order named, and no order to it waits. That order (push_more's) was lost with its pull's
+        reply: counted as sent only as far as the replica knows, so that order_for sends it again
+        naming them all (else the load would wait for them, then fail when the stream stalls)."""
+        rid, known = rep.replica_id, w.objects
+        on_it = self.current(w.loading, w.loading_path) if w.loading else self.current(w.noted, w.noted_path)
+        if (self.buckets is not None and is_int(known) and 0 < known < self.sent.get(rid, 0) and on_it
+                and not pending):
+            self.sent[rid] = known
 
     def holds_back(self, rep: ReplicaState) -> bool:
         """It lacks the current version, which broke a load, and was not ordered it before the break."""

@@ -93,7 +93,8 @@ class EngineMoves:
                                error_version=self.weights_error_version, error_path=self.weights_error_path,
                                loading=self.loading[0] if self.loading else 0, path=self.weights_path,
                                loading_path=self.loading[2] if self.loading else "",
-                               noted=self.noted[0], noted_path=self.noted[1], handed=dict(self.weights_handed))
+                               noted=self.noted[0], noted_path=self.noted[1], handed=dict(self.weights_handed),
+                               objects=len(self.streams.get(self.loading[2] if self.loading else self.noted[1], ())))
         return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
 
     def reload_source(self) -> Optional[str]:
