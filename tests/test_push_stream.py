@@ -217,6 +217,7 @@ def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the
         return FakeRef(len(puts) - 1)
 
     monkeypatch.setattr(ray, "put", put)
+    monkeypatch.setenv(push_mod.STREAM_ENV, "1")
     named = [(f"w{i}", torch.full((4,), float(i))) for i in range(7)]
     v, source, refs = push_mod.push(FakeRouter(log), SIGNER, named, None, 16, 5.0)
     assert v == 7 and source.startswith(PUSH_SCHEME) and [r.i for r in refs] == list(range(8))
@@ -226,3 +227,25 @@ def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the
                    ("put", 3), ("put", 4), ("answered", "push_more"), ("push_more", 3, [3, 4]),
                    ("put", 5), ("put", 6), ("put", 7), ("answered", "push_more"), ("push_more", 5, [5, 6, 7]),
                    ("answered", "push_more")]  # (the last: the rest, fewer than doubling would wait for)
+
+
+def test_by_default_the_order_waits_for_every_bucket_and_no_push_more_follows(monkeypatch):
+    """Streaming is opt-in (ROLLOUT_PUSH_STREAM=1): by default a trainer that fails while putting
+    its buckets fails before any replica is ordered, so no engine is left half loaded."""
+    import ray
+
+    from router_support import SIGNER
+
+    log, puts = [], []
+
+    def put(obj):
+        puts.append(obj)
+        log.append(("put", len(puts) - 1))
+        return FakeRef(len(puts) - 1)
+
+    monkeypatch.setattr(ray, "put", put)
+    monkeypatch.delenv(push_mod.STREAM_ENV, raising=False)
+    named = [(f"w{i}", torch.full((4,), float(i))) for i in range(7)]
+    v, source, refs = push_mod.push(FakeRouter(log), SIGNER, named, None, 16, 5.0)
+    assert [r.i for r in refs] == list(range(8))
+    assert log == [("put", i) for i in range(8)] + [("push_weights", None, list(range(8))), ("answered", "push_weights")]

@@ -130,7 +130,7 @@ def opener_path(m: Mapping) -> Optional[str]:
         return None
     for name in names:
         path = os.path.join(fds, name)
-        if _same_file(path, m):
+        if _same_file(path, m, open_it=False):
             return path
     return None
 
@@ -149,10 +149,13 @@ def open_region(region: dict) -> "torch.Tensor":
         if (st.st_dev, st.st_ino) != (region["dev"], region["ino"]):
             raise OSError(f"{region['path']} is device {st.st_dev} inode {st.st_ino}, not the object store's "
                           f"{region['dev']}:{region['ino']}")
-        mm = mmap.mmap(fd, region["length"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=region["offset"])
+        # private and writable: a loader that writes into its input gets its own copy of the page
+        # (copy on write), never a fault, and never writes into the store
+        mm = mmap.mmap(fd, region["length"], flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                       offset=region["offset"])
     finally:
         os.close(fd)
-    with warnings.catch_warnings():  # read only: loaders copy out of it
+    with warnings.catch_warnings():  # (no warning on a writable buffer; kept for older torch)
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
 
@@ -165,9 +168,15 @@ def _linked(m: Mapping) -> Optional[str]:
         return None
 
 
-def _same_file(path: str, m: Mapping) -> bool:
+def _same_file(path: str, m: Mapping, open_it: bool = True) -> bool:
+    """`path` is the file `m` maps. `open_it`: checked by opening it (a map_files entry: stat alone
+    may pass where open needs a capability); else by stat, which opens nothing (a descriptor of the
+    raylet may be a FIFO, a socket or a terminal)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        if not open_it:
+            st = os.stat(path)
+            return (st.st_dev, st.st_ino) == (m.dev, m.ino)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError:
         return False
     try:

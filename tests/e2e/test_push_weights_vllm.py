@@ -63,12 +63,15 @@ def generate_behind(client, prompts, spec, tokens: int):
     return runner, results
 
 
-def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_continue_exactly(client, tmp_path):
+def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_continue_exactly(client, tmp_path,
+                                                                                              monkeypatch):
     original = ROOT / "models" / "tiny-llama"
     other = make_model(str(tmp_path / "b"), seed=1)
     base, _ = greedy(client)
     try:
+        monkeypatch.setenv("ROLLOUT_PUSH_STREAM", "1")  # streamed: the later buckets come in push_more calls
         v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)  # several buckets
+        monkeypatch.delenv("ROLLOUT_PUSH_STREAM")  # (the rest: the default, every bucket before the order)
         st = client.status()["weights"]
         assert set(st["replicas"].values()) == {v1} and st["path"].startswith("push://")
         all_from_the_store(st)
