@@ -201,10 +201,9 @@ class FakeRouter:
         outer.push_weights, outer.push_more = Method("push_weights"), Method("push_more")
 
 
-def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the_rest_doubling(monkeypatch):
-    """The order names the manifest and bucket 0; each push_more as many buckets as were sent
-    before (1, 2, 4, ...) and the rest at the end: the router's orders again name about twice the
-    push's objects per replica, not one order per bucket, each naming every object so far."""
+def _logged_push(monkeypatch, stream: bool) -> tuple:
+    """push() of seven 16-byte tensors in 16-byte buckets with ray.put and the router logged:
+    (the log, what was put, push's refs)."""
     import ray
 
     from router_support import SIGNER
@@ -217,11 +216,25 @@ def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the
         return FakeRef(len(puts) - 1)
 
     monkeypatch.setattr(ray, "put", put)
-    monkeypatch.setenv(push_mod.STREAM_ENV, "1")
+    if stream:
+        monkeypatch.setenv(push_mod.STREAM_ENV, "1")
+    else:
+        monkeypatch.delenv(push_mod.STREAM_ENV, raising=False)
     named = [(f"w{i}", torch.full((4,), float(i))) for i in range(7)]
     v, source, refs = push_mod.push(FakeRouter(log), SIGNER, named, None, 16, 5.0)
-    assert v == 7 and source.startswith(PUSH_SCHEME) and [r.i for r in refs] == list(range(8))
-    assert puts[0] == manifest([{"names": [f"w{i}"], "dtypes": ["float32"], "shapes": [[4]]} for i in range(7)])
+    assert v == 7 and source.startswith(PUSH_SCHEME)
+    return log, puts, refs
+
+
+WHOLE = manifest([{"names": [f"w{i}"], "dtypes": ["float32"], "shapes": [[4]]} for i in range(7)])
+
+
+def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the_rest_doubling(monkeypatch):
+    """Streamed: the order names the manifest and bucket 0; each push_more as many buckets as were
+    sent before (1, 2, 4, ...) and the rest at the end: the router's orders again name about twice
+    the push's objects per replica, not one order per bucket, each naming every object so far."""
+    log, puts, refs = _logged_push(monkeypatch, stream=True)
+    assert [r.i for r in refs] == list(range(8)) and puts[0] == WHOLE
     assert log == [("put", 0), ("put", 1), ("push_weights", None, [0, 1]), ("answered", "push_weights"),
                    ("put", 2), ("push_more", 2, [2]),
                    ("put", 3), ("put", 4), ("answered", "push_more"), ("push_more", 3, [3, 4]),
@@ -231,21 +244,9 @@ def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the
 
 def test_by_default_the_order_waits_for_every_bucket_and_no_push_more_follows(monkeypatch):
     """Streaming is opt-in (ROLLOUT_PUSH_STREAM=1): by default a trainer that fails while putting
-    its buckets fails before any replica is ordered, so no engine is left half loaded."""
-    import ray
-
-    from router_support import SIGNER
-
-    log, puts = [], []
-
-    def put(obj):
-        puts.append(obj)
-        log.append(("put", len(puts) - 1))
-        return FakeRef(len(puts) - 1)
-
-    monkeypatch.setattr(ray, "put", put)
-    monkeypatch.delenv(push_mod.STREAM_ENV, raising=False)
-    named = [(f"w{i}", torch.full((4,), float(i))) for i in range(7)]
-    v, source, refs = push_mod.push(FakeRouter(log), SIGNER, named, None, 16, 5.0)
-    assert [r.i for r in refs] == list(range(8))
-    assert log == [("put", i) for i in range(8)] + [("push_weights", None, list(range(8))), ("answered", "push_weights")]
+    its buckets fails before any replica is ordered, so no engine is left half loaded; the order
+    names the manifest first, then the buckets."""
+    log, puts, refs = _logged_push(monkeypatch, stream=False)
+    assert puts[refs[0].i] == WHOLE and [r.i for r in refs[1:]] == list(range(7))
+    assert log == [("put", i) for i in range(8)] + [("push_weights", None, [7] + list(range(7))),
+                                                    ("answered", "push_weights")]

@@ -67,19 +67,20 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     import ray
 
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
-    if ipc is not None:
+    if ipc is not None or os.environ.get(STREAM_ENV, "0") != "1":
+        # every bucket in before the order, each packed as the tensors come (no more than a bucket
+        # of them held at once): a trainer that fails here has touched no replica
         refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
         later = []
-    else:
+    else:  # streamed: planned first (every (name, tensor) held until packed), the manifest ahead
         groups = plan(named_tensors, bucket_bytes)
         if not groups:
             raise ValueError("named_tensors: no tensors to push")
         tensors = sum(len(g) for g in groups)
         nbytes = sum(t.numel() * t.element_size() for g in groups for _, t in g)
         mark("put_start")
-        first = 1 if os.environ.get(STREAM_ENV, "0") == "1" else len(groups)
-        refs = [ray.put(manifest([planned_header(g) for g in groups]))] + [_put(g, i) for i, g in enumerate(groups[:first])]
-        later = groups[first:]
+        refs = [ray.put(manifest([planned_header(g) for g in groups])), _put(groups[0], 0)]
+        later = groups[1:]
 
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
