@@ -5,8 +5,10 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pytest
+
 from rollout_cluster.bench.overhead import combine, control_stats, merge_runs, pct_over, split_by_prompt, table
-from rollout_cluster.bench.repeats import round_order
+from rollout_cluster.bench.repeats import only_pairs, round_order
 
 
 def run(makespan: float, median: float = 10.0) -> dict:
@@ -94,3 +96,14 @@ def test_combine_records_the_cluster_shape():
     assert (result["replicas"], result["policy"]) == (2, "steal")
     assert "the cluster: 2 replicas, policy steal; bare: 2 engines" in table(result)
     assert "the cluster:" not in table(combine([pair(0, 0, 52.0, 50.0)], CFG, ARGS))
+
+
+def test_only_pairs_reads_seed_round_pairs_and_names_a_bad_one():
+    assert only_pairs(None, [0, 1], 2) is None
+    assert only_pairs("0:1, 2:1", [0, 2], 2) == {(0, 1), (2, 1)}
+    with pytest.raises(ValueError, match="'3:0'.*--seeds 0,2"):
+        only_pairs("3:0", [0, 2], 2)  # a seed that is not run
+    with pytest.raises(ValueError, match="'0:2'.*--rounds 2"):
+        only_pairs("0:2", [0, 2], 2)  # a round past --rounds
+    with pytest.raises(ValueError, match="'0-1': each pair is SEED:ROUND"):
+        only_pairs("0-1", [0], 2)

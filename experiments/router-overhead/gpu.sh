@@ -3,12 +3,14 @@
 # the 1-replica cluster against a bare AsyncLLM in paired rounds (`rollout-cluster overhead`), with
 # both timelines (serve/timeline.py) and py-spy profiles of the replica's and the bare engine's
 # processes. Usage: SEEDS=0,1 ROUNDS=2 SIZE=1.5b [CONTROL=1 MEM=0.28] [CORES=1] bash experiments/router-overhead/gpu.sh
+# ONLY=0:1,2:1 runs only those SEED:ROUND pairs (each in its order of the full rotation).
 # CONTROL=1 keeps a second bare engine up (started after the cluster) in the rotation; MEM is each
 # engine's share of the GPU's memory. Results: $OUT/overhead-$SIZE/overhead.{json,md}, $OUT/run.log,
 # and $OUT/detail.tar.gz (timelines, py-spy profiles, cores.txt, nvidia-smi samples).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
 SIZE=${SIZE:-1.5b}; SEEDS=${SEEDS:-0,1}; ROUNDS=${ROUNDS:-2}; LIMIT_S=${LIMIT_S:-540}; MEM=${MEM:-0.42}
+[ -n "${ONLY:-}" ] && EXTRA_ONLY="--only $ONLY" || EXTRA_ONLY=""
 EXTRA=""; [ -n "${CONTROL:-}" ] && EXTRA="--control"
 DETAIL=$OUT/detail; mkdir -p $DETAIL; export ROLLOUT_TIMELINE_DIR=$DETAIL/timeline
 W="--prompts 64 --samples 8 --median 1500 --sigma-prompt 0.9 --sigma-sample 0.5 --max-tokens 8192 \
@@ -38,7 +40,7 @@ fi
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
   --format=csv -l 5 > "$DETAIL/nvidia-smi.csv" 2>&1 &
 timeout $LIMIT_S python3 -m rollout_cluster.cli overhead --config $CONFIG $W --seeds $SEEDS --rounds $ROUNDS \
-  --memory-fraction $MEM $EXTRA --out "$OUT/overhead-$SIZE" 2>&1 | grep --line-buffered -v " INFO \|^INFO" > "$DETAIL/run-full.log"
+  --memory-fraction $MEM $EXTRA $EXTRA_ONLY --out "$OUT/overhead-$SIZE" 2>&1 | grep --line-buffered -v " INFO \|^INFO" > "$DETAIL/run-full.log"
 tail -c 200000 "$DETAIL/run-full.log" > "$OUT/run.log"
 sleep 2; pkill -INT -f "[p]y-spy record"; pkill -f "[n]vidia-smi --query"; sleep 2  # bracketed: never the calling shell
 tar czf "$OUT/detail.tar.gz" -C "$OUT" detail && rm -rf "$DETAIL"

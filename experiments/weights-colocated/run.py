@@ -228,12 +228,17 @@ def main() -> None:
         t0 = time.monotonic()
         v = run.client.push_weights(tensors(), transport=transport, timeout_s=timeout_s)
         info = {f"push_{transport}_s": round(time.monotonic() - t0, 2), "version": v, "transport": transport}
+        info["handed"] = run.client.status()["weights"].get("handed")  # how each replica's worker got them
         info.update(batch(name))
-        if name == "B":
-            info.update(digest("B"))
+        info.update(digest(name))  # B: kept for g; any other: the same tensors, so B's digest
+        if name != "B" and name in run.digests and "B" in run.digests:
+            info[f"digest_{name}_vs_B"] = differing(run.digests["B"], run.digests[name])
         info[f"{name}_vs_A"] = compare(run.batches["A"], run.batches[name]) if "A" in run.batches else None
         if name != "B" and "B" in run.batches:
             info[f"{name}_vs_B"] = compare(run.batches["B"], run.batches[name])
+        again = name + "2"  # the same batch once more on the same weights: what the engine itself repeats
+        info.update(batch(again))
+        info[f"{again}_vs_{name}"] = compare(run.batches[name], run.batches[again])
         return info
 
     def checkpoint() -> dict:

@@ -122,6 +122,9 @@ def add_commands(sub) -> None:
     workload_flags(p)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--rounds", type=int, default=2, help="paired rounds per seed (the order alternates)")
+    p.add_argument("--only", default=None,
+                   help="run only these pairs, as SEED:ROUND,... (each keeps the order it has in the full "
+                        "--seeds x --rounds rotation): the pairs an earlier, cut-off run did not reach")
     p.add_argument("--memory-fraction", type=float, default=0.42,
                    help="GPU: each engine's gpu_memory_utilization (both stay up side by side)")
     p.add_argument("--control", action="store_true",

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ..config import PolicyConfig
-from .repeats import median, round_order
+from .repeats import median, only_pairs, round_order
 from .run import cluster_config, fill_defaults, percentile, tail_s, workload
 from .vllm_run import all_in_flight, warmup_batch
 
@@ -53,6 +53,7 @@ def overhead(args) -> dict:
         cfg.policy = PolicyConfig(name="pull")  # one replica: the plainest dispatch
     cfg = cfg.validate()
     seeds = [int(s) for s in str(args.seeds).split(",")]
+    only = only_pairs(getattr(args, "only", None), seeds, args.rounds)
     bare = BareEngines(cfg, replicas)  # first: its memory is taken before the replicas'
     client = RolloutClient.start(cfg)
     # The control: a second bare engine, started last. Its difference from the first bare engine
@@ -68,6 +69,8 @@ def overhead(args) -> dict:
         pairs = []
         for s, seed in enumerate(seeds):
             for r in range(args.rounds):
+                if only is not None and (seed, r) not in only:
+                    continue
                 order = round_order(names, r + s)
                 pair = {"seed": seed, "round": r, "order": order}
                 for who in order:

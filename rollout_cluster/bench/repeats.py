@@ -17,6 +17,27 @@ def round_order(policies: Sequence[str], r: int) -> list:
     return list(policies[k:]) + list(policies[:k])
 
 
+def only_pairs(spec: str | None, seeds: list, rounds: int) -> set | None:
+    """`--only SEED:ROUND,...` as a set of (seed, round), each checked against --seeds and --rounds;
+    None when every pair runs."""
+    if not spec:
+        return None
+    chosen = set()
+    for item in str(spec).split(","):
+        seed, sep, rnd = item.strip().partition(":")
+        try:
+            pair = (int(seed), int(rnd))
+        except ValueError:
+            pair = None
+        if not sep or pair is None:
+            raise ValueError(f"--only {item!r}: each pair is SEED:ROUND, e.g. 0:1")
+        if pair[0] not in seeds or not 0 <= pair[1] < rounds:
+            raise ValueError(f"--only {item!r}: not a pair of --seeds {','.join(map(str, seeds))} "
+                             f"x --rounds {rounds}")
+        chosen.add(pair)
+    return chosen
+
+
 def median_row(rows: Sequence[dict]) -> int:
     """Index of the run with the median makespan (the lower median for an even count)."""
     if not rows:
