@@ -9,7 +9,7 @@ from rollout_cluster.protocol import LoadWeights, NoteWeights, Report, SleepStat
 from rollout_cluster.protocol.reports import EngineStats
 
 from test_fleet_sleep import core_with, pull
-from test_push_stream import SRC, TensorEngine, loads, moves_of, pushed
+from test_push_stream import SRC, TensorEngine, loads, moves_of, noted_sleeper, pushed
 
 
 def report(core, rid, now, objects, loading=1, noted=(0, ""), level=0):
@@ -59,13 +59,7 @@ def test_a_report_made_before_the_waiting_order_was_pulled_sends_it_once():
 
 
 def test_a_lost_note_of_later_objects_is_sent_again_to_a_sleeper():
-    core = core_with(("a",))
-    core.sleep_fleet(1)
-    pull(core, "a", 0.5)
-    pull(core, "a", 0.6, level=1)
-    core.update_weights(SRC, None, ("m", "b0"))
-    assert loads(pull(core, "a", 1.0, level=1)) == [NoteWeights(SRC, 1, ("m", "b0"))]
-    core.control.push_more(SRC, 2, ("b1",))
+    core = noted_sleeper()
     noted = dict(loading=0, noted=(1, SRC), level=1)
     assert loads(report(core, "a", 1.1, objects=2, **noted)) == [NoteWeights(SRC, 1, ("m", "b0", "b1"))]  # lost
     assert loads(report(core, "a", 1.2, objects=2, **noted)) == [NoteWeights(SRC, 1, ("m", "b0", "b1"))]

@@ -43,7 +43,8 @@ def test_later_buckets_reach_the_replicas_ordered_before_them_and_a_joiner_gets_
     assert loads(pull(core, "a", 1.6, version=1, path=SRC)) == []  # it holds the version: nothing to add
 
 
-def test_a_replica_asleep_gets_its_note_again_with_the_later_buckets():
+def noted_sleeper():
+    """Replica a asleep, noted the push (manifest, b0); then b1 came (push_more)."""
     core = core_with(("a",))
     core.sleep_fleet(1)
     pull(core, "a", 0.5)
@@ -51,6 +52,11 @@ def test_a_replica_asleep_gets_its_note_again_with_the_later_buckets():
     core.update_weights(SRC, None, ("m", "b0"))
     assert loads(pull(core, "a", 1.0, level=1)) == [NoteWeights(SRC, 1, ("m", "b0"))]
     core.control.push_more(SRC, 2, ("b1",))
+    return core
+
+
+def test_a_replica_asleep_gets_its_note_again_with_the_later_buckets():
+    core = noted_sleeper()
     assert loads(pull(core, "a", 1.1, level=1, noted=(1, SRC))) == [NoteWeights(SRC, 1, ("m", "b0", "b1"))]
 
 

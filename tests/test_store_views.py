@@ -51,14 +51,19 @@ def pushed(store: Store, seed: float) -> tuple:
     return want, [[(n, store.put(t)) for n, t in b] for b in want]
 
 
-def test_buckets_in_the_store_are_loaded_from_it_without_a_slot_and_mapped_once():
-    store, eng = Store(), Engine()
+def loads_two_pushes(store: Store, eng) -> None:
+    """Two pushes of other values into the engine, each tensor checked as the worker got it."""
     for seed in (1.0, 2.0):
         want, buckets = pushed(store, seed)
         assert asyncio.run(load_into(eng, buckets, None)) == 3
         for b in want:
             for name, t in b:
                 assert torch.equal(eng.worker.rec.got[name], t), name
+
+
+def test_buckets_in_the_store_are_loaded_from_it_without_a_slot_and_mapped_once():
+    store, eng = Store(), Engine()
+    loads_two_pushes(store, eng)
     assert eng.calls.count("rc_map_region") == 1  # one mapping of the store, kept from load to load
     assert "rc_tensors_load" in eng.calls
     assert not weight_loader._SLOTS[eng].ids() and not slot_files()  # no slot was made: nothing copied
@@ -79,12 +84,7 @@ def test_a_worker_that_cannot_map_the_store_gets_every_bucket_through_slots(monk
 
     monkeypatch.setattr(store_views, "open_region", refused)
     store, eng = Store(), Engine()
-    for seed in (1.0, 2.0):
-        want, buckets = pushed(store, seed)
-        assert asyncio.run(load_into(eng, buckets, None)) == 3
-        for b in want:
-            for name, t in b:
-                assert torch.equal(eng.worker.rec.got[name], t), name
+    loads_two_pushes(store, eng)
     assert eng.calls.count("rc_map_region") == 1  # asked once; the engine copies into slots for good
     assert not weight_loader._VIEWS[eng].usable and weight_loader._SLOTS[eng].ids()
     assert not getattr(eng.worker, "_rc_regions", {})
