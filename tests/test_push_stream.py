@@ -207,18 +207,20 @@ class FakeRouter:
         outer.push_weights, outer.push_more = Method("push_weights"), Method("push_more")
 
 
-def _logged_push(monkeypatch, stream: bool) -> tuple:
+def _logged_push(monkeypatch, stream: bool, put_s: float = 0.0) -> tuple:
     """push() of seven 16-byte tensors in 16-byte buckets with ray.put and the router logged:
-    (the log, what was put, push's refs)."""
+    (the log, what was put, push's refs). `put_s`: each put takes that long on push's clock."""
     import ray
 
     from router_support import SIGNER
 
-    log, puts = [], []
+    log, puts, clock = [], [], [0.0]
+    monkeypatch.setattr(push_mod, "monotonic", lambda: clock[0])
 
     def put(obj):
         puts.append(obj)
         log.append(("put", len(puts) - 1))
+        clock[0] += put_s
         return FakeRef(len(puts) - 1)
 
     monkeypatch.setattr(ray, "put", put)
@@ -246,6 +248,17 @@ def test_the_trainer_sends_the_order_with_the_manifest_and_first_bucket_then_the
                    ("put", 3), ("put", 4), ("answered", "push_more"), ("push_more", 3, [3, 4]),
                    ("put", 5), ("put", 6), ("put", 7), ("answered", "push_more"), ("push_more", 5, [5, 6, 7]),
                    ("answered", "push_more")]  # (the last: the rest, fewer than doubling would wait for)
+
+
+def test_a_slow_trainer_sends_its_later_buckets_at_least_every_ten_seconds(monkeypatch):
+    """Regression: doubling alone held the last batch (half a push) until every bucket of it was
+    put; a trainer putting a large model's half for over 60 s left the replicas without a new
+    object that long, and their loads failed as a stopped push. Each put takes 6 s here: the
+    push_more of buckets 5 and 6 goes when 10 s passed, not with bucket 7 (doubling would wait)."""
+    log, puts, refs = _logged_push(monkeypatch, stream=True, put_s=6.0)
+    assert [r.i for r in refs] == list(range(8))
+    assert [(start, named) for what, start, named in (e for e in log if len(e) == 3)] == [
+        (None, [0, 1]), (2, [2]), (3, [3, 4]), (5, [5, 6]), (7, [7])]
 
 
 def test_by_default_the_order_waits_for_every_bucket_and_no_push_more_follows(monkeypatch):

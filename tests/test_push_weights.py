@@ -4,6 +4,7 @@ wake of a level-2 sleeper; a replica loads them in place, one bucket fetched ahe
 them after a deep sleep; the Serve Router refuses a push whose object ids differ from the signed
 ones. The real path (object store, vLLM engines): tests/e2e/test_push_weights.py."""
 import asyncio
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from rollout_cluster.config import ClusterConfig, EngineConfig, to_dict
 from rollout_cluster.protocol import InputError, LoadWeights, NoteWeights, Report, Sleep, Wake
 from rollout_cluster.serve.engine_moves import EngineMoves, fetched
-from rollout_cluster.transfer.buckets import pack, unpack
+from rollout_cluster.transfer.buckets import pack, plan, unpack
 from rollout_cluster.transfer.push import PUSH_SCHEME
 
 from router_support import SIGNER, pull as signed_pull
@@ -41,10 +42,30 @@ def test_buckets_hold_about_the_size_asked_and_give_back_every_tensor_exactly():
     ([("w", [1.0])], "expected a torch.Tensor"),
     ([("w", torch.ones(1)), ("w", torch.ones(1))], "given twice"),
     (["w"], "(name, tensor) pairs"),
+    ([("w", torch.ones(1)), ("m", torch.empty(3, device="meta"))], "named_tensors['m']: a meta tensor has no data"),
+    ([("s", torch.eye(3).to_sparse())], "named_tensors['s']: layout torch.sparse_coo: only dense"),
 ])
 def test_bad_tensors_are_named(bad, message):
-    with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
-        list(pack(bad))
+    """Each refused with its name, in pack (the default push) and in plan (a streamed push plans every
+    tensor before its order: a tensor that cannot be packed fails it before any replica is ordered)."""
+    for way in (pack, plan):
+        with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+            list(way(bad))
+
+
+def test_a_dtensor_is_refused_naming_it_and_how_to_push_it():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        shard = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+        for way in (pack, plan):
+            with pytest.raises(TypeError, match=re.escape("named_tensors['d']: a DTensor (sharded across ranks)")):
+                list(way([("d", shard)]))
+    finally:
+        dist.destroy_process_group()
 
 
 def loads(orders):

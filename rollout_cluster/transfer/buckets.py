@@ -37,7 +37,24 @@ def checked(named_tensors: Iterable, bucket_bytes: int) -> Iterator[tuple]:
         if name in seen:
             raise ValueError(f"named_tensors[{name!r}]: given twice")
         seen.add(name)
+        _packable(name, tensor)
         yield name, tensor
+
+
+def _packable(name: str, tensor) -> None:
+    """A tensor whose bytes can be pushed as they are: dense, with data, one process's whole tensor.
+    Checked as each pair comes, so a streamed push (which plans every tensor before its order) fails
+    before any replica is ordered, naming the tensor, not in the middle with a torch error."""
+    import torch
+
+    if type(tensor).__name__ == "DTensor":  # torch.distributed.tensor: this rank's shard only
+        raise TypeError(f"named_tensors[{name!r}]: a DTensor (sharded across ranks): push the whole tensor "
+                        "(tensor.full_tensor(), called on every rank) from one rank")
+    if tensor.is_meta:
+        raise ValueError(f"named_tensors[{name!r}]: a meta tensor has no data (shape {list(tensor.shape)})")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"named_tensors[{name!r}]: layout {tensor.layout}: only dense (strided) tensors can be "
+                         "pushed; push tensor.to_dense()")
 
 
 def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from time import monotonic
 from typing import Callable, Iterable, Optional
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack, pack_group, plan, planned_header
@@ -26,6 +27,11 @@ PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint
 # fails after bucket_stream.STALL_S and the replica restarts), where a push that waits for every
 # bucket fails before any replica is touched. Streaming saved 7 % on the CPU cluster.
 STREAM_ENV = "ROLLOUT_PUSH_STREAM"
+# A streamed push's later buckets go out at least this often, however few the doubling batch has
+# so far: a replica fails a push whose next object comes more than bucket_stream.STALL_S (60 s)
+# after the one before, and the last doubling batch of a large model (half its buckets) can take
+# the trainer longer than that to put.
+PUSH_MORE_EVERY_S = 10.0
 
 
 def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None) -> tuple:
@@ -58,10 +64,11 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     With ROLLOUT_PUSH_STREAM=1 (STREAM_ENV), through the object store the order goes out once the
     manifest and the first bucket are in the store, and the later buckets follow (`push_more`) while the replicas fetch and load
     (transfer/bucket_stream.py): each time as many are in as were sent before, and the rest at the
-    end. The router orders every replica the push again at each `push_more`, naming every object so
-    far: doubling keeps that to about twice the push's objects per replica however many buckets
-    there are (one call per bucket would be quadratic), and the trainer, which puts faster than an
-    engine loads, stays ahead of the replicas. `named_tensors` is gone through once first,
+    end, and at least every PUSH_MORE_EVERY_S while the trainer puts. The router orders every
+    replica the push again at each `push_more`, naming every object so far: doubling keeps that to
+    about twice the push's objects per replica however many buckets there are (one call per bucket
+    would be quadratic), and the trainer, which puts faster than an engine loads, stays ahead of
+    the replicas. `named_tensors` is gone through once first,
     names and sizes only, to plan the buckets: the manifest goes ahead of them. (By CUDA IPC the
     buckets are handles, put at once: one order names them all.)"""
     import ray
@@ -91,15 +98,16 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     mark("router_ack", version=v)
     refs, ready = list(refs), []
     sending = None  # the last push_more, answered while the next buckets are put
+    sent_t = monotonic()  # when the last order or push_more went out
     for n, g in enumerate(later, start=1):
         ready.append(_put(g, len(refs) + len(ready) - 1))
-        if len(ready) < len(refs) - 1 and n < len(later):
-            continue  # (fewer than the buckets sent so far: more first)
+        if len(ready) < len(refs) - 1 and n < len(later) and monotonic() - sent_t < PUSH_MORE_EVERY_S:
+            continue  # (fewer than the buckets sent so far, and sent lately: more first)
         if sending is not None:
             sending.result(timeout_s=call_timeout_s)
         more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [r.hex() for r in ready]})
         sending = router.push_more.remote(more, ready)
-        refs, ready = refs + ready, []
+        refs, ready, sent_t = refs + ready, [], monotonic()
     if sending is not None:
         sending.result(timeout_s=call_timeout_s)
         mark("push_more_ack", objects=len(refs))
