@@ -270,12 +270,13 @@ def main(argv=None) -> int:
 def refusing(prog: str, fn, *args) -> int:
     """fn(*args), with a refusal of bad input (a config key, a request field, a limit: each names
     itself and its value) printed as one line and exit code 2, as argparse's are, not a traceback."""
+    from .bench.flags import FlagError
     from .config import ConfigError
     from .protocol import InputError, LimitExceeded
 
     try:
         return fn(*args)
-    except (ConfigError, InputError, LimitExceeded) as e:
+    except (ConfigError, FlagError, InputError, LimitExceeded) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 

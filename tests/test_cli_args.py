@@ -127,3 +127,17 @@ def test_generate_refuses_a_config_with_an_app_that_runs(capsys, tmp_path, src):
     at once are refused, naming them, before Ray."""
     refused(capsys, ["generate", "--config", ROOT_CONFIG, "--app-name", "x", "--input", src, "--output",
                      str(tmp_path / "out.jsonl")], f"--config {ROOT_CONFIG}", also="--app-name x")
+
+
+def test_a_bench_flag_is_refused_in_one_line_naming_it(capsys, tmp_path):
+    """Regression: a bench command's bad flag value (`overhead --only`, `bench --policies`) came out
+    as a traceback of a ValueError; now one line and exit code 2, before any engine starts."""
+    out = str(tmp_path / "o")
+    refused(capsys, ["overhead", "--config", "configs/cpu-bench.yaml", "--seeds", "0,2", "--rounds", "2",
+                     "--only", "1:0", "--out", out], "rollout-cluster overhead: error: --only '1:0': not a pair of")
+    refused(capsys, ["overhead", "--config", "configs/cpu-bench.yaml", "--only", "0-1", "--out", out],
+            "--only '0-1': each pair is SEED:ROUND")
+    refused(capsys, ["bench", "--policies", "nope", "--out", out], "--policies='nope': unknown nope; choose from")
+    trace = tmp_path / "t.csv"
+    trace.write_text("group,prompt_tokens,response_tokens\ng,4\n")
+    refused(capsys, ["bench", "--trace", str(trace), "--out", out], "line 2: expected 3 fields")

@@ -25,15 +25,16 @@ from pathlib import Path
 
 from ..engines.cost_model import CostModel
 from ..protocol import SamplingSpec, Work
+from .flags import FlagError
 
 
 def parse_ints(text: str, flag: str) -> list:
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{flag}={text!r}: must be comma-separated integers") from None
+        raise FlagError(f"{flag}={text!r}: must be comma-separated integers") from None
     if not values or min(values) < 1:
-        raise ValueError(f"{flag}={text!r}: must be integers >= 1")
+        raise FlagError(f"{flag}={text!r}: must be integers >= 1")
     return values
 
 
@@ -203,17 +204,17 @@ def calibrate_from_samples(args) -> CostModel:
     from ..engines.cost_model import load_profile
 
     if not args.base_profile:
-        raise ValueError("--from-samples needs --base-profile (the prefill rate and KV capacity come from it)")
+        raise FlagError("--from-samples needs --base-profile (the prefill rate and KV capacity come from it)")
     data = json.loads(Path(args.from_samples).read_text())
     keys = [k for k in data if not args.samples_of or args.samples_of in k]
     if not keys:
-        raise ValueError(f"--samples-of={args.samples_of!r}: no run in {args.from_samples} (runs: {', '.join(data)})")
+        raise FlagError(f"--samples-of={args.samples_of!r}: no run in {args.from_samples} (runs: {', '.join(data)})")
     samples = [tuple(x) for k in keys for x in data[k]]
     base = load_profile(args.base_profile)
     try:
         model, info = profile_from_samples(samples, base, args.name or f"{base.name}-cluster")
     except ValueError as e:
-        raise ValueError(f"--from-samples={args.from_samples} (runs {', '.join(keys)}): {e}") from None
+        raise FlagError(f"--from-samples={args.from_samples} (runs {', '.join(keys)}): {e}") from None
     Path(args.out).write_text(
         f"# fitted by `rollout-cluster calibrate --from-samples {args.from_samples}` over runs: {', '.join(keys)}\n"
         f"# {info['samples']} step-time reports; median rel. error {info['median_rel_error']:.3f}, "
@@ -237,12 +238,12 @@ def calibrate(args) -> CostModel:
     contexts = parse_ints(args.contexts, "--contexts")
     need = max(contexts) + args.decode_tokens + 2
     if need > cfg.engine.max_model_len:
-        raise ValueError(f"--contexts up to {max(contexts)} + {args.decode_tokens} tokens exceed "
+        raise FlagError(f"--contexts up to {max(contexts)} + {args.decode_tokens} tokens exceed "
                          f"engine.max_model_len={cfg.engine.max_model_len}")
     if getattr(args, "engines", 1) < 1:
-        raise ValueError(f"--engines={args.engines}: must be >= 1")
+        raise FlagError(f"--engines={args.engines}: must be >= 1")
     if max(batches) > cfg.engine.max_num_seqs:
-        raise ValueError(f"--batches up to {max(batches)} exceed engine.max_num_seqs={cfg.engine.max_num_seqs}")
+        raise FlagError(f"--batches up to {max(batches)} exceed engine.max_num_seqs={cfg.engine.max_num_seqs}")
     return asyncio.run(_calibrate(args, cfg, batches, contexts, VllmEngine))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .flags import FlagError
 from .run import combine, fill_defaults, parse_policies, run_seed_sim, sim_setup
 
 
@@ -22,7 +23,7 @@ def bench(args) -> dict:
     seeds = [int(s) for s in str(args.seeds).split(",")] if args.seeds is not None else [args.seed]
     repeats = getattr(args, "repeats", 1)
     if repeats < 1 or (repeats > 1 and args.engine != "vllm"):
-        raise ValueError(f"--repeats={repeats}: must be >= 1, and above 1 only with --engine vllm "
+        raise FlagError(f"--repeats={repeats}: must be >= 1, and above 1 only with --engine vllm "
                          "(the simulator is deterministic)")
     if args.engine == "vllm":
         from .vllm_run import bench_vllm

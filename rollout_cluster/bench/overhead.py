@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from ..config import PolicyConfig
+from .flags import FlagError
 from .repeats import median, only_pairs, round_order
 from .run import cluster_config, fill_defaults, percentile, tail_s, workload
 from .vllm_run import all_in_flight, warmup_batch
@@ -42,9 +43,9 @@ def overhead(args) -> dict:
     fill_defaults(args)
     replicas = args.replicas or 1
     if replicas < 1:
-        raise ValueError(f"--replicas {replicas}: must be at least 1")
+        raise FlagError(f"--replicas {replicas}: must be at least 1")
     if args.control and replicas > 1:
-        raise ValueError(f"--control with --replicas {replicas}: the control is a second bare engine beside one "
+        raise FlagError(f"--control with --replicas {replicas}: the control is a second bare engine beside one "
                          "replica; measure the control with --replicas 1")
     cfg = cluster_config(args)
     engine = cfg.engine.model_copy(update={"gpu_memory_utilization": args.memory_fraction})

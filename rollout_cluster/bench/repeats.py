@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .flags import FlagError
+
 
 def round_order(policies: Sequence[str], r: int) -> list:
     """Round r's order: the policy list rotated by r."""
@@ -30,9 +32,9 @@ def only_pairs(spec: str | None, seeds: list, rounds: int) -> set | None:
         except ValueError:
             pair = None
         if not sep or pair is None:
-            raise ValueError(f"--only {item!r}: each pair is SEED:ROUND, e.g. 0:1")
+            raise FlagError(f"--only {item!r}: each pair is SEED:ROUND, e.g. 0:1")
         if pair[0] not in seeds or not 0 <= pair[1] < rounds:
-            raise ValueError(f"--only {item!r}: not a pair of --seeds {','.join(map(str, seeds))} "
+            raise FlagError(f"--only {item!r}: not a pair of --seeds {','.join(map(str, seeds))} "
                              f"x --rounds {rounds}")
         chosen.add(pair)
     return chosen

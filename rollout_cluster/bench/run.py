@@ -16,6 +16,7 @@ from ..engines.cost_model import CostModel, load_profile
 from ..policy.base import PolicySettings
 from ..policy.registry import BENCH_POLICIES
 from .bounds import bounds
+from .flags import FlagError
 from .workloads import LongtailSpec, load_trace, rl_longtail, summary
 
 POLICIES = BENCH_POLICIES  # static, chunked, least-loaded, pull, steal
@@ -217,5 +218,5 @@ def parse_policies(text: Optional[str]) -> list:
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:
-        raise ValueError(f"--policies={text!r}: unknown {unknown or 'none given'}; choose from {','.join(POLICIES)}")
+        raise FlagError(f"--policies={text!r}: unknown {','.join(unknown) or 'none given'}; choose from {','.join(POLICIES)}")
     return names

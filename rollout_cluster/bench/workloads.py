@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..protocol import SamplingSpec, SequenceRequest
+from .flags import FlagError
 
 MIN_LENGTH = 16
 TRACE_HEADER = ("group", "prompt_tokens", "response_tokens")
@@ -42,7 +43,7 @@ class LongtailSpec:
                   ("prompt_min", 1 <= self.prompt_min <= self.prompt_max)]
         for name, ok in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: out of range for rl-longtail")
+                raise FlagError(f"{name}={getattr(self, name)!r}: out of range for rl-longtail")
         return self
 
     def describe(self) -> dict:
@@ -98,12 +99,12 @@ def load_trace(path, max_tokens: Optional[int] = None, vocab_size: Optional[int]
     """SequenceRequests from a CSV with the header `group,prompt_tokens,response_tokens`, one
     row per sequence. Rows of one group share a prompt (and its random ids, with `vocab_size`).
     `max_tokens` defaults to the longest response; `seed` and `ids_salt` pick the random ids.
-    Raises ValueError naming the line and the problem for a missing or wrong header, a row with
+    Raises FlagError naming the line and the problem for a missing or wrong header, a row with
     the wrong number of fields, a non-integer or out-of-range value, a response longer than
     `max_tokens`, or a group whose rows disagree on the prompt length."""
     rows = parse_trace(Path(path).read_text().splitlines(), str(path), max_tokens)
     if not rows:
-        raise ValueError(f"{path}: no sequences after the header")
+        raise FlagError(f"{path}: no sequences after the header")
     cap = max_tokens or max(r[2] for r in rows)
     sampling = SamplingSpec(max_tokens=cap, ignore_eos=True)
     ids_rng = random.Random(f"trace-ids-{seed}{ids_salt}")
@@ -132,24 +133,24 @@ def parse_trace(lines: list, name: str = "trace", max_tokens: Optional[int] = No
         fields = [f.strip() for f in fields]
         if not header_seen:
             if tuple(fields) != TRACE_HEADER:
-                raise ValueError(f"{name}: line {lineno}: header must be {','.join(TRACE_HEADER)}, got {','.join(fields)}")
+                raise FlagError(f"{name}: line {lineno}: header must be {','.join(TRACE_HEADER)}, got {','.join(fields)}")
             header_seen = True
             continue
         if len(fields) != 3:
-            raise ValueError(f"{name}: line {lineno}: expected 3 fields (group,prompt_tokens,response_tokens), got {len(fields)}")
+            raise FlagError(f"{name}: line {lineno}: expected 3 fields (group,prompt_tokens,response_tokens), got {len(fields)}")
         group = fields[0]
         if not group:
-            raise ValueError(f"{name}: line {lineno}: group is empty")
+            raise FlagError(f"{name}: line {lineno}: group is empty")
         plen = _int_field(fields[1], "prompt_tokens", 1, name, lineno)
         resp = _int_field(fields[2], "response_tokens", 1, name, lineno)
         if max_tokens is not None and resp > max_tokens:
-            raise ValueError(f"{name}: line {lineno}: response_tokens={resp} exceeds max_tokens={max_tokens}")
+            raise FlagError(f"{name}: line {lineno}: response_tokens={resp} exceeds max_tokens={max_tokens}")
         if prompt_of_group.setdefault(group, plen) != plen:
-            raise ValueError(f"{name}: line {lineno}: group {group!r} has prompt_tokens={plen}, "
+            raise FlagError(f"{name}: line {lineno}: group {group!r} has prompt_tokens={plen}, "
                              f"but an earlier row of it has {prompt_of_group[group]}")
         rows.append((group, plen, resp))
     if not header_seen:
-        raise ValueError(f"{name}: line 1: empty file; expected the header {','.join(TRACE_HEADER)}")
+        raise FlagError(f"{name}: line 1: empty file; expected the header {','.join(TRACE_HEADER)}")
     return rows
 
 
@@ -157,9 +158,9 @@ def _int_field(text: str, field: str, minimum: int, name: str, lineno: int) -> i
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{name}: line {lineno}: {field}={text!r} is not an integer") from None
+        raise FlagError(f"{name}: line {lineno}: {field}={text!r} is not an integer") from None
     if value < minimum:
-        raise ValueError(f"{name}: line {lineno}: {field}={value} must be >= {minimum}")
+        raise FlagError(f"{name}: line {lineno}: {field}={value} must be >= {minimum}")
     return value
 
 
