@@ -225,8 +225,13 @@ def main() -> None:
         return info
 
     def push(transport: str, name: str, timeout_s: float = 300.0) -> dict:
+        from rollout_cluster.transfer.trace import mark
+
+        way = "push" if transport == "object_store" else transport  # (breakdown.py's tables: object store)
+        mark(f"{way}_start", round=0)  # ROLLOUT_PUSH_TRACE: every process's marks
         t0 = time.monotonic()
         v = run.client.push_weights(tensors(), transport=transport, timeout_s=timeout_s)
+        mark(f"{way}_end", round=0)
         info = {f"push_{transport}_s": round(time.monotonic() - t0, 2), "version": v, "transport": transport}
         info["handed"] = run.client.status()["weights"].get("handed")  # how each replica's worker got them
         info.update(batch(name))
@@ -244,7 +249,10 @@ def main() -> None:
     def checkpoint() -> dict:
         from rollout_cluster.engines.checkpoint import write_manifest
 
+        from rollout_cluster.transfer.trace import mark
+
         path = os.path.join(run.ckpt_root, "step1")
+        mark("checkpoint_start", round=0)
         t0 = time.monotonic()
         run.model.save_pretrained(path, safe_serialization=True)
         save_s = time.monotonic() - t0
@@ -256,6 +264,7 @@ def main() -> None:
         manifest_s = time.monotonic() - t0
         t0 = time.monotonic()
         v = run.client.update_weights(path)
+        mark("checkpoint_end", round=0)
         run.ckpt = path
         info = {"save_s": round(save_s, 2), "sync_s": round(sync_s, 2), "manifest_s": round(manifest_s, 3),
                 "update_s": round(time.monotonic() - t0, 2), "version": v}

@@ -239,7 +239,7 @@ def calibrate(args) -> CostModel:
     need = max(contexts) + args.decode_tokens + 2
     if need > cfg.engine.max_model_len:
         raise FlagError(f"--contexts up to {max(contexts)} + {args.decode_tokens} tokens exceed "
-                         f"engine.max_model_len={cfg.engine.max_model_len}")
+                        f"engine.max_model_len={cfg.engine.max_model_len}")
     if getattr(args, "engines", 1) < 1:
         raise FlagError(f"--engines={args.engines}: must be >= 1")
     if max(batches) > cfg.engine.max_num_seqs:

@@ -24,7 +24,7 @@ def bench(args) -> dict:
     repeats = getattr(args, "repeats", 1)
     if repeats < 1 or (repeats > 1 and args.engine != "vllm"):
         raise FlagError(f"--repeats={repeats}: must be >= 1, and above 1 only with --engine vllm "
-                         "(the simulator is deterministic)")
+                        "(the simulator is deterministic)")
     if args.engine == "vllm":
         from .vllm_run import bench_vllm
 

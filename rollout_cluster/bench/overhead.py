@@ -46,7 +46,7 @@ def overhead(args) -> dict:
         raise FlagError(f"--replicas {replicas}: must be at least 1")
     if args.control and replicas > 1:
         raise FlagError(f"--control with --replicas {replicas}: the control is a second bare engine beside one "
-                         "replica; measure the control with --replicas 1")
+                        "replica; measure the control with --replicas 1")
     cfg = cluster_config(args)
     engine = cfg.engine.model_copy(update={"gpu_memory_utilization": args.memory_fraction})
     cfg = cfg.model_copy(update={"replicas": replicas, "engine": engine})

@@ -35,7 +35,7 @@ def only_pairs(spec: str | None, seeds: list, rounds: int) -> set | None:
             raise FlagError(f"--only {item!r}: each pair is SEED:ROUND, e.g. 0:1")
         if pair[0] not in seeds or not 0 <= pair[1] < rounds:
             raise FlagError(f"--only {item!r}: not a pair of --seeds {','.join(map(str, seeds))} "
-                             f"x --rounds {rounds}")
+                            f"x --rounds {rounds}")
         chosen.add(pair)
     return chosen
 

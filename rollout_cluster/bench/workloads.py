@@ -147,7 +147,7 @@ def parse_trace(lines: list, name: str = "trace", max_tokens: Optional[int] = No
             raise FlagError(f"{name}: line {lineno}: response_tokens={resp} exceeds max_tokens={max_tokens}")
         if prompt_of_group.setdefault(group, plen) != plen:
             raise FlagError(f"{name}: line {lineno}: group {group!r} has prompt_tokens={plen}, "
-                             f"but an earlier row of it has {prompt_of_group[group]}")
+                            f"but an earlier row of it has {prompt_of_group[group]}")
         rows.append((group, plen, resp))
     if not header_seen:
         raise FlagError(f"{name}: line 1: empty file; expected the header {','.join(TRACE_HEADER)}")
