@@ -262,6 +262,7 @@ def main() -> None:
         t0 = time.monotonic()
         write_manifest(path)
         manifest_s = time.monotonic() - t0
+        mark("checkpoint_saved")  # (breakdown.py's save + manifest: with the os.sync here)
         t0 = time.monotonic()
         v = run.client.update_weights(path)
         mark("checkpoint_end", round=0)
