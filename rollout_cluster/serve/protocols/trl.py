@@ -114,6 +114,15 @@ def _spec(req: TRLSampling) -> tuple:
     return spec_of(fields), stops, include
 
 
+async def _read(ctx: ProtocolContext, req) -> tuple:
+    """A /generate/ or /chat/ request's (spec, stops, include_stop_str_in_output, truncation): the
+    served model's max_model_len bounds the text tokenized."""
+    spec, stops, include = _spec(req)
+    model = await ctx.model_info()
+    cut = sampling_truncation_of(req.truncate_prompt_tokens, model.max_model_len if model else None, spec.max_tokens)
+    return spec, stops, include, cut
+
+
 async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> JSONResponse:
     requests = await checked_requests(ctx, prompts, spec)
     outputs = [output_of(ctx, c, stops, include, prompt_ids=prompts[c.prompt_index])
@@ -168,10 +177,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
     async def generate(request: Request):
         try:
             req = parse_model(GenerateRequest, await read_json(request, ctx.limits))
-            spec, stops, include = _spec(req)
-            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
-            cut = sampling_truncation_of(req.truncate_prompt_tokens, model.max_model_len if model else None,
-                                         spec.max_tokens)
+            spec, stops, include, cut = await _read(ctx, req)
             prompts = [prompt_ids(ctx, p, f"prompts[{i}]", truncation=cut) for i, p in enumerate(req.prompts)]
             if not prompts:
                 raise ProtocolError(400, "prompts: must not be empty", "prompts")
@@ -183,10 +189,7 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
     async def chat(request: Request):
         try:
             req = parse_model(ChatRequest, await read_json(request, ctx.limits))
-            spec, stops, include = _spec(req)
-            model = await ctx.model_info()  # its max_model_len bounds the text tokenized
-            cut = sampling_truncation_of(req.truncate_prompt_tokens, model.max_model_len if model else None,
-                                         spec.max_tokens)
+            spec, stops, include, cut = await _read(ctx, req)
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
