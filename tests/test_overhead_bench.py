@@ -2,10 +2,9 @@
 summary and the table, from pairs as the bench prints them (no engine needed)."""
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import pytest
 
 from rollout_cluster.bench.overhead import combine, control_stats, merge_runs, pct_over, split_by_prompt, table
 from rollout_cluster.bench.repeats import only_pairs, round_order

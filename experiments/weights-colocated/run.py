@@ -135,6 +135,8 @@ def main() -> None:
 
     import torch
 
+    from rollout_cluster.transfer.trace import mark  # ROLLOUT_PUSH_TRACE: breakdown.py's marks
+
     if cuda:
         model_dir = str(ROOT / "models" / ARCH[a.size])
         subprocess.run([sys.executable, "-m", "rollout_cluster.cli", "make-model", model_dir, "--arch", ARCH[a.size]],
@@ -225,8 +227,6 @@ def main() -> None:
         return info
 
     def push(transport: str, name: str, timeout_s: float = 300.0) -> dict:
-        from rollout_cluster.transfer.trace import mark
-
         way = "push" if transport == "object_store" else transport  # (breakdown.py's tables: object store)
         mark(f"{way}_start", round=0)  # ROLLOUT_PUSH_TRACE: every process's marks
         t0 = time.monotonic()
@@ -248,8 +248,6 @@ def main() -> None:
 
     def checkpoint() -> dict:
         from rollout_cluster.engines.checkpoint import write_manifest
-
-        from rollout_cluster.transfer.trace import mark
 
         path = os.path.join(run.ckpt_root, "step1")
         mark("checkpoint_start", round=0)

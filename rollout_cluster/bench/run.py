@@ -218,5 +218,6 @@ def parse_policies(text: Optional[str]) -> list:
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:
-        raise FlagError(f"--policies={text!r}: unknown {','.join(unknown) or 'none given'}; choose from {','.join(POLICIES)}")
+        raise FlagError(f"--policies={text!r}: unknown {','.join(unknown) or 'none given'}; "
+                        f"choose from {','.join(POLICIES)}")
     return names

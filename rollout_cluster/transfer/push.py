@@ -62,9 +62,9 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew.
 
     With ROLLOUT_PUSH_STREAM=1 (STREAM_ENV), through the object store the order goes out once the
-    manifest and the first bucket are in the store, and the later buckets follow (`push_more`) while the replicas fetch and load
-    (transfer/bucket_stream.py): each time as many are in as were sent before, and the rest at the
-    end, and at least every PUSH_MORE_EVERY_S while the trainer puts. The router orders every
+    manifest and the first bucket are in the store, and the later buckets follow (`push_more`)
+    while the replicas fetch and load (transfer/bucket_stream.py): each time as many are in as were
+    sent before, the rest at the end, and at least every PUSH_MORE_EVERY_S while the trainer puts. The router orders every
     replica the push again at each `push_more`, naming every object so far: doubling keeps that to
     about twice the push's objects per replica however many buckets there are (one call per bucket
     would be quadratic), and the trainer, which puts faster than an engine loads, stays ahead of
