@@ -160,6 +160,16 @@ def test_unknown_policy_is_refused(capsys):
     assert "--policies='pull,fastest': unknown fastest; choose from" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--prompts", "0"], "--prompts=0: must be >= 1 for the rl-longtail workload"),
+    (["--sigma-sample", "-0.5"], "--sigma-sample=-0.5: must be >= 0"),
+    (["--prompt-min", "900", "--prompt-max", "800"], "--prompt-min=900: must be >= 1 and <= --prompt-max (800)"),
+])
+def test_workload_flags_out_of_range_are_refused_naming_the_flag(capsys, flags, message):
+    assert main(["simulate", "--policy", "static", "--replicas", "2"] + flags) == 2
+    assert message in capsys.readouterr().err
+
+
 # ---- calibration fit ------------------------------------------------------------------------
 def test_calibration_fit_recovers_a_known_model():
     a, c, e, rate = 4e-3, 1.5e-8, 2e-5, 40000.0

@@ -37,13 +37,16 @@ class LongtailSpec:
     prompt_max: int = 1024
 
     def validate(self) -> "LongtailSpec":
-        checks = [("prompts", self.prompts >= 1), ("samples", self.samples >= 1), ("median", self.median > 0),
-                  ("sigma_prompt", self.sigma_prompt >= 0), ("sigma_sample", self.sigma_sample >= 0),
-                  ("max_tokens", self.max_tokens >= MIN_LENGTH),
-                  ("prompt_min", 1 <= self.prompt_min <= self.prompt_max)]
-        for name, ok in checks:
+        """The spec, or a FlagError naming the bench flag (each field is `--<field with dashes>`)."""
+        checks = [("prompts", self.prompts >= 1, ">= 1"), ("samples", self.samples >= 1, ">= 1"),
+                  ("median", self.median > 0, "> 0"), ("sigma_prompt", self.sigma_prompt >= 0, ">= 0"),
+                  ("sigma_sample", self.sigma_sample >= 0, ">= 0"),
+                  ("max_tokens", self.max_tokens >= MIN_LENGTH, f">= {MIN_LENGTH}"),
+                  ("prompt_min", 1 <= self.prompt_min <= self.prompt_max, f">= 1 and <= --prompt-max ({self.prompt_max})")]
+        for name, ok, rule in checks:
             if not ok:
-                raise FlagError(f"{name}={getattr(self, name)!r}: out of range for rl-longtail")
+                flag = "--" + name.replace("_", "-")
+                raise FlagError(f"{flag}={getattr(self, name)!r}: must be {rule} for the rl-longtail workload")
         return self
 
     def describe(self) -> dict:

@@ -47,7 +47,7 @@ def _packable(name: str, tensor) -> None:
     before any replica is ordered, naming the tensor, not in the middle with a torch error."""
     import torch
 
-    if type(tensor).__name__ == "DTensor":  # torch.distributed.tensor: this rank's shard only
+    if _is_dtensor(tensor):  # torch.distributed.tensor: this rank's shard only
         raise TypeError(f"named_tensors[{name!r}]: a DTensor (sharded across ranks): push the whole tensor "
                         "(tensor.full_tensor(), called on every rank) from one rank")
     if tensor.is_meta:
@@ -55,6 +55,14 @@ def _packable(name: str, tensor) -> None:
     if tensor.layout != torch.strided:
         raise ValueError(f"named_tensors[{name!r}]: layout {tensor.layout}: only dense (strided) tensors can be "
                          "pushed; push tensor.to_dense()")
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch built without distributed has no DTensor)
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def pack(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, staging=None) -> Iterator[dict]:
