@@ -96,3 +96,20 @@ def test_a_bucket_larger_than_started_is_refused_not_written_past_the_buffer():
     stage.start(bucket_span([40]), cuda=False)
     with pytest.raises(RuntimeError, match="a bucket of .* bytes in a buffer of 64"):
         stage.take(torch.zeros(100))
+
+
+def test_client_shutdown_frees_the_process_staging_buffer(monkeypatch):
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from rollout_cluster.client import lifecycle
+    from rollout_cluster.transfer import staging
+
+    deleted = []
+    monkeypatch.setattr(serve, "delete", deleted.append)
+    shared = staging.shared()
+    list(pack([("w", torch.ones(8, 4).t())], staging=shared))
+    assert shared.nbytes > 0
+    lifecycle.shutdown(SimpleNamespace(app_name="app-x", owns_cluster=False))
+    assert deleted == ["app-x"] and shared.nbytes == 0

@@ -107,6 +107,9 @@ class RolloutClient:
         with each replica's error as update_weights does; a replica that joins later loads them
         before it takes work. The tensors live in this process's object store: keep the process up
         while the fleet may still need them (until the next push). `running`: as update_weights'.
+        Tensors on a GPU (or strided views) reach host memory through one buffer of a bucket's
+        size that this process keeps from push to push, pinned (transfer/staging.py); shutdown()
+        frees it.
 
         `transport="ipc"` (co-location: the trainer's CUDA tensors on the GPU a replica's engine
         uses): the buckets carry CUDA IPC handles, and the engine copies the tensors straight from

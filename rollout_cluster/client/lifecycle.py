@@ -95,7 +95,11 @@ def connect(cls, app_name: str, address: str, wait_s: float, kw: dict):
 def shutdown(client) -> None:
     from ray import serve
 
+    from ..transfer import staging
+
     serve.delete(client.app_name)
+    with staging.shared().lock:  # (a push of another client in this process allocates it again)
+        staging.shared().release()
     if client.owns_cluster:
         import ray
 
