@@ -80,15 +80,102 @@ def test_a_streamed_push_packs_planned_groups_through_the_same_buffer():
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, [p for b in kept for p in unpack(b)]))
 
 
-def test_refused_pinned_memory_stages_in_pageable_memory(monkeypatch, caplog):
-    """A GPU tensor's bucket asks for pinned memory; where it is refused (here: no CUDA at all,
-    torch raises as it does for an exhausted pinned allocator) staging goes on in pageable memory."""
+class FakeCudart:
+    """torch.cuda.cudart() with page-locking that answers `code` (0: success), calls logged."""
+
+    def __init__(self, code: int):
+        self.code, self.calls = code, []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, size))
+        return self.code
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def fake_cuda(monkeypatch, code: int) -> FakeCudart:
+    cudart = FakeCudart(code)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+
+    def check_error(res):
+        if res != 0:
+            raise RuntimeError(f"CUDA error {res}")
+
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    return cudart
+
+
+def test_a_gpu_bucket_page_locks_exactly_the_buffer_and_release_unlocks_and_frees_it(monkeypatch):
+    cudart = fake_cuda(monkeypatch, 0)
+    stage = Staging()
+    stage.start(1000, cuda=True, reserve=1 << 20)
+    size = (1 << 20) + (1 << 20) // 64  # the bucket and room for its alignment
+    ptr = stage._buf.data_ptr()
+    assert stage.nbytes == size and cudart.calls == [("register", ptr, size)]  # not rounded up
+    stage.start(2000, cuda=True, reserve=1 << 20)  # fits: neither allocated nor locked again
+    assert len(cudart.calls) == 1
+    assert stage.release() and stage.nbytes == 0 and cudart.calls[-1] == ("unregister", ptr)
+
+
+def test_refused_page_locking_stages_in_pageable_memory_until_release(monkeypatch, caplog):
+    """Where page-locking is refused (a container's locked-memory limit) staging goes on in
+    pageable memory, without asking again for every bucket; release() lets it try again."""
+    cudart = fake_cuda(monkeypatch, 2)
     stage = Staging()
     stage.start(1000, cuda=True)
-    assert stage.nbytes == 1000 and not stage.pin and "pinned memory refused" in caplog.text
+    assert stage.nbytes == 1000 and not stage.pin and "page-locking 1000 bytes refused" in caplog.text
     t = torch.arange(10.0).reshape(2, 5).t()
     assert torch.equal(torch.from_numpy(stage.take(t).copy()).view(torch.float32).reshape(5, 2), t)
+    stage.start(1000, cuda=True)
+    assert len(cudart.calls) == 1  # not asked again
+    assert stage.release() and stage.pin and not any(c[0] == "unregister" for c in cudart.calls)
+
+
+def test_release_waits_for_no_bucket_being_packed():
+    """shutdown() may run while another thread packs a bucket, or from a signal handler on the
+    thread that packs: release() then leaves the buffer alone instead of blocking."""
+    stage = Staging()
+    list(pack([("w", torch.ones(8, 4).t())], staging=stage))
+    with stage.lock:
+        assert stage.release() is False and stage.nbytes > 0
+    assert stage.release() is True and stage.nbytes == 0
+
+
+@pytest.mark.parametrize("stream", ["0", "1"])
+@pytest.mark.parametrize("staged", ["1", "0"])
+def test_push_puts_each_staged_bucket_before_it_packs_the_next(monkeypatch, stream, staged):
+    """push() (default and streamed, staged or not: ROLLOUT_PUSH_STAGING): every bucket is in the
+    store (here: copied, as ray.put copies) before the next is packed into the same buffer."""
+    import ray
+
+    from router_support import SIGNER
+    from rollout_cluster.transfer import push as push_mod
+    from rollout_cluster.transfer import staging
+    from test_push_stream import FakeRef, FakeRouter
+
+    puts = []
+
+    def put(obj):
+        if isinstance(obj, dict) and "data" in obj:
+            obj = {**obj, "data": [np.array(d, copy=True) for d in obj["data"]]}
+        puts.append(obj)
+        return FakeRef(len(puts) - 1)
+
+    monkeypatch.setattr(ray, "put", put)
+    monkeypatch.setenv(push_mod.STREAM_ENV, stream)
+    monkeypatch.setenv(push_mod.STAGING_ENV, staged)
+    shared = staging.shared()
+    shared.release()
+    named = strided_tensors()
+    push_mod.push(FakeRouter([]), SIGNER, named, None, 2000, 5.0)
+    back = [pair for b in puts if "data" in b for pair in unpack(b)]
+    assert len([b for b in puts if "data" in b]) >= 3 and [n for n, _ in back] == [n for n, _ in named]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, back))
+    assert (shared.nbytes > 0) == (staged == "1")
+    shared.release()
 
 
 def test_a_bucket_larger_than_started_is_refused_not_written_past_the_buffer():

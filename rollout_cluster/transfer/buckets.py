@@ -94,18 +94,20 @@ def _packed(group: list, staging, reserve: int = 0) -> dict:
     if copied:
         staging.start(bucket_span([t.numel() * t.element_size() for t in copied]), cuda=any(t.is_cuda for t in copied),
                       reserve=reserve)
-    for name, tensor in group:
-        if copied and needs_copy(tensor):
-            data = staging.take(tensor)
-        else:
-            t = tensor.detach().to("cpu").contiguous()
-            data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else _no_bytes()
-        bucket["names"].append(name)
-        bucket["dtypes"].append(str(tensor.dtype).removeprefix("torch."))
-        bucket["shapes"].append(list(tensor.shape))
-        bucket["data"].append(data)
-    if copied:
-        staging.ready()
+    try:
+        for name, tensor in group:
+            if copied and needs_copy(tensor):
+                data = staging.take(tensor)
+            else:
+                t = tensor.detach().to("cpu").contiguous()
+                data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else _no_bytes()
+            bucket["names"].append(name)
+            bucket["dtypes"].append(str(tensor.dtype).removeprefix("torch."))
+            bucket["shapes"].append(list(tensor.shape))
+            bucket["data"].append(data)
+    finally:  # (failed midway too: no copy still lands in the buffer the next bucket takes)
+        if copied:
+            staging.ready()
     return bucket
 
 

@@ -49,10 +49,15 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 
     refs, headers, tensors, nbytes = [], [], 0, 0
     mark("put_start")
-    for bucket in (ipc.buckets(named_tensors, bucket_bytes) if ipc is not None
-                   else pack(named_tensors, bucket_bytes, staging)):
-        mark("bucket_packed", i=len(refs))
-        refs.append(ray.put(bucket))  # (a copy: the staging buffer is free again)
+    source = iter(ipc.buckets(named_tensors, bucket_bytes) if ipc is not None
+                  else pack(named_tensors, bucket_bytes, staging))
+    while True:
+        with staging.lock if staging is not None else contextlib.nullcontext():  # (a bucket at a time in it)
+            bucket = next(source, None)
+            if bucket is None:
+                break
+            mark("bucket_packed", i=len(refs))
+            refs.append(ray.put(bucket))  # (a copy: the staging buffer is free again)
         mark("put_bucket", i=len(refs) - 1, bytes=bucket_bytes_of(bucket))
         headers.append(header(bucket))  # (not the bucket: its bytes go once they are in the store)
         tensors += len(bucket["names"])
@@ -80,21 +85,14 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     the replicas. `named_tensors` is gone through once first,
     names and sizes only, to plan the buckets: the manifest goes ahead of them. (By CUDA IPC the
     buckets are handles, put at once: one order names them all.)"""
-    stage = staging.shared() if os.environ.get(STAGING_ENV, "1") != "0" else None
-    with stage.lock if stage is not None else contextlib.nullcontext():  # (one push at a time in the buffer)
-        return _push(router, signer, named_tensors, version, bucket_bytes, call_timeout_s, running, ipc,
-                     until_numbered, stage)
-
-
-def _push(router, signer, named_tensors, version, bucket_bytes, call_timeout_s, running, ipc, until_numbered,
-          stage) -> tuple:
     import ray
 
+    stage = staging.shared() if os.environ.get(STAGING_ENV, "1") != "0" else None
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
     if ipc is not None or os.environ.get(STREAM_ENV, "0") != "1":
         # every bucket in before the order, each packed as the tensors come (no more than a bucket
         # of them held at once): a trainer that fails here has touched no replica
-        refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc, stage)
+        refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc, stage if ipc is None else None)
         later = []
     else:  # streamed: planned first (every (name, tensor) held until packed), the manifest ahead
         groups = plan(named_tensors, bucket_bytes)
@@ -134,8 +132,9 @@ def _push(router, signer, named_tensors, version, bucket_bytes, call_timeout_s, 
 def _put(group: list, i: int, stage, bucket_bytes: int):
     import ray
 
-    bucket = pack_group(group, stage, bucket_bytes)
-    mark("bucket_packed", i=i)
-    ref = ray.put(bucket)
+    with stage.lock if stage is not None else contextlib.nullcontext():  # (a bucket at a time in the buffer)
+        bucket = pack_group(group, stage, bucket_bytes)
+        mark("bucket_packed", i=i)
+        ref = ray.put(bucket)
     mark("put_bucket", i=i, bytes=bucket_bytes_of(bucket))
     return ref

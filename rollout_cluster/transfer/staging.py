@@ -22,15 +22,15 @@ ALIGN = 64  # each tensor's offset in the buffer (any dtype's view of it is alig
 
 
 class Staging:
-    """One growable buffer, taken a bucket at a time (`start`, `take`..., `ready`)."""
+    """One growable buffer, taken a bucket at a time (`start`, `take`..., `ready`), under `lock`."""
 
     def __init__(self, pin: bool = True):
-        self.pin = pin  # pinned memory for GPU tensors (a CUDA D2H copy then runs at the link's speed)
+        self.pin = pin  # page-lock the buffer for GPU tensors (a CUDA D2H copy then runs at the link's speed)
         self._buf = None  # uint8 torch tensor (None until the first copy)
-        self._pinned = False  # whether _buf is pinned
+        self._pinned = False  # whether _buf is page-locked (cudaHostRegister: exactly its size, freed by release)
         self._offset = 0  # bytes of the buffer the current bucket holds
         self._devices: set = set()  # CUDA devices with copies in flight into the current bucket
-        self.lock = threading.Lock()  # held by the push using it (one bucket in the buffer at a time)
+        self.lock = threading.Lock()  # held while one bucket is packed and put (push.py)
 
     @property
     def nbytes(self) -> int:
@@ -38,24 +38,33 @@ class Staging:
 
     def start(self, nbytes: int, cuda: bool, reserve: int = 0) -> None:
         """A new bucket of at most `nbytes` (the previous one's bytes are given up): the buffer
-        grows to it (pinned if `cuda` and pinning is on), and when it grows, to at least `reserve`
-        (the push's bucket size) and the alignment of its tensors, so that it grows once a push."""
+        grows to it (page-locked if `cuda` and pinning is on), and when it grows, to at least
+        `reserve` (the push's bucket size) and the alignment of its tensors, so that it grows once
+        a push."""
         import torch
 
         self._offset, self._devices = 0, set()
         pin = self.pin and cuda and torch.cuda.is_available()
         if self._buf is None or self._buf.numel() < nbytes or (pin and not self._pinned):
             size = max(nbytes, self.nbytes, reserve + max(reserve // 64, 64 * ALIGN) if reserve else 0)
-            self._buf = None  # (the old one freed before the new one is allocated)
-            try:
-                self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-            except RuntimeError as e:  # (pinned memory refused: the copies run, slower, through pageable)
-                if not pin:
-                    raise
-                log.warning("staging: %d bytes of pinned memory refused (%s); staging in pageable memory", size, e)
-                self.pin, pin = False, False
-                self._buf = torch.empty(size, dtype=torch.uint8)
-            self._pinned = pin
+            self._drop()
+            self._buf = torch.empty(size, dtype=torch.uint8)
+            self._pinned = pin and self._register()
+
+    def _register(self) -> bool:
+        """Page-locks the buffer (cudaHostRegister: exactly its size; torch's pinned allocator would
+        round it up to a power of two and keep it cached after it is freed). Refused, the copies run
+        through pageable memory, slower, until release()."""
+        import torch
+
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self.nbytes, 0))
+            return True
+        except (RuntimeError, AssertionError) as e:
+            log.warning("staging: page-locking %d bytes refused (%s); staging in pageable memory until release()",
+                        self.nbytes, e)
+            self.pin = False
+            return False
 
     def take(self, tensor):
         """A copy of `tensor` in the buffer (started copying; `ready` waits for it): its bytes as a
@@ -66,22 +75,39 @@ class Staging:
             raise RuntimeError(f"staging: a bucket of {off + n} bytes in a buffer of {self.nbytes} (start() asked less)")
         dst = self._buf[off:off + n]
         if n:
-            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=tensor.is_cuda)
             if tensor.is_cuda:
-                self._devices.add(tensor.device)
+                self._devices.add(tensor.device)  # (before the copy: a failed one is waited for too)
+            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         self._offset = off + -(-n // ALIGN) * ALIGN
         return dst.numpy()
 
     def ready(self) -> None:
-        """Every copy into the current bucket done (the CUDA streams that copied, synchronized)."""
+        """Every copy into the current bucket done (the CUDA streams that copied, synchronized: a
+        D2H copy runs on the current stream of the tensor's device)."""
         import torch
 
-        for device in self._devices:
+        devices, self._devices = self._devices, set()
+        for device in devices:
             torch.cuda.current_stream(device).synchronize()
-        self._devices = set()
 
-    def release(self) -> None:
-        """Frees the buffer (the next push allocates it again)."""
+    def release(self) -> bool:
+        """Frees the buffer (unregistered, back to the allocator; the next push allocates it again)
+        and lets pinning be tried again. Not while a bucket is packed (returns False then)."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._drop()
+            self.pin = True
+            return True
+        finally:
+            self.lock.release()
+
+    def _drop(self) -> None:
+        """The buffer let go (a bucket still viewing it keeps its memory, now pageable)."""
+        if self._buf is not None and self._pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
         self._buf, self._pinned, self._offset = None, False, 0
 
 
@@ -99,6 +125,6 @@ _shared = Staging()
 
 
 def shared() -> Staging:
-    """The process's staging buffer: kept from push to push (a pinned allocation of a bucket's
-    size costs tens of milliseconds), at most the largest bucket pushed. `release()` frees it."""
+    """The process's staging buffer: kept from push to push (page-locking a bucket's size costs
+    tens of milliseconds), at most the largest bucket pushed. `release()` frees it."""
     return _shared
