@@ -19,7 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+try:
+    import rollout_cluster  # noqa: F401
+except ModuleNotFoundError:  # (a GPU host with torch and no kit: transfer/ needs only torch and numpy)
+    import types
+
+    _pkg = types.ModuleType("rollout_cluster")
+    _pkg.__path__ = [str(ROOT / "rollout_cluster")]
+    sys.modules["rollout_cluster"] = _pkg
 
 from rollout_cluster.transfer.buckets import pack  # noqa: E402
 from rollout_cluster.transfer.staging import Staging  # noqa: E402
