@@ -126,12 +126,14 @@ def test_refused_page_locking_stages_in_pageable_memory_until_release(monkeypatc
     cudart = fake_cuda(monkeypatch, 2)
     stage = Staging()
     stage.start(1000, cuda=True)
-    assert stage.nbytes == 1000 and not stage.pin and "page-locking 1000 bytes refused" in caplog.text
+    assert stage.nbytes == 1000 and not stage._pinned and "page-locking 1000 bytes refused" in caplog.text
     t = torch.arange(10.0).reshape(2, 5).t()
     assert torch.equal(torch.from_numpy(stage.take(t).copy()).view(torch.float32).reshape(5, 2), t)
     stage.start(1000, cuda=True)
     assert len(cudart.calls) == 1  # not asked again
-    assert stage.release() and stage.pin and not any(c[0] == "unregister" for c in cudart.calls)
+    assert stage.release() and not any(c[0] == "unregister" for c in cudart.calls)
+    stage.start(1000, cuda=True)  # tried again after release
+    assert len(cudart.calls) == 2
 
 
 def test_release_waits_for_no_bucket_being_packed():

@@ -6,8 +6,8 @@ as `ray.put` copies it into the store. Needs torch and a GPU, not vLLM or Ray (n
 
     python3 experiments/weights-colocated/staging_bench.py --rounds 3 --out $OUT
 
-Prints one JSON line per round and a summary; every staged bucket's bytes are compared with the
-fresh way's in the first round (they must be equal).
+Prints one JSON line per round and a summary; in the first round about 4,096 bytes sampled evenly
+from every staged bucket are compared with the fresh way's (they must be equal).
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ owns the objects (Ray's ownership): they live while it does and the router still
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
 from time import monotonic
@@ -21,6 +20,7 @@ from typing import Callable, Iterable, Optional
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_of, header, manifest, pack, pack_group, plan, planned_header
 from . import staging
+from .staging import one_bucket_at_a_time
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
@@ -52,7 +52,7 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     source = iter(ipc.buckets(named_tensors, bucket_bytes) if ipc is not None
                   else pack(named_tensors, bucket_bytes, staging))
     while True:
-        with staging.lock if staging is not None else contextlib.nullcontext():  # (a bucket at a time in it)
+        with one_bucket_at_a_time(staging):
             bucket = next(source, None)
             if bucket is None:
                 break
@@ -132,7 +132,7 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 def _put(group: list, i: int, stage, bucket_bytes: int):
     import ray
 
-    with stage.lock if stage is not None else contextlib.nullcontext():  # (a bucket at a time in the buffer)
+    with one_bucket_at_a_time(stage):
         bucket = pack_group(group, stage, bucket_bytes)
         mark("bucket_packed", i=i)
         ref = ray.put(bucket)

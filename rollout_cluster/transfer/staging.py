@@ -13,6 +13,7 @@ staging); a non-contiguous one is copied into the buffer too.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -26,6 +27,7 @@ class Staging:
 
     def __init__(self, pin: bool = True):
         self.pin = pin  # page-lock the buffer for GPU tensors (a CUDA D2H copy then runs at the link's speed)
+        self._refused = False  # page-locking was refused: pageable until release()
         self._buf = None  # uint8 torch tensor (None until the first copy)
         self._pinned = False  # whether _buf is page-locked (cudaHostRegister: exactly its size, freed by release)
         self._offset = 0  # bytes of the buffer the current bucket holds
@@ -44,7 +46,7 @@ class Staging:
         import torch
 
         self._offset, self._devices = 0, set()
-        pin = self.pin and cuda and torch.cuda.is_available()
+        pin = self.pin and not self._refused and cuda and torch.cuda.is_available()
         if self._buf is None or self._buf.numel() < nbytes or (pin and not self._pinned):
             size = max(nbytes, self.nbytes, reserve + max(reserve // 64, 64 * ALIGN) if reserve else 0)
             self._drop()
@@ -63,7 +65,7 @@ class Staging:
         except (RuntimeError, AssertionError) as e:
             log.warning("staging: page-locking %d bytes refused (%s); staging in pageable memory until release()",
                         self.nbytes, e)
-            self.pin = False
+            self._refused = True
             return False
 
     def take(self, tensor):
@@ -97,7 +99,7 @@ class Staging:
             return False
         try:
             self._drop()
-            self.pin = True
+            self._refused = False
             return True
         finally:
             self.lock.release()
@@ -109,6 +111,11 @@ class Staging:
 
             torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
         self._buf, self._pinned, self._offset = None, False, 0
+
+
+def one_bucket_at_a_time(staging):
+    """The context a bucket is packed and put in: the staging buffer's lock (no lock without one)."""
+    return staging.lock if staging is not None else contextlib.nullcontext()
 
 
 def needs_copy(tensor) -> bool:
