@@ -145,6 +145,36 @@ def test_a_replica_loads_the_buckets_in_order_and_reloads_them_after_a_deep_slee
     assert moves.sleep_level == 0 and moves.broken is None
 
 
+def test_a_replica_lets_a_replaced_push_go_once_the_next_one_is_loaded():
+    """After a push's load the replica keeps only the handles of the version it holds: Ray frees a
+    replaced version's buckets (with two kept, a 7B model's third push filled an H200 host's
+    object store and spilled it to a full disk). A push that failed to load is let go too."""
+    import gc
+    import weakref
+
+    eng = TensorEngine()
+    moves = EngineMoves(eng, ClusterConfig(engine=EngineConfig(model="models/none")), "a")
+    buckets = tuple(pack(tensors(), bucket_bytes=1200))
+
+    async def load(path, version, named):
+        moves.apply(LoadWeights(path, version, named))
+        await moves.loading[1]
+
+    async def go():
+        await load(f"{PUSH_SCHEME}p1", 1, buckets)
+        first = weakref.ref(moves.streams[f"{PUSH_SCHEME}p1"])
+        await load(f"{PUSH_SCHEME}p2", 2, buckets)
+        assert set(moves.streams) == {f"{PUSH_SCHEME}p2"} and moves.weights_version == 2
+        assert moves.weights_buckets is moves.streams[f"{PUSH_SCHEME}p2"]  # (a deep sleep's reload)
+        gc.collect()
+        assert first() is None  # nothing else holds p1's handles
+        await load(f"{PUSH_SCHEME}p3", 3, (None,) + buckets[1:])  # a bucket that is no bucket: the load fails
+        assert moves.weights_version == 2 and "p3" in moves.weights_error
+        assert set(moves.streams) == {f"{PUSH_SCHEME}p2"}
+
+    asyncio.run(go())
+
+
 def test_a_push_whose_tensors_are_gone_fails_with_why():
     moves = EngineMoves(TensorEngine(), ClusterConfig(engine=EngineConfig(model="models/none")), "a")
 

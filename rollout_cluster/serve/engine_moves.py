@@ -142,10 +142,16 @@ class EngineMoves:
         if stream is None:
             stream = self.streams[path] = BucketStream(path)
         stream.offer(buckets)
-        keep = {path, self.weights_path, self.noted[1], self.loading[2] if self.loading else ""}
+        self._forget_streams(also=path)
+        return stream
+
+    def _forget_streams(self, also: str = "") -> None:
+        """Drop the streams of pushes this replica neither holds, loads nor noted (nor `also`): their
+        handles would keep a replaced version's buckets alive in the object store, a whole model's
+        bytes on the trainer's node for every version kept."""
+        keep = {also, self.weights_path, self.noted[1], self.loading[2] if self.loading else ""}
         for old in [p for p in self.streams if p not in keep]:
             del self.streams[old]
-        return stream
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
         failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
@@ -301,3 +307,4 @@ class EngineMoves:
         finally:
             if self.loading and (self.loading[0], self.loading[2]) == (version, path):  # not a later load's flag
                 self.loading = None
+            self._forget_streams()  # (the version this load replaced, or the push that failed to load)

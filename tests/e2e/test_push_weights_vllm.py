@@ -187,3 +187,44 @@ the trainer copies through its reused staging buffer. (On vLLM-CPU a linear laye
     finally:
         v3 = client.update_weights(str(original))  # the next tests expect the served model
     assert one_digest(client.weights_digest(detail=True), v3)["params"] == start["params"]
+
+
+def store_bytes() -> int:
+    """Bytes in use in this node's Ray object store (the node's raylet's own count)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return get_memory_info_reply(get_state_from_address()).store_stats.object_store_bytes_used
+
+
+def settles(check, timeout_s: float = 20.0) -> int:
+    """The store's bytes in use once `check(bytes)` holds (Ray frees objects asynchronously), or the
+    last count after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = store_bytes()
+        if check(used) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.5)
+
+
+def test_repeated_pushes_keep_one_version_in_the_object_store(client):
+    """The fleet keeps the buckets of the version it holds (a joiner and a deep sleeper's wake load
+    them) and lets every replaced version's go: after three pushes the store holds one version's
+    bytes, not three (or two: an H200 host's store filled on a 7B model's third push that way);
+    a checkpoint update lets the last push go too."""
+    original = ROOT / "models" / "tiny-llama"
+    sd = state_dict(original)
+    size = sum(t.numel() * t.element_size() for t in sd.values())
+    client.update_weights(str(original))
+    base = settles(lambda used: False, timeout_s=2.0)
+    try:
+        for k in range(3):
+            client.push_weights([(n, t * (1.0 + 0.01 * k)) for n, t in sd.items()], bucket_bytes=1 << 20)
+        used = settles(lambda used: used - base < 1.5 * size)
+        assert 0.5 * size < used - base < 1.5 * size, (used - base, size)  # the current version's, once
+    finally:
+        client.update_weights(str(original))  # the next tests expect the served model
+    used = settles(lambda used: used - base < 0.5 * size)
+    assert used - base < 0.5 * size, (used - base, size)
