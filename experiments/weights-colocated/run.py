@@ -121,7 +121,9 @@ def main() -> None:
     ap.add_argument("--store-repeats", default="",
                     help="after f, more object-store pushes of the same tensors, one per letter: s = through "
                          "the trainer's reused staging buffer (the default), f = each tensor into fresh memory "
-                         "(ROLLOUT_PUSH_STAGING=0); each timed and its digest compared with B's, e.g. f,s,f")
+                         "(ROLLOUT_PUSH_STAGING=0), t = staged and streamed (ROLLOUT_PUSH_STREAM=1: the order "
+                         "goes out with the first bucket, the rest follow); each timed and its digest compared "
+                         "with B's, e.g. f,s,f")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ckpt-dir", default=tempfile.gettempdir(), help="local disk for save_pretrained")
@@ -326,18 +328,23 @@ def main() -> None:
         """--store-repeats: the object-store push again, alternating how the trainer stages."""
         rounds = []
         for k, letter in enumerate(a.store_repeats.replace(",", ""), start=1):
+            if letter not in "fst":
+                raise ValueError(f"--store-repeats={a.store_repeats}: {letter!r} is none of f, s, t")
             os.environ["ROLLOUT_PUSH_STAGING"] = "0" if letter == "f" else "1"
+            os.environ["ROLLOUT_PUSH_STREAM"] = "1" if letter == "t" else "0"
             mark("push_start", round=k)
             t0 = time.monotonic()
             v = run.client.push_weights(tensors(), transport="object_store", timeout_s=a.object_store_timeout)
             took = time.monotonic() - t0
             mark("push_end", round=k)
             got = digest(f"R{k}")
-            rounds.append({"round": k, "staging": "fresh" if letter == "f" else "staged", "s": round(took, 2),
+            rounds.append({"round": k, "staging": "fresh" if letter == "f" else "staged", "streamed": letter == "t",
+                           "s": round(took, 2),
                            "version": v, "digest_vs_B": differing(run.digests["B"], run.digests[f"R{k}"])
                            if f"R{k}" in run.digests and "B" in run.digests else got})
             print(json.dumps(rounds[-1]), flush=True)
         os.environ.pop("ROLLOUT_PUSH_STAGING", None)
+        os.environ.pop("ROLLOUT_PUSH_STREAM", None)
         return {"store_repeats": rounds}
 
     have = {"cluster": lambda: run.client is not None, "model": lambda: run.model is not None,
