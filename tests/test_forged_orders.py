@@ -121,6 +121,8 @@ class Drill:
                 # (the later buckets of the push the fleet is at)
                 "push_more": {"source": self.router.core.weights.path,
                               "start": len(self.router.core.weights.buckets or ()), "buckets": [f"{self.n:032x}"]},
+                # (a push whose objects all came: nothing to abort, the answer says so)
+                "push_abort": {"source": f"push://d{self.n}", "reason": "drill"},
                 }[op]
 
     async def call(self, op: str, order):

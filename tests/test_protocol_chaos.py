@@ -1417,6 +1417,7 @@ def check_fleet_converged(chaos: Chaos) -> None:
         assert state == (weights, None, 0, 0, None, (0, "")), f"{rid}: {state}"
     status = core.weights_status()
     status.pop("broken")
+    assert (status.pop("streaming"), status.pop("aborted")) == (False, None)  # (no push here)
     assert status == {"version": v, "path": path or None,
                       "replicas": {rid: live[rid].weights[0] if rid in failed else v for rid in live},
                       "handed": {rid: {} for rid in live},  # (these replicas count no bucket)

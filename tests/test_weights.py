@@ -68,7 +68,8 @@ def test_every_replica_gets_one_load_order_and_no_work_until_it_holds_the_weight
     done, _, finished = core.fetch(bid, 0)
     assert finished and [c.weights_version for c in done] == [1, 1]
     assert core.weights_status() == {"version": 1, "path": "/ckpt/step1", "replicas": {"a": 1, "b": 1},
-                                     "handed": {"a": {}, "b": {}}, "errors": {}, "broken": []}
+                                     "handed": {"a": {}, "b": {}}, "errors": {}, "broken": [],
+                                     "streaming": False, "aborted": None}
 
 
 def test_update_is_refused_while_a_batch_runs_and_versions_only_grow():

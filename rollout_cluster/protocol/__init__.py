@@ -14,8 +14,8 @@ One module per family; import from the package (`from ..protocol import Report`)
 """
 from .checks import (INT64, MAX_N, BatchLostError, InputError, LimitExceeded, RouterBusy, WeightsNotLearned,
                      WeightsVersionError, is_int, is_int64, is_number)
-from .orders import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, Orders, ResetPrefixCache, Sleep, Wake,
-                     Work)
+from .orders import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, Orders, ResetPrefixCache, Sleep, StopPush,
+                     Wake, Work)
 from .reports import EngineStats, Listing, ModelInfo, Report, SeqProgress, SleepState, WeightsDigest, WeightsState
 from .requests import SamplingSpec, SequenceRequest
 from .results import Completion, Migration, Partial, partials
@@ -27,6 +27,6 @@ __all__ = [
     "SamplingSpec", "SequenceRequest",
     "Completion", "Migration", "Partial", "partials",
     "EngineStats", "Listing", "ModelInfo", "Report", "SeqProgress", "SleepState", "WeightsDigest", "WeightsState",
-    "ControlOrder", "DigestWeights", "LoadWeights", "NoteWeights", "Orders", "ResetPrefixCache", "Sleep", "Wake",
-    "Work",
+    "ControlOrder", "DigestWeights", "LoadWeights", "NoteWeights", "Orders", "ResetPrefixCache", "Sleep", "StopPush",
+    "Wake", "Work",
 ]

@@ -104,7 +104,18 @@ class DigestWeights:
     detail: bool = False
 
 
-ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake, ResetPrefixCache, DigestWeights]
+@dataclass(frozen=True)
+class StopPush:
+    """The push `path` ended before its last objects came (its trainer aborted it, push_abort; the
+    fleet went back to the weights it held before): a load of it stops at once, and one that had
+    begun replacing the engine's weights reloads those the replica held before; a note of it is
+    dropped."""
+
+    path: str  # the push ("push://<id>")
+    reason: str  # why it ended, the trainer's words (in the load's error)
+
+
+ControlOrder = Union[LoadWeights, NoteWeights, Sleep, Wake, ResetPrefixCache, DigestWeights, StopPush]
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..protocol import LoadWeights, NoteWeights, ResetPrefixCache, SleepState, Sleep, Wake, WeightsState
+from ..protocol import LoadWeights, NoteWeights, ResetPrefixCache, SleepState, Sleep, StopPush, Wake, WeightsState
 from .fleet import Fleet
 from .outbox import Outbox
 from .sleep import FleetSleep
@@ -30,21 +30,46 @@ class FleetControl:
 
     # ---- a driver's orders ---------------------------------------------------------------------
     def update_weights(self, path: str, version: Optional[int], buckets: Optional[tuple] = None,
-                       in_flight: bool = False, keep: bool = False, now: Optional[float] = None) -> int:
+                       in_flight: bool = False, keep: bool = False, now: Optional[float] = None,
+                       total: Optional[int] = None) -> int:
         """Point every replica at the weights in `path` (a checkpoint directory on the replicas'
         nodes; or, with `buckets`, a push's tensors: push_weights) as `version` (default: above the
         current one and any a replica reported). Between batches only, so that a batch never mixes
-        versions. Replicas load at their next pull; returns the version."""
+        versions. Replicas load at their next pull; returns the version. `total`: a streamed push's
+        objects in all (the rest follow with push_more)."""
         what = "push_weights" if buckets is not None else "update_weights"
         version = self.weights.checked(path, version)
+        total = self.weights.total_checked(total, buckets or ()) if buckets is not None else None
         if not in_flight:  # (in flight: RouterCore gives the running sequences up)
             self._refuse_while_running(what, "weights change between batches (or pass running=keep / recompute / abort)")
         self._refuse_while_loading(what)
         self._refuse_until_heard(what, now)  # (last: a driver that retries it has nothing else to fix)
-        self.weights.update(path, version, buckets, keep)
+        self.weights.update(path, version, buckets, keep, total)
         for rep in self.fleet.replicas.values():
             self.order_weights(rep)
         return version
+
+    def abort_push(self, source: str, reason: str) -> Optional[int]:
+        """Its trainer aborted the streamed push `source` before all its objects came
+        (FleetWeights.abort): the fleet goes back to the version before it. Every replica is told
+        (StopPush: a load of it stops, and reloads the weights held before if it had begun
+        replacing them) in place of any order of the push not yet pulled, and gets what it lacks
+        of the version gone back to. Returns the aborted version (None: nothing to abort)."""
+        aborted = self.weights.abort(source, reason)
+        if aborted is None:
+            return None
+        for rid, rep in self.fleet.replicas.items():
+            orders = self.outbox.to(rid)
+            of_it = [o for o in orders.control if isinstance(o, (LoadWeights, NoteWeights, Wake)) and o.path == source]
+            orders.control = [o for o in orders.control if o not in of_it] + [StopPush(source, reason)]
+            if rep.weights_ordered == aborted:
+                rep.weights_ordered = None
+            if rep.weights_noted == aborted:
+                rep.weights_noted = None
+            self.order_weights(rep)
+            if any(isinstance(o, Wake) for o in of_it):
+                self.order_sleep(rid)  # the wake it was to get, naming the weights gone back to
+        return aborted
 
     def push_more(self, source: str, start: int, buckets: tuple) -> int:
         """The current push's later buckets (FleetWeights.extend): every replica ordered or noted

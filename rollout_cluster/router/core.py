@@ -213,7 +213,7 @@ class RouterCore:
 
     # ---- the fleet's weights and sleep (control.py), between batches ---------------------------------
     def update_weights(self, path: str, version: Optional[int] = None, buckets: Optional[tuple] = None,
-                       running: str = "finish", now: Optional[float] = None) -> int:
+                       running: str = "finish", now: Optional[float] = None, total: Optional[int] = None) -> int:
         """Point every replica at the checkpoint in `path` as `version` (default: current + 1, and
         above every version a replica reported; a fresh router refuses the order, WeightsNotLearned
         and retryable, until it heard every replica or a replica timeout passed: weights_floor.py);
@@ -224,16 +224,31 @@ class RouterCore:
         gets the token where its engine swapped, from the replica's report); "recompute" gives the
         running ones up and continues them on the new weights by re-prefill (exact: the tokens
         after the swap are the new weights' continuation); "abort" ends them as "abort" with their
-        tokens (partial rollouts). Queued sequences run on the new weights in every mode."""
+        tokens (partial rollouts). Queued sequences run on the new weights in every mode. `total`:
+        a streamed push's objects in all, the rest following with push_more (abort_push until then)."""
         if running not in RUNNING_MODES:
             raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
         in_flight = running != "finish"
-        v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep", now=now)
+        v = self.control.update_weights(path, version, buckets, in_flight=in_flight, keep=running == "keep", now=now,
+                                        total=total)
         if in_flight:
             self.moves.take_back_unsent()  # Work still in an outbox runs on the new weights, as queued work
             if running != "keep":
                 self.moves.give_up_running(abort=running == "abort")
         return v
+
+    def abort_push(self, source: str, reason: str) -> dict:
+        """Its trainer aborted the streamed push `source` before all its objects came: the fleet
+        goes back to the version before it (control.abort_push), and the batches opened on the
+        aborted version, none of whose sequences ran (no replica could hold it), run on that one.
+        {"aborted": the aborted version or None (nothing to abort: not a push still coming),
+        "version": the fleet's version now}."""
+        aborted = self.control.abort_push(source, reason)
+        if aborted is not None:
+            for batch in self.batches.live.values():
+                if batch.weights_version == aborted:
+                    batch.weights_version = self.weights.version
+        return {"aborted": aborted, "version": self.weights.version}
 
     def sleep_fleet(self, level: int = 1) -> int:
         """Put every engine to sleep at vLLM's `level`; a batch submitted before wake() is refused."""

@@ -60,6 +60,13 @@ class FleetWeights:
         # The trainer sends the first ones with the order and the rest as they are put (push_more).
         self.buckets: Optional[tuple] = None
         self.sent: dict[str, int] = {}  # replica_id -> how many of `buckets` its last order of the version named
+        # A streamed push whose objects have not all come yet: how many it has in all (the manifest
+        # and every bucket; None once all came, and for a checkpoint), and (version, path, buckets)
+        # the fleet was at before it, where push_abort goes back to. Nothing more is kept: every
+        # replica still holds the buckets of the version it has not replaced yet.
+        self.total: Optional[int] = None
+        self.previous: Optional[tuple] = None
+        self.aborted: Optional[dict] = None  # the last push its trainer aborted: version, source, reason (status)
         self.keep = False  # the version's loads swap under running sequences (update_weights running="keep")
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
@@ -87,10 +94,15 @@ class FleetWeights:
             raise InputError("version", version, self.floor.why(self.version))
         return version
 
-    def update(self, path: str, version: int, buckets: Optional[tuple] = None, keep: bool = False) -> None:
+    def update(self, path: str, version: int, buckets: Optional[tuple] = None, keep: bool = False,
+               total: Optional[int] = None) -> None:
         """Point the fleet at `path` as `version` (checked), pushed as `buckets` if given. The caller
         made sure that no load is under way, and no batch runs unless `running` said what becomes
-        of it. `keep`: the load swaps under running sequences (LoadWeights.keep)."""
+        of it. `keep`: the load swaps under running sequences (LoadWeights.keep). `total`: a
+        streamed push's objects in all, more than `buckets` (checked: total_checked)."""
+        streaming = buckets is not None and total is not None and total > len(buckets)
+        self.previous = (self.version, self.path, self.buckets) if streaming else None
+        self.total = total if streaming else None
         self.version, self.path, self.learning, self.buckets = version, path, False, buckets
         self.keep = keep
         self.sent.clear()
@@ -109,8 +121,40 @@ class FleetWeights:
                              + "): push the weights again")
         if not is_int(start) or start != len(self.buckets):
             raise InputError("start", start, f"must be {len(self.buckets)}, the number of the push's objects so far")
+        if self.total is not None and start + len(buckets) > self.total:
+            raise InputError("buckets", f"<{len(buckets)} objects from {start}>",
+                             f"must end at or before the push's {self.total} objects (its order's `objects`)")
         self.buckets = self.buckets + tuple(buckets)
+        if self.total is not None and len(self.buckets) >= self.total:
+            self.total, self.previous = None, None  # every object came: the push can no longer be aborted
         return len(self.buckets)
+
+    @staticmethod
+    def total_checked(total, buckets: tuple) -> Optional[int]:
+        """A push order's `objects` (how many it will have in all), or InputError naming it."""
+        if total is not None and (not is_int(total) or total < len(buckets) or total > 1 << 20):
+            raise InputError("objects", total, f"must be the push's objects in all (the manifest and every bucket): "
+                             f"an integer from {len(buckets)}, the objects sent with the order, to {1 << 20}")
+        return total
+
+    def abort(self, source: str, reason: str) -> Optional[int]:
+        """The trainer aborted the push `source` before all its objects came: the fleet goes back to
+        the version it was at before (no replica could hold the push: none has all of it), and the
+        next version is numbered above the aborted one, which names these weights for good. Returns
+        the aborted version; None when `source` is not a push still coming (one whose objects all
+        came, another, or one already aborted): nothing changes."""
+        if self.previous is None or source != self.path:
+            return None
+        aborted = self.version
+        self.floor.passed(aborted, f"push {source} was aborted as version {aborted}")
+        self.version, self.path, self.buckets = self.previous
+        self.previous, self.total, self.keep = None, None, False
+        self.aborted = {"version": aborted, "source": source, "reason": reason, "back_to": self.version}
+        self.sent.clear()
+        self.errors.clear()
+        self.held_back.clear()
+        self.load_deaths.clear()
+        return aborted
 
     def check_batch(self, version, replicas: int) -> None:
         """A batch that names its weights version runs on it or is refused: a trainer that updated
@@ -302,4 +346,6 @@ class FleetWeights:
                 "replicas": {rid: r.weights_version for rid, r in replicas.items()},
                 # how each replica's engine had the buckets of its weights' load handed to vLLM's worker
                 "handed": {rid: dict(r.weights_handed) for rid, r in replicas.items()},
-                "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()]}
+                "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()],
+                # a streamed push whose objects still come (the order's count), and the last push aborted
+                "streaming": self.total is not None, "aborted": dict(self.aborted) if self.aborted else None}

@@ -76,6 +76,11 @@ class VersionFloor:
             f"router.replica_timeout_s = {timeout_s:g} s after it started (a replica silent that long is dead). "
             "Nothing was changed: retry in a moment (RolloutClient does, within its timeout)")
 
+    def passed(self, version: int, how: str) -> None:
+        """`version` named weights the fleet went back from (an aborted push): never numbered again."""
+        if version > self.highest:
+            self.highest, self.highest_how = version, how
+
     def lowest_next(self, current: int) -> int:
         """The lowest version a new order may take: above the current one and the floor."""
         return max(current, self.highest) + 1

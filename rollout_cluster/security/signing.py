@@ -25,10 +25,13 @@ CONTROL_OPS: dict[str, tuple[str, ...]] = {
     "update_weights": ("path", "version", "running"),
     # push_weights: the object ids of the buckets sent beside the order (signed here, so that no
     # one can swap the tensors), their tensor and byte counts, and the push's name ("push://<id>")
-    "push_weights": ("source", "version", "buckets", "tensors", "bytes", "running"),
+    # `objects`: how many objects (the manifest and every bucket) a streamed push has in all
+    "push_weights": ("source", "version", "buckets", "tensors", "bytes", "running", "objects"),
     # push_more: the push's later buckets (sent while the replicas load the first ones), from the
     # object at `start` on, with their object ids
     "push_more": ("source", "start", "buckets"),
+    # push_abort: the trainer failed before the streamed push's last objects: the fleet goes back
+    "push_abort": ("source", "reason"),
     "sleep": ("level",),
     "wake": (),
     "set_fleet_target": ("replicas",),

@@ -22,8 +22,8 @@ from ..config import ClusterConfig
 from ..engines.base import SleepRefused, WeightsLoadBroken
 from ..transfer.bucket_stream import BucketStream, fetched  # noqa: F401 (fetched: the replica's reader of a push)
 from ..transfer.push import PUSH_SCHEME
-from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState, Wake,
-                        WeightsDigest, WeightsState)
+from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, ResetPrefixCache, Sleep, SleepState,
+                        StopPush, Wake, WeightsDigest, WeightsState)
 
 log = logging.getLogger("ray.serve")
 
@@ -54,7 +54,7 @@ class EngineMoves:
         self.digest_ask = ""  # the last DigestWeights taken (a resent one starts nothing)
         self.digest: Optional[WeightsDigest] = None  # its answer, until a report delivered it
         self._handlers = {LoadWeights: self._load, NoteWeights: self._note, ResetPrefixCache: self._reset_cache,
-                          DigestWeights: self._digest,
+                          DigestWeights: self._digest, StopPush: self._stop_push,
                           Sleep: lambda order: self._move(order.level, None), Wake: lambda order: self._move(0, order)}
 
     # ---- the replica's view ---------------------------------------------------------------------
@@ -152,6 +152,15 @@ class EngineMoves:
         keep = {also, self.weights_path, self.noted[1], self.loading[2] if self.loading else ""}
         for old in [p for p in self.streams if p not in keep]:
             del self.streams[old]
+
+    def _stop_push(self, order: StopPush) -> None:
+        """Its trainer aborted the push: a load of it fails at once (and reloads the weights held
+        before, if it had begun replacing them: _load_weights), a note of it is dropped."""
+        stream = self.streams.get(order.path)
+        if stream is not None:
+            stream.stop(order.reason if isinstance(order.reason, str) else repr(order.reason))
+        if self.noted[1] == order.path:
+            self.noted, self.noted_buckets = (0, ""), None
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
         failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
@@ -277,6 +286,32 @@ class EngineMoves:
             return self.weights_buckets
         return self.noted_buckets if path == self.noted[1] else None
 
+    async def _reload_held(self) -> Optional[str]:
+        """After a load that left the engine's weights a mix (a push stopped halfway, a bucket
+        refused after the first went in): load again the version the replica held, from its push's
+        buckets, its checkpoint or the config's model. Returns where from; None where there is
+        nowhere (dummy weights, a push whose objects are gone) or that load failed too: the engine
+        restarts then. Nothing runs on the engine meanwhile (a load runs between batches; a keep
+        swap, which runs beside sequences, is not mended this way)."""
+        path, buckets = self.weights_path, self.weights_buckets
+        source = path if buckets is not None or (path and not path.startswith(PUSH_SCHEME)) else \
+            (self.reload_source() if not path else None)
+        if not source:
+            return None
+        try:
+            if buckets is not None:
+                await self.engine.load_tensors(fetched(buckets))
+            else:
+                await self.engine.load_weights(source)
+        except Exception:
+            log.exception("replica %s: reloading version %d from %r after a broken load failed too", self.replica_id,
+                          self.weights_version, source)
+            return None
+        self.weights_handed = self._handed()
+        log.warning("replica %s: a load broke the engine's weights; reloaded version %d from %r", self.replica_id,
+                    self.weights_version, source)
+        return source
+
     async def _load_weights(self, path: str, version: int, before=(), buckets: Optional[tuple] = None,
                             keep: bool = False) -> None:
         # keep: swapped in under the running sequences, which report where (SeqProgress.swaps)
@@ -297,8 +332,13 @@ class EngineMoves:
             log.exception("replica %s: load_weights %r failed", self.replica_id, path)
             self.weights_error = f"replica {self.replica_id}: load_weights({path!r}): {e}"
             self.weights_error_version, self.weights_error_path = version, path
-            if isinstance(e, WeightsLoadBroken):
-                self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
+            if isinstance(e, WeightsLoadBroken):  # a mix of old and new weights
+                back = None if keep or (version, path) == (self.weights_version, self.weights_path) else \
+                    await self._reload_held()
+                if back is None:
+                    self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
+                else:
+                    self.weights_error += f"; the replica reloaded version {self.weights_version} from {back!r}"
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
             self.weights_buckets, self.weights_handed = buckets, self._handed()

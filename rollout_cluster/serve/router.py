@@ -21,7 +21,7 @@ from .fleet_target import expected_replicas
 from .metrics import PrometheusRouterMetrics
 from .router_credentials import ReplicaCredentials
 from .router_status import status_of
-from .router_weight_orders import checked_checkpoint, checked_push
+from .router_weight_orders import checked_abort, checked_checkpoint, checked_push
 from .stall_watch import StallWatch
 from ..niceness import set_niceness
 from ..policy import make_policy
@@ -246,7 +246,7 @@ class Router:
         args = self._order(order, "push_weights")
         source = checked_push(self, args, buckets)
         v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish",
-                                     now=time.monotonic())
+                                     now=time.monotonic(), total=args.get("objects"))
         log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
                  args.get("bytes"), len(buckets))
         self._wake_all()
@@ -261,6 +261,19 @@ class Router:
         n = self.core.control.push_more(source, args.get("start"), tuple(buckets))
         self._wake_all()
         return n
+
+    async def push_abort(self, order) -> dict:
+        """The trainer failed before its streamed push's last objects were put: the fleet goes back to
+        the weights it held before (RouterCore.abort_push), each replica's load of the push stops at
+        once (reloading those weights where it had begun replacing them) instead of waiting out
+        bucket_stream.STALL_S. {"aborted": version or None, "version": the fleet's now}."""
+        source, reason = checked_abort(self._order(order, "push_abort"))
+        out = self.core.abort_push(source, reason)
+        if out["aborted"] is not None:
+            log.warning("push_abort: version %d (%s) aborted by its trainer (%s); the fleet is back at version %d",
+                        out["aborted"], source, reason, out["version"])
+        self._wake_all()
+        return out
 
     async def sleep(self, order) -> int:
         """Put every engine to sleep (vLLM sleep mode, between batches); returns the level."""

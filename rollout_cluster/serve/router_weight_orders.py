@@ -1,6 +1,7 @@
 """What the Router deployment checks of a weights order before the fleet is pointed at it:
 a checkpoint under security.checkpoint_roots and complete (update_weights), or a push whose
-object refs are the ones its signed order names (push_weights). A refusal is counted by reason."""
+object refs are the ones its signed order names (push_weights), or the push an abort names
+(push_abort). A refusal is counted by reason."""
 from __future__ import annotations
 
 import asyncio
@@ -46,3 +47,12 @@ def checked_push(router, args: dict, buckets) -> str:
         raise InputError("buckets", f"<{len(buckets) if isinstance(buckets, list) else buckets!r}>",
                          "must be the object refs whose ids the signed order names, in order")
     return source
+
+
+def checked_abort(args: dict) -> tuple[str, str]:
+    """(source, reason) of a push_abort order; InputError naming a source that is no push. The
+    reason, the trainer's words, is cut to 1,000 characters."""
+    source, reason = args.get("source"), args.get("reason")
+    if not isinstance(source, str) or not source.startswith(PUSH_SCHEME):
+        raise InputError("source", source, f"must name the push ({PUSH_SCHEME}<id>)")
+    return source, (reason if isinstance(reason, str) else repr(reason))[:1000]

@@ -3,7 +3,8 @@ the first bucket, and the rest as it puts them (push.py), so that the replicas l
 
 Every order of a push (LoadWeights, NoteWeights, Wake; resent by the router each time the push
 grew) names its objects so far, in order; `offer` adds the ones not seen. The manifest, the first
-object, says how many there are (`expect`). A reader waits for the next one (`ref`) at most
+object, says how many there are (`expect`). A push its trainer aborted is `stop`ped: its reader
+fails at once, naming why. A reader waits for the next one (`ref`) at most
 `STALL_S` after the last one came: a trainer that died mid-push, or a router that restarted
 (it lost the handles), sends no more, and the load fails naming what came instead of hanging.
 `fetched` is the replica's reader: a push's buckets, one fetched ahead of the engine.
@@ -30,6 +31,7 @@ class BucketStream:
         self.refs: list = list(refs)  # its objects' handles so far, the manifest first
         self.total: Optional[int] = None  # how many it has (the manifest's buckets + 1), once known
         self.last_t = time.monotonic()  # when the last one came
+        self.stopped: Optional[str] = None  # why the push ended before its last object (StopPush), once it did
         self._grew = asyncio.Event()
 
     def offer(self, refs) -> None:
@@ -39,6 +41,12 @@ class BucketStream:
             self.refs.extend(refs[len(self.refs):])
             self.last_t = time.monotonic()
             self._grew.set()
+
+    def stop(self, reason: str) -> None:
+        """The push ended before its last object came (its trainer aborted it): a reader waiting for
+        an object, or asking for one later, gets BucketsStopped naming `reason` at once."""
+        self.stopped = reason
+        self._grew.set()
 
     def expect(self, total: int) -> None:
         """The manifest says the push has `total` objects; more would be another push's."""
@@ -52,7 +60,7 @@ class BucketStream:
     async def ref(self, i: int, stall_s: Optional[float] = None):
         """The handle of object `i`, once it came; BucketsStopped after `stall_s` (STALL_S) without one."""
         stall_s = STALL_S if stall_s is None else stall_s
-        while len(self.refs) <= i:
+        while self.stopped is None and len(self.refs) <= i:
             left = self.last_t + stall_s - time.monotonic()
             if left <= 0:
                 raise BucketsStopped(
@@ -64,6 +72,9 @@ class BucketStream:
                 await asyncio.wait_for(self._grew.wait(), left)
             except asyncio.TimeoutError:
                 pass
+        if self.stopped is not None:  # (even for an object that came: the load cannot complete)
+            raise BucketsStopped(f"{self.source}: stopped after {len(self.refs)} of its {self.total or '?'} objects "
+                                 f"came: {self.stopped}")
         return self.refs[i]
 
     def __len__(self) -> int:

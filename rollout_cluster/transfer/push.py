@@ -13,6 +13,7 @@ owns the objects (Ray's ownership): they live while it does and the router still
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from time import monotonic
@@ -25,9 +26,10 @@ from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
 # "1": the order goes out with the first bucket and the rest follow (push_more). Off by default:
-# a trainer that fails or stalls mid-stream leaves every replica's engine half loaded (its load
-# fails after bucket_stream.STALL_S and the replica restarts), where a push that waits for every
-# bucket fails before any replica is touched. Streaming saved 7 % on the CPU cluster.
+# a push that waits for every bucket fails before any replica is touched. A streamed push that
+# fails in the trainer is aborted (push_abort: the fleet goes back, each replica reloads the
+# weights it held); one whose trainer dies or stalls leaves each replica waiting
+# bucket_stream.STALL_S first. Streaming saved 7 % on the CPU cluster.
 STREAM_ENV = "ROLLOUT_PUSH_STREAM"
 # A streamed push's later buckets go out at least this often, however few the doubling batch has
 # so far: a replica fails a push whose next object comes more than bucket_stream.STALL_S (60 s)
@@ -37,6 +39,8 @@ PUSH_MORE_EVERY_S = 10.0
 # "0": the trainer's tensors are copied to host memory each into fresh memory (`tensor.to("cpu")`),
 # not through the process's reused staging buffer (transfer/staging.py; pinned for GPU tensors)
 STAGING_ENV = "ROLLOUT_PUSH_STAGING"
+
+log = logging.getLogger(__name__)
 
 
 def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc=None,
@@ -104,9 +108,12 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
         refs = [ray.put(manifest([planned_header(g) for g in groups])), _put(groups[0], 0, stage, bucket_bytes)]
         later = groups[1:]
 
+    objects = len(refs) + len(later)  # the manifest and every bucket
+
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
-                                             "tensors": tensors, "bytes": nbytes, "running": running})
+                                             "tensors": tensors, "bytes": nbytes, "running": running,
+                                             "objects": objects})
         return router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
 
     v = until_numbered(send) if until_numbered is not None else send()
@@ -114,19 +121,36 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
     refs, ready = list(refs), []
     sending = None  # the last push_more, answered while the next buckets are put
     sent_t = monotonic()  # when the last order or push_more went out
-    for n, g in enumerate(later, start=1):
-        ready.append(_put(g, len(refs) + len(ready) - 1, stage, bucket_bytes))
-        if len(ready) < len(refs) - 1 and n < len(later) and monotonic() - sent_t < PUSH_MORE_EVERY_S:
-            continue  # (fewer than the buckets sent so far, and sent lately: more first)
+    try:
+        for n, g in enumerate(later, start=1):
+            ready.append(_put(g, len(refs) + len(ready) - 1, stage, bucket_bytes))
+            if len(ready) < len(refs) - 1 and n < len(later) and monotonic() - sent_t < PUSH_MORE_EVERY_S:
+                continue  # (fewer than the buckets sent so far, and sent lately: more first)
+            if sending is not None:
+                sending.result(timeout_s=call_timeout_s)
+            more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [r.hex() for r in ready]})
+            sending = router.push_more.remote(more, ready)
+            refs, ready, sent_t = refs + ready, [], monotonic()
         if sending is not None:
             sending.result(timeout_s=call_timeout_s)
-        more = signer.sign("push_more", {"source": source, "start": len(refs), "buckets": [r.hex() for r in ready]})
-        sending = router.push_more.remote(more, ready)
-        refs, ready, sent_t = refs + ready, [], monotonic()
-    if sending is not None:
-        sending.result(timeout_s=call_timeout_s)
-        mark("push_more_ack", objects=len(refs))
+            mark("push_more_ack", objects=len(refs))
+    except BaseException as e:  # (interrupted too) the replicas load a push that will not complete
+        abort(router, signer, source, e, call_timeout_s)
+        raise
     return v, source, refs
+
+
+def abort(router, signer, source: str, error: BaseException, call_timeout_s: float) -> None:
+    """Tell the router the streamed push `source` ends here (push_abort): the fleet goes back to the
+    weights it held before at once, instead of each replica waiting bucket_stream.STALL_S for the
+    next object and restarting. Best effort: the trainer's own error is what its caller gets."""
+    reason = f"the trainer's push failed: {type(error).__name__}: {error}"[:1000]
+    try:
+        order = signer.sign("push_abort", {"source": source, "reason": reason})
+        out = router.push_abort.remote(order).result(timeout_s=min(call_timeout_s, 30.0))
+        log.warning("push_weights: %s aborted (%s); the fleet is back at version %s", source, reason, out.get("version"))
+    except Exception as e:  # (the router is gone too: each replica's load fails after STALL_S)
+        log.warning("push_weights: telling the router that %s was aborted failed: %s", source, e)
 
 
 def _put(group: list, i: int, stage, bucket_bytes: int):

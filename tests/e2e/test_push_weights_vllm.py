@@ -228,3 +228,49 @@ def test_repeated_pushes_keep_one_version_in_the_object_store(client):
         client.update_weights(str(original))  # the next tests expect the served model
     used = settles(lambda used: used - base < 0.5 * size)
     assert used - base < 0.5 * size, (used - base, size)
+
+
+def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_restart(client, tmp_path, monkeypatch):
+    """The trainer fails between its streamed push's order and its last bucket (the fourth
+    bucket's put raises, once the replicas have loaded the first ones): push_weights raises the
+    trainer's own error at once and tells the router (push_abort); the fleet goes back to the
+    version before; each replica's load stops at once and, its engine's weights being a mix,
+    reloads the checkpoint it held. No replica restarts, every parameter is the old one again
+    (digest), the greedy tokens are the old weights', and the next push loads."""
+    import time
+
+    from rollout_cluster.transfer import push as push_mod
+
+    original = ROOT / "models" / "tiny-llama"
+    other = make_model(str(tmp_path / "b"), seed=1)
+    v0 = client.update_weights(str(original))
+    base, _ = greedy(client)
+    held = one_digest(client.weights_digest(detail=True), v0)
+    replicas = set(client.status()["weights"]["replicas"])
+    real_put = push_mod._put
+
+    def failing_put(group, i, stage, bucket_bytes):
+        if i == 3:
+            time.sleep(3.0)  # the replicas load buckets 0-2 meanwhile: their engines' weights become a mix
+            raise MemoryError("pinned memory exhausted (a test's)")
+        return real_put(group, i, stage, bucket_bytes)
+
+    monkeypatch.setattr(push_mod, "_put", failing_put)
+    monkeypatch.setenv("ROLLOUT_PUSH_STREAM", "1")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(MemoryError, match="a test's"):
+            client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)  # 7 buckets
+        assert time.monotonic() - t0 < 30  # not the replicas' 60 s wait for a next bucket
+        st = client.status()["weights"]
+        assert st["version"] == v0 and st["aborted"]["back_to"] == v0 and st["aborted"]["version"] > v0
+        assert "MemoryError: pinned memory exhausted" in st["aborted"]["reason"]
+        assert greedy(client)[0] == base  # (it waits until a replica holds v0 and loads nothing)
+        assert one_digest(client.weights_digest(detail=True), v0)["params"] == held["params"]
+        assert set(client.status()["weights"]["replicas"]) == replicas  # the same replicas: none restarted
+        monkeypatch.setattr(push_mod, "_put", real_put)
+        v2 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)
+        assert v2 > st["aborted"]["version"] and greedy(client)[0] != base
+    finally:
+        client.update_weights(str(original))  # the next tests expect the served model
+    assert greedy(client)[0] == base
