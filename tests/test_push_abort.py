@@ -10,7 +10,8 @@ import torch
 
 from rollout_cluster.config import ClusterConfig, EngineConfig
 from rollout_cluster.engines.base import WeightsLoadBroken
-from rollout_cluster.protocol import InputError, LoadWeights, ModelInfo, NoteWeights, StopPush
+from rollout_cluster.protocol import (EngineStats, InputError, LoadWeights, ModelInfo, NoteWeights, Report, StopPush,
+                                      WeightsState)
 from rollout_cluster.serve.engine_moves import EngineMoves
 from rollout_cluster.transfer import push as push_mod
 from rollout_cluster.transfer.bucket_stream import BucketStream, BucketsStopped
@@ -48,13 +49,18 @@ def test_an_aborted_push_sends_the_fleet_back_and_stops_every_replicas_load_of_i
     st = core.weights_status()
     assert (st["version"], st["path"], st["streaming"]) == (1, "/ck/1", False)
     assert st["aborted"] == {"version": 2, "source": SRC, "reason": "the trainer's push failed: OSError: disk",
-                             "back_to": 1}
+                             "back_to": 1, "replicas": {}}
     stop = StopPush(SRC, "the trainer's push failed: OSError: disk")
     assert controls(pull(core, "a", 1.2, version=1, path="/ck/1", loading=2)) == [stop]  # it stops its load
     at_b = pull(core, "b", 1.3, version=1, path="/ck/1")
     assert controls(at_b) == [stop]  # its waiting order is gone
     # b holds version 1 and loads nothing: usable again, the batch runs on it (a still loads)
     assert len(at_b.start) == 2 and core.batches.get(bid).weights_version == 1
+    # how a's load of it ended, as a's report says
+    core.on_report(Report("a", "i1", progress=[], stats=EngineStats(), capacity=8, weights=WeightsState(
+        version=1, path="/ck/1", error="stopped; the replica reloaded version 1 from '/ck/1'", error_version=2,
+        error_path=SRC)), 1.6)
+    assert core.weights_status()["aborted"]["replicas"] == {"a": "stopped; the replica reloaded version 1 from '/ck/1'"}
     assert controls(pull(core, "c", 1.4, model=ModelInfo(100, 64))) == [LoadWeights("/ck/1", 1, None)]  # a joiner
 
 
@@ -97,6 +103,34 @@ def test_an_abort_replaces_a_sleepers_note_of_the_push():
     assert controls(pull(core, "a", 1.0, version=1, path="/ck/1", level=1)) == [NoteWeights(SRC, 2, ("m", "b0"))]
     core.abort_push(SRC, "x")
     assert controls(pull(core, "a", 1.1, version=1, path="/ck/1", level=1, noted=(2, SRC))) == [StopPush(SRC, "x")]
+
+
+def test_a_batch_that_named_the_aborted_version_fails_and_one_that_named_none_runs_on_the_old():
+    from rollout_cluster.protocol import SamplingSpec, SequenceRequest
+
+    core = at_checkpoint_then_streaming()
+    reqs = [SequenceRequest([1, 2], SamplingSpec(max_tokens=2), i, 0) for i in range(2)]
+    named, unnamed = core.submit(reqs, 1.1, weights_version=2), core.submit(reqs, 1.1)
+    core.abort_push(SRC, "boom", now=1.2)
+    done, _, finished = core.fetch(named, 0)
+    assert finished and [c.finish_reason for c in done] == ["error", "error"]
+    assert "weights_version=2: the push of that version" in done[0].error and "boom" in done[0].error
+    assert core.batches.get(unnamed).weights_version == 1 and not core.fetch(unnamed, 0)[2]
+
+
+def test_an_abort_after_a_push_whose_trainer_died_goes_back_to_the_last_push_that_came_whole():
+    """Push A (version 2) streams and its trainer dies without aborting: every replica's load fails
+    (they reload version 1). Push B (version 3) streams, and its trainer aborts: the fleet goes back
+    to version 1, which the replicas hold, not to A, which none can."""
+    core = at_checkpoint_then_streaming()
+    pull(core, "b", 1.1, version=1, path="/ck/1")
+    for rid in ("a", "b"):
+        failed = core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), capacity=8, weights=WeightsState(
+            version=1, path="/ck/1", error=f"replica {rid}: stopped", error_version=2, error_path=SRC)), 2.0)
+        assert not controls(failed)
+    assert core.update_weights(OTHER, None, ("m", "b0"), total=3) == 3
+    assert core.abort_push(OTHER, "x") == {"aborted": 3, "version": 1}
+    assert core.weights_status()["path"] == "/ck/1"
 
 
 # ---- the replica --------------------------------------------------------------------------------
@@ -180,6 +214,61 @@ def test_a_replica_reloads_its_checkpoint_or_the_config_model_after_a_stopped_pu
     assert eng.weights["w0"][0] == -1.0 and moves.weights_version == 0
 
 
+def test_a_replica_reloads_the_checkpoint_it_held_after_a_stopped_push(tmp_path):
+    eng = MixingEngine()
+    moves = moves_with(eng)
+
+    async def first():
+        moves.apply(LoadWeights(str(tmp_path), 1))
+        await moves.loading[1]
+
+    asyncio.run(first())
+    stopped_midway(moves, eng)
+    assert moves.broken is None and eng.checkpoints == [str(tmp_path)] * 2 and eng.weights["w1"][0] == -1.0
+    assert (moves.weights_version, moves.weights_path) == (1, str(tmp_path))
+
+
+def test_a_deep_sleeper_woken_onto_a_push_that_stops_wakes_on_the_weights_it_held(tmp_path):
+    """Level 2 dropped the weights; the wake's reload of the fleet's streamed push stops: the
+    replica loads the checkpoint it held, and is awake and whole, not restarted."""
+    from rollout_cluster.protocol import Sleep, Wake
+
+    class Sleeper(MixingEngine):
+        asleep = False
+
+        async def sleep(self, level):
+            self.weights, self.asleep = {}, True  # (level 2: the weights are dropped)
+
+        async def wake(self):
+            self.asleep = False
+
+        async def sleeping(self):
+            return self.asleep
+
+    for touched in (True, False):
+        eng = Sleeper()
+        moves = moves_with(eng)
+        objects, _ = pushed(2.0)
+
+        async def go():
+            moves.apply(LoadWeights(str(tmp_path), 1))
+            await moves.loading[1]
+            moves.apply(Sleep(2))
+            await moves.sleep_task
+            eng.took.clear()
+            moves.apply(Wake(OTHER, 2, objects[:2] if touched else objects[:1]))
+            if touched:
+                await asyncio.wait_for(eng.took.wait(), 5)
+            else:
+                await asyncio.sleep(0.05)
+            moves.apply(StopPush(OTHER, "x"))
+            await asyncio.wait_for(moves.sleep_task, 5)
+
+        asyncio.run(go())
+        assert moves.broken is None and moves.sleep_error is None and moves.sleep_level == 0, touched
+        assert eng.checkpoints == [str(tmp_path)] * 2 and eng.weights["w0"][0] == -1.0, touched
+
+
 def test_a_replica_with_nothing_to_reload_from_restarts():
     eng = MixingEngine()
     moves = moves_with(eng)  # dummy weights: nowhere to load them from again
@@ -194,7 +283,7 @@ def test_a_stop_before_the_engine_was_touched_leaves_it_as_it_was_and_drops_a_no
     moves.apply(NoteWeights(OTHER, 3, objects[:1]))  # asleep: noted, nothing loaded
     assert moves.noted == (3, OTHER)
     moves.apply(StopPush(OTHER, "x"))
-    assert moves.noted == (0, "") and moves.noted_buckets is None
+    assert moves.noted == (0, "") and moves.noted_buckets is None and moves.streams == {}  # (its handles let go)
 
     async def go():
         moves.apply(LoadWeights(OTHER, 4, objects[:1]))  # the manifest alone
@@ -294,3 +383,28 @@ def test_a_push_that_waits_for_every_bucket_names_them_all_and_has_nothing_to_ab
     log = []
     push_mod.push(AbortRouter(log), SIGNER, [(f"w{i}", torch.zeros(4)) for i in range(3)], None, 16, 5.0)
     assert [what for what, _ in log] == ["push_weights"] and log[0][1]["objects"] == 4 == len(log[0][1]["buckets"])
+
+
+def test_a_trainer_whose_first_order_got_no_answer_aborts_too(monkeypatch):
+    """The order's answer timed out (the router may have taken it): the push is aborted as well,
+    and the router answers whether there was anything to abort."""
+    import ray
+
+    from router_support import SIGNER
+
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or FakeRef(len(puts) - 1))
+    monkeypatch.setenv(push_mod.STREAM_ENV, "1")
+    log = []
+    router = AbortRouter(log)
+
+    class Lost:
+        def result(self, timeout_s=None):
+            raise TimeoutError("no answer in 5 s")
+
+    sent = router.push_weights.remote
+    router.push_weights.remote = lambda order, refs=(): (sent(order, refs), Lost())[1]
+    with pytest.raises(TimeoutError):
+        push_mod.push(router, SIGNER, [(f"w{i}", torch.zeros(4)) for i in range(3)], None, 16, 5.0)
+    assert [what for what, _ in log] == ["push_weights", "push_abort"]
+    assert log[1][1]["source"] == log[0][1]["source"] and "TimeoutError" in log[1][1]["reason"]

@@ -34,6 +34,7 @@ class BatchState:
     results: list[Optional[Completion]]  # by index in the batch; None until it finishes
     order: list[int] = field(default_factory=list)  # indices in finishing order: a fetch cursor counts these
     weights_version: int = 0  # the version the batch runs on (every segment's)
+    pinned: bool = False  # its driver named that version (submit(weights_version=v)): it runs on it or fails
     fetched_t: float = 0.0  # the latest fetch (or the submission): the abandonment clock
     cancelled: bool = False  # cancel() was called: the driver may fetch the aborts, or be gone
     # when a fetch first answered it whole; it is kept for a retry of that answer (which may have

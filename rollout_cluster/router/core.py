@@ -237,17 +237,25 @@ class RouterCore:
                 self.moves.give_up_running(abort=running == "abort")
         return v
 
-    def abort_push(self, source: str, reason: str) -> dict:
+    def abort_push(self, source: str, reason: str, now: float = 0.0) -> dict:
         """Its trainer aborted the streamed push `source` before all its objects came: the fleet
-        goes back to the version before it (control.abort_push), and the batches opened on the
-        aborted version, none of whose sequences ran (no replica could hold it), run on that one.
-        {"aborted": the aborted version or None (nothing to abort: not a push still coming),
-        "version": the fleet's version now}."""
+        goes back to the version before it (control.abort_push). The batches opened on the aborted
+        version, none of whose sequences ran (no replica could hold it), run on the version gone
+        back to; those whose driver named the aborted version fail (WeightsVersionError's words), as
+        a batch naming a version the fleet is not at is refused. {"aborted": the aborted version or
+        None (nothing to abort: not a push still coming), "version": the fleet's version now}."""
         aborted = self.control.abort_push(source, reason)
         if aborted is not None:
-            for batch in self.batches.live.values():
-                if batch.weights_version == aborted:
+            named = set()
+            for bid, batch in self.batches.live.items():
+                if batch.weights_version == aborted and batch.pinned:
+                    named.add(bid)
+                elif batch.weights_version == aborted:
                     batch.weights_version = self.weights.version
+            if named:
+                self.moves.fail_queued(f"weights_version={aborted}: the push of that version ({source}) was aborted by "
+                                       f"its trainer ({reason}); the fleet's weights are version {self.weights.version} "
+                                       "again: the batch was not run", now, batches=named)
         return {"aborted": aborted, "version": self.weights.version}
 
     def sleep_fleet(self, level: int = 1) -> int:

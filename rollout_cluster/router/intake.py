@@ -63,6 +63,7 @@ class BatchIntake:
         self.weights.learning = False  # this batch runs on the version known now, and awake
         self.sleep.settle()
         batch = self.batches.open(len(requests), now, self.weights.version, batch_id)
+        batch.pinned = weights_version is not None
         bid = batch.batch_id
         self.batches.open_groups(bid, [r.prompt_index for r in requests])
         for i, (req, error) in enumerate(zip(requests, errors)):

@@ -183,9 +183,11 @@ class SeqMoves:
         if self.weights.none_can_load(self.fleet.replicas):
             self.fail_queued(self.weights.failure(), now)
 
-    def fail_queued(self, why: str, now: float) -> None:
-        """Queued work that no replica can run ends with an error (running work cannot exist)."""
-        for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED]:
+    def fail_queued(self, why: str, now: float, batches: Optional[set] = None) -> None:
+        """Queued work that no replica can run ends with an error (running work cannot exist);
+        `batches`: only theirs."""
+        for seq in [s for s in self.seqs.values() if s.status is SeqStatus.QUEUED
+                    and (batches is None or s.batch_id in batches)]:
             self.queue.remove(seq)
             seq.error = why
             self.finish(seq, "error", now, None)

@@ -66,7 +66,9 @@ class FleetWeights:
         # replica still holds the buckets of the version it has not replaced yet.
         self.total: Optional[int] = None
         self.previous: Optional[tuple] = None
-        self.aborted: Optional[dict] = None  # the last push its trainer aborted: version, source, reason (status)
+        # the last push its trainer aborted (status): version, source, reason, the version gone back to,
+        # and how each replica's load of it ended (its error: stopped, and whether it reloaded what it held)
+        self.aborted: Optional[dict] = None
         self.keep = False  # the version's loads swap under running sequences (update_weights running="keep")
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
@@ -101,7 +103,10 @@ class FleetWeights:
         of it. `keep`: the load swaps under running sequences (LoadWeights.keep). `total`: a
         streamed push's objects in all, more than `buckets` (checked: total_checked)."""
         streaming = buckets is not None and total is not None and total > len(buckets)
-        self.previous = (self.version, self.path, self.buckets) if streaming else None
+        # where an abort goes back to: the last version whose objects all came (not a streamed
+        # push still incomplete, whose trainer died without aborting it: no replica can hold it)
+        came = self.previous if self.total is not None else (self.version, self.path, self.buckets)
+        self.previous = came if streaming else None
         self.total = total if streaming else None
         self.version, self.path, self.learning, self.buckets = version, path, False, buckets
         self.keep = keep
@@ -149,7 +154,8 @@ class FleetWeights:
         self.floor.passed(aborted, f"push {source} was aborted as version {aborted}")
         self.version, self.path, self.buckets = self.previous
         self.previous, self.total, self.keep = None, None, False
-        self.aborted = {"version": aborted, "source": source, "reason": reason, "back_to": self.version}
+        self.aborted = {"version": aborted, "source": source, "reason": reason, "back_to": self.version,
+                        "replicas": {}}
         self.sent.clear()
         self.errors.clear()
         self.held_back.clear()
@@ -197,6 +203,8 @@ class FleetWeights:
         load failed, or the version broke another replica's load and it is held back."""
         v = self.version
         self.floor.saw(rep.replica_id, w)
+        if self.aborted is not None and w.error and w.error_path == self.aborted["source"]:
+            self.aborted["replicas"][rep.replica_id] = w.error
         held_before = self.holds(rep)
         # (a report that names no source for the number it held, a goodbye's, keeps the known one)
         same = w.version == rep.weights_version
@@ -348,4 +356,4 @@ class FleetWeights:
                 "handed": {rid: dict(r.weights_handed) for rid, r in replicas.items()},
                 "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()],
                 # a streamed push whose objects still come (the order's count), and the last push aborted
-                "streaming": self.total is not None, "aborted": dict(self.aborted) if self.aborted else None}
+                "streaming": self.total is not None, "aborted": {**self.aborted, "replicas": dict(self.aborted["replicas"])} if self.aborted else None}

@@ -44,6 +44,8 @@ class EngineMoves:
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
         self.noted_buckets: Optional[BucketStream] = None  # a noted push's buckets (a restarted router has lost them)
         self.streams: dict[str, BucketStream] = {}  # push source -> its objects as they came (transfer/bucket_stream.py)
+        # where the last load that failed had the version held before reloaded from (_reload_held; None: not)
+        self.reloaded: Optional[str] = None
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
         self.sleep_level, self.sleep_goal = 0, 0
@@ -157,10 +159,11 @@ class EngineMoves:
         """Its trainer aborted the push: a load of it fails at once (and reloads the weights held
         before, if it had begun replacing them: _load_weights), a note of it is dropped."""
         stream = self.streams.get(order.path)
-        if stream is not None:
+        if stream is not None and order.path != self.weights_path:  # (not one it holds whole)
             stream.stop(order.reason if isinstance(order.reason, str) else repr(order.reason))
         if self.noted[1] == order.path:
             self.noted, self.noted_buckets = (0, ""), None
+        self._forget_streams()  # (a load of it keeps its stream until the load ends)
 
     def _move(self, goal: int, reload: Optional[Wake]) -> None:
         failed = self.sleep_error is not None and (self.sleep_task is None or self.sleep_task.done())
@@ -274,7 +277,11 @@ class EngineMoves:
             return
         await self._load_weights(path, version, buckets=buckets)
         if self.weights_error and self.weights_error_version == version:
-            raise RuntimeError(self.weights_error)
+            if self.reloaded is None and self.broken is None and (version, path) != (self.weights_version,
+                                                                                      self.weights_path):
+                self.reloaded = await self._reload_held()  # level 2 dropped the weights: the failed load left none
+            if self.reloaded is None:
+                raise RuntimeError(self.weights_error)
 
     def _handed(self) -> dict[str, int]:  # the engine's last load's WeightsState.handed ({}: an engine that does not count)
         return dict(self.engine.handed()) if callable(getattr(self.engine, "handed", None)) else {}
@@ -292,7 +299,9 @@ class EngineMoves:
         buckets, its checkpoint or the config's model. Returns where from; None where there is
         nowhere (dummy weights, a push whose objects are gone) or that load failed too: the engine
         restarts then. Nothing runs on the engine meanwhile (a load runs between batches; a keep
-        swap, which runs beside sequences, is not mended this way)."""
+        swap, which runs beside sequences, is not mended this way). It assumes what a failed load
+        left unknown is the weights alone: every parameter is loaded again and the prefix cache
+        reset; an engine broken otherwise fails this load too, and restarts."""
         path, buckets = self.weights_path, self.weights_buckets
         source = path if buckets is not None or (path and not path.startswith(PUSH_SCHEME)) else \
             (self.reload_source() if not path else None)
@@ -316,6 +325,7 @@ class EngineMoves:
                             keep: bool = False) -> None:
         # keep: swapped in under the running sequences, which report where (SeqProgress.swaps)
         keep_as = version if keep else None
+        self.reloaded = None
         try:
             if before:
                 await asyncio.gather(*before, return_exceptions=True)
@@ -338,6 +348,7 @@ class EngineMoves:
                 if back is None:
                     self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
                 else:
+                    self.reloaded = back
                     self.weights_error += f"; the replica reloaded version {self.weights_version} from {back!r}"
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None

@@ -268,8 +268,9 @@ class Router:
         once (reloading those weights where it had begun replacing them) instead of waiting out
         bucket_stream.STALL_S. {"aborted": version or None, "version": the fleet's now}."""
         source, reason = checked_abort(self._order(order, "push_abort"))
-        out = self.core.abort_push(source, reason)
+        out = self.core.abort_push(source, reason, time.monotonic())
         if out["aborted"] is not None:
+            self._notify_batches()  # (a batch that named the aborted version failed)
             log.warning("push_abort: version %d (%s) aborted by its trainer (%s); the fleet is back at version %d",
                         out["aborted"], source, reason, out["version"])
         self._wake_all()

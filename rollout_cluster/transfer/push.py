@@ -116,12 +116,12 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
                                              "objects": objects})
         return router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
 
-    v = until_numbered(send) if until_numbered is not None else send()
-    mark("router_ack", version=v)
     refs, ready = list(refs), []
     sending = None  # the last push_more, answered while the next buckets are put
-    sent_t = monotonic()  # when the last order or push_more went out
     try:
+        v = until_numbered(send) if until_numbered is not None else send()
+        mark("router_ack", version=v)
+        sent_t = monotonic()  # when the last order or push_more went out
         for n, g in enumerate(later, start=1):
             ready.append(_put(g, len(refs) + len(ready) - 1, stage, bucket_bytes))
             if len(ready) < len(refs) - 1 and n < len(later) and monotonic() - sent_t < PUSH_MORE_EVERY_S:
@@ -134,8 +134,9 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
         if sending is not None:
             sending.result(timeout_s=call_timeout_s)
             mark("push_more_ack", objects=len(refs))
-    except BaseException as e:  # (interrupted too) the replicas load a push that will not complete
-        abort(router, signer, source, e, call_timeout_s)
+    except BaseException as e:  # (interrupted too) the replicas may load a push that will not complete
+        if later:  # (a push whose order named every object is whole, or was not taken)
+            abort(router, signer, source, e, call_timeout_s)
         raise
     return v, source, refs
 
@@ -148,7 +149,12 @@ def abort(router, signer, source: str, error: BaseException, call_timeout_s: flo
     try:
         order = signer.sign("push_abort", {"source": source, "reason": reason})
         out = router.push_abort.remote(order).result(timeout_s=min(call_timeout_s, 30.0))
-        log.warning("push_weights: %s aborted (%s); the fleet is back at version %s", source, reason, out.get("version"))
+        if out.get("aborted") is not None:
+            log.warning("push_weights: %s aborted (%s); the fleet is back at version %s", source, reason,
+                        out.get("version"))
+        else:  # its order was not taken, or its last objects came after all (a reply lost): nothing to abort
+            log.warning("push_weights: %s failed (%s); the router had nothing to abort (the fleet's weights are "
+                        "version %s)", source, reason, out.get("version"))
     except Exception as e:  # (the router is gone too: each replica's load fails after STALL_S)
         log.warning("push_weights: telling the router that %s was aborted failed: %s", source, e)
 

@@ -251,7 +251,7 @@ def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_resta
 
     def failing_put(group, i, stage, bucket_bytes):
         if i == 3:
-            time.sleep(3.0)  # the replicas load buckets 0-2 meanwhile: their engines' weights become a mix
+            time.sleep(3.0)  # the replicas load buckets 0 and 1 meanwhile: their engines' weights become a mix
             raise MemoryError("pinned memory exhausted (a test's)")
         return real_put(group, i, stage, bucket_bytes)
 
@@ -267,6 +267,8 @@ def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_resta
         assert "MemoryError: pinned memory exhausted" in st["aborted"]["reason"]
         assert greedy(client)[0] == base  # (it waits until a replica holds v0 and loads nothing)
         assert one_digest(client.weights_digest(detail=True), v0)["params"] == held["params"]
+        ended = client.status()["weights"]["aborted"]["replicas"]  # each replica's load: stopped, then reloaded
+        assert set(ended) == replicas and all(f"reloaded version {v0} from" in e for e in ended.values()), ended
         assert set(client.status()["weights"]["replicas"]) == replicas  # the same replicas: none restarted
         monkeypatch.setattr(push_mod, "_put", real_put)
         v2 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)
