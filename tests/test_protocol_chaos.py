@@ -47,6 +47,12 @@ runs waits for it. A seeded random.Random injects, per case:
   update made awake, each whatever the fleet is doing then (mid-batch, mid-load, mid-move, the
   replicas disagreeing on weights or sleep), but never two at once: a restart waits until the
   last one was learned; the driver's timeout (STEP_TIMEOUT_S, generous) fails the case;
+- (push cases) the control cases with updates that are streamed pushes 3 times in 5: the order
+  names 2 of the push's 3 objects, and at a random time after the last one follows (push_more)
+  or the trainer aborts the push (push_abort), before the driver goes on; a replica loads such a
+  push only once all its objects came, and a StopPush ends its load (it keeps the weights it
+  held) or its note; one lost with a reply is sent again while the replica reports the aborted
+  push loading or noted and not stopped (WeightsState.stopped);
 - (scale cases) the fleet is resized while batches run: a driver's target (set_fleet_target(n),
   then Serve starts replicas, some after more than replica_timeout_s, some never, or stops some
   gracefully, in the calm period too), declarative joins and graceful leaves with no target,
@@ -117,6 +123,7 @@ while a replica still loads its weights (tried by hand) makes random cases fail.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -135,7 +142,7 @@ from rollout_cluster.router.core import NoLiveReplicaError, RouterCore
 from rollout_cluster.router.state import SeqStatus
 from rollout_cluster.protocol import (BatchLostError, Completion, EngineStats, Listing, LoadWeights, ModelInfo,
                                       NoteWeights, Orders, Report, SamplingSpec, SeqProgress, SequenceRequest, Sleep,
-                                      SleepState, Wake, WeightsNotLearned, WeightsState)
+                                      SleepState, StopPush, Wake, WeightsNotLearned, WeightsState)
 
 VOCAB = 4093  # prime, above any run's length (a repeat is never a full period); runs still wrap around it
 WEIGHTS_SHIFT = 1013  # a run made with weights version v is shifted by v x this (mod VOCAB)
@@ -267,6 +274,11 @@ class FakeReplica:
         self.loading: Optional[int] = None  # the version of the latest load ordered, until it ends
         self.load_end_t = -math.inf  # when the loads ordered so far are done (one after another)
         self.noted = (0, "")  # (version, path) of an update ordered while asleep
+        self.loading_path = ""  # the source of the latest load ordered
+        self.known: dict = {}  # a streamed push's source -> how many of its objects its orders named so far
+        self.waiting: Optional[tuple] = None  # (version, source) of a push load waiting for its last objects
+        self.stopped: set = set()  # the pushes a StopPush ended
+        self.last_stopped = ""  # the last of them (WeightsState.stopped)
         self.sleep_level = self.sleep_goal = 0
         self.sleep_error: Optional[str] = None
         self.move_end_t = -math.inf  # when the sleep moves ordered so far are done
@@ -313,7 +325,11 @@ class FakeReplica:
                         model=MODEL if self.first or held is not None else None, capacity=CAPACITY,
                         weights=WeightsState(version=self.weights[0], error=self.weights_error[0],
                                              error_version=self.weights_error[1], loading=self.loading or 0,
-                                             path=self.weights[1], noted=self.noted[0], noted_path=self.noted[1]),
+                                             path=self.weights[1], noted=self.noted[0], noted_path=self.noted[1],
+                                             loading_path=self.loading_path if self.loading else "",
+                                             objects=self.known.get(self.loading_path if self.loading
+                                                                    else self.noted[1], 0),
+                                             stopped=self.last_stopped),
                         sleep=SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error),
                         listing=None if held is None else Listing(held, aborting), number=self.reports)
         return report, ended
@@ -514,8 +530,14 @@ class Chaos:
     steps one after another."""
 
     def __init__(self, policy: str, seed: int, faults: Faults, replicas: int, batches: list,
-                 steps: Optional[list] = None, abandon_s: float = 0.0, calm_s: Optional[float] = None):
+                 steps: Optional[list] = None, abandon_s: float = 0.0, calm_s: Optional[float] = None,
+                 pushes: bool = False):
         self.rng = random.Random(seed)
+        # (pushes) an update is a streamed push 3 times in 5: its order names 2 of its 3 objects, the
+        # last follows (push_more) or its trainer aborts it (push_abort), at a random time after
+        self.pushes_on = pushes
+        self.pushes: dict = {}  # a streamed push's source -> how many objects it has in all
+        self.pushing: Optional[tuple] = None  # (source, when its rest comes) of the push under way
         self.seed = seed
         self.calm_s = calm_s
         self.faults = faults
@@ -784,6 +806,8 @@ class Chaos:
 
     # -- control orders (engine_moves.py EngineMoves.apply, _load_weights, _move_sleep)
     def _control(self, t: float, rep: FakeReplica, order) -> None:
+        if isinstance(order, (LoadWeights, NoteWeights)) and order.buckets is not None:
+            self._objects(t, rep, order.path, order.buckets)
         if isinstance(order, LoadWeights):
             v = order.version
             if v in (rep.weights[0], rep.loading):
@@ -795,13 +819,23 @@ class Chaos:
                 self.violations.append(f"{t:.3f} {rep.rid} loads version {v} from {start:.3f} with a move to level "
                                        f"{rep.sleep_goal} ending at {rep.move_end_t:.3f}")
             rep.load_end_t = end = start + self.rng.uniform(*LOAD_S)
-            rep.loading = v
+            rep.loading, rep.loading_path = v, order.path
             self.schedule(end, self._load_done, rep, v, order.path)
             if self.chance(self.faults.control_restart):
                 self.schedule(self.rng.uniform(t, end), self._restart_replica, rep)
         elif isinstance(order, NoteWeights):
             if order.version > max(rep.weights[0], rep.noted[0]):
                 rep.noted = (order.version, order.path)
+        elif isinstance(order, StopPush):  # the trainer aborted the push (engine_moves.py _stop_push)
+            self.seen["replica told a push stopped"] += 1
+            rep.stopped.add(order.path)
+            rep.last_stopped = order.path
+            if rep.noted[1] == order.path:
+                rep.noted = (0, "")
+            if rep.waiting is not None and rep.waiting[1] == order.path:  # its load ends now: the held weights reload
+                version, rep.waiting = rep.waiting[0], None
+                rep.load_end_t = end = max(t, rep.load_end_t) + self.rng.uniform(*LOAD_S)
+                self.schedule(end, self._load_done, rep, version, order.path)
         elif isinstance(order, (Sleep, Wake)):
             goal = order.level if isinstance(order, Sleep) else 0
             failed = rep.sleep_error is not None and t >= rep.move_end_t
@@ -814,10 +848,25 @@ class Chaos:
         else:
             raise AssertionError(f"unknown control order {order!r}")
 
+    def _objects(self, t: float, rep: FakeReplica, path: str, buckets: tuple) -> None:
+        """An order of a streamed push names its objects so far: a load waiting for them goes on."""
+        rep.known[path] = max(rep.known.get(path, 0), len(buckets))
+        if rep.waiting is not None and rep.waiting[1] == path and rep.known[path] >= self.pushes[path]:
+            version, rep.waiting = rep.waiting[0], None
+            self.schedule(t + 0.01, self._load_done, rep, version, path)
+
     def _load_done(self, t: float, rep: FakeReplica, version: int, path: str) -> None:
         if rep.gone:
             return
         rep.advance_to(t)
+        if path in rep.stopped:  # the push was aborted: the load failed; the engine holds what it held
+            rep.weights_error = (f"replica {rep.rid}: load_weights({path!r}): stopped; reloaded", version)
+            if rep.loading == version:
+                rep.loading = None
+            return
+        if path in self.pushes and rep.known.get(path, 0) < self.pushes[path]:
+            rep.waiting = (version, path)  # (loading still: the rest of its objects come with push_more)
+            return
         self._load(t, rep, version, path)
         if rep.loading == version:  # not a later load's flag
             rep.loading = None
@@ -1185,8 +1234,18 @@ class Chaos:
     def _act(self, t: float, action: tuple) -> bool:
         core, kind = self.core, action[0]
         if kind == "update":
+            if self.pushing is not None:
+                return self._push_rest(t)
             # (a version at or below one a replica reported is refused: the driver asks above it)
             v, asleep = max(action[1], core.weights.floor.lowest_next(core.weights.version)), core.sleep.level
+            if self.pushes_on and self.rng.random() < 0.6:
+                source = f"push://c{v}"
+                self.driver_version = self._order(core, "weights", core.update_weights, source, v, ("m", "b0"), now=t,
+                                                  total=3)
+                self.pushes[source] = 3
+                self.pushing = (source, t + self.rng.uniform(0.05, 2.5))
+                self.seen["streamed push asleep" if asleep else "streamed push"] += 1
+                return False  # (done once its last object came, or it was aborted)
             self.driver_version = self._order(core, "weights", core.update_weights, f"/ckpt/{v}", v, now=t)
             self.seen["update asleep" if asleep else "update"] += 1
         elif kind == "sleep":
@@ -1201,6 +1260,26 @@ class Chaos:
             return self._settled(t)
         elif kind == "restart":
             return self._restart_router(t)
+        return True
+
+    def _push_rest(self, t: float) -> bool:
+        """The streamed push's last object (push_more), or its trainer's abort (push_abort)."""
+        source, when = self.pushing
+        if t < when:
+            return False
+        self.pushing, core = None, self.core
+        if self.rng.random() < 0.4:
+            out = core.abort_push(source, "chaos: the trainer failed", t)
+            assert out["aborted"] is not None and out["version"] < out["aborted"], out
+            self.driver_version = out["version"]
+            for b in self.batches:  # opened on the aborted version, none of whose sequences ran: re-pinned
+                if b.core is core and b.version == out["aborted"]:
+                    b.version = out["version"]
+            assert core.abort_push(source, "again", t)["aborted"] is None  # (taken once)
+            self.seen["push aborted"] += 1
+        else:
+            assert core.control.push_more(source, 2, ("b1",)) == 3
+            self.seen["push completed"] += 1
         return True
 
     def _settled(self, t: float) -> bool:
@@ -1409,7 +1488,7 @@ def check_fleet_converged(chaos: Chaos) -> None:
     # A load that failed late (after the driver's last update) broke the version: the router does
     # not order it again (router/weights.py), to the failed replica, its replacement or any other,
     # and counts them failed; they keep the weights they had.
-    path = f"/ckpt/{v}" if v else ""
+    path = (core.weights.path or "") if chaos.pushes else f"/ckpt/{v}" if v else ""
     failed = set(core.weights.errors) if (path, v) in core.weights.broken else set()
     for rid, rep in live.items():
         state = (rep.weights, rep.loading, rep.sleep_level, rep.sleep_goal, rep.sleep_error, rep.noted)
@@ -1417,7 +1496,9 @@ def check_fleet_converged(chaos: Chaos) -> None:
         assert state == (weights, None, 0, 0, None, (0, "")), f"{rid}: {state}"
     status = core.weights_status()
     status.pop("broken")
-    assert (status.pop("streaming"), status.pop("aborted")) == (False, None)  # (no push here)
+    assert status.pop("streaming") is False  # (every push's last object came, or it was aborted)
+    aborted = status.pop("aborted")
+    assert aborted is None if not chaos.seen["push aborted"] else aborted["back_to"] <= v, aborted
     assert status == {"version": v, "path": path or None,
                       "replicas": {rid: live[rid].weights[0] if rid in failed else v for rid in live},
                       "handed": {rid: {} for rid in live},  # (these replicas count no bucket)
@@ -1470,18 +1551,18 @@ def run_case(policy: str, seed: int, faults: Optional[Faults] = None, replicas: 
     return check_all(chaos)
 
 
-def run_control_case(policy: str, seed: int, restart: bool = False) -> Chaos:
+def run_control_case(policy: str, seed: int, restart: bool = False, pushes: bool = False) -> Chaos:
     """RL steps with weight updates and sleeps under faults, checked end to end, the fleet's
     convergence included. `restart`: the router restarts once at a random time, once while the
     fleet sleeps and once soon after an update made awake (whatever the fleet does then)."""
-    rng = random.Random(f"control/{policy}/{seed}" + ("/restart" if restart else ""))
+    rng = random.Random(f"control/{policy}/{seed}" + ("/restart" if restart else "") + ("/pushes" if pushes else ""))
     n = rng.randint(2, 4)
     steps = random_steps(rng, n, restart=restart)
     faults = Faults.draw(rng, horizon=8.0 * n, control=True)
     if restart:
         faults.restart_router = rng.uniform(0.5, 8.0 * n)
     batches = [b for s in steps for b in s.batches]
-    chaos = Chaos(policy, rng.randrange(1 << 30), faults, rng.randint(3, 5), batches, steps=steps)
+    chaos = Chaos(policy, rng.randrange(1 << 30), faults, rng.randint(3, 5), batches, steps=steps, pushes=pushes)
     chaos.run()
     check_all(chaos)
     check_fleet_converged(chaos)
@@ -1576,6 +1657,24 @@ def test_without_faults_nothing_is_lost_or_recovered(policy):
 @pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(CONTROL_SEEDS)])
 def test_weights_and_sleep_orders_under_faults(policy, seed):
     check_no_superseded_work(run_control_case(policy, seed))
+
+
+@pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(4)])
+def test_streamed_pushes_and_their_aborts_under_faults(policy, seed):
+    """Updates are streamed pushes (their last object follows the order) and some are aborted by
+    their trainer, while replies are lost, replicas restart, join and sleep: nothing is lost or
+    returned twice, no batch runs on weights it was not made on, and the fleet converges."""
+    check_no_superseded_work(run_control_case(policy, seed, pushes=True))
+
+
+def test_streamed_pushes_complete_abort_and_stop_replicas_in_those_cases():
+    seen = collections.Counter()
+    for policy in ("pull", "steal"):
+        for seed in range(4):
+            seen.update(run_control_case(policy, seed, pushes=True).seen)
+    for what in ("streamed push", "streamed push asleep", "push completed", "push aborted",
+                 "replica told a push stopped", "reply with control orders lost"):
+        assert seen[what] > 0, (what, seen)
 
 
 @pytest.mark.parametrize("policy,seed", [(p, s) for p in sorted(POLICIES) for s in range(3)])

@@ -64,6 +64,20 @@ def test_an_aborted_push_sends_the_fleet_back_and_stops_every_replicas_load_of_i
     assert controls(pull(core, "c", 1.4, model=ModelInfo(100, 64))) == [LoadWeights("/ck/1", 1, None)]  # a joiner
 
 
+def test_a_stop_lost_with_a_reply_is_sent_again_until_the_replica_says_it_took_it():
+    core = at_checkpoint_then_streaming()
+    core.abort_push(SRC, "x")
+    stop = StopPush(SRC, "x")
+    assert controls(pull(core, "a", 1.2, version=1, path="/ck/1", loading=2)) == [stop]  # (this reply is lost)
+
+    def report(t, stopped):
+        return core.on_report(Report("a", "i1", progress=[], stats=EngineStats(), capacity=8, weights=WeightsState(
+            version=1, path="/ck/1", loading=2, loading_path=SRC, stopped=stopped)), t)
+
+    assert controls(report(1.3, "")) == [stop]  # it still loads the push, and says it took no stop of it
+    assert controls(report(1.4, SRC)) == []  # it took it: its load ends on its own (no answer at once, no spin)
+
+
 def test_an_abort_is_taken_once_and_the_aborted_number_is_never_given_again():
     core = at_checkpoint_then_streaming()
     core.abort_push(SRC, "x")

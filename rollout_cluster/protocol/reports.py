@@ -93,6 +93,9 @@ class WeightsState:
     # How many objects it knows of the push it loads (else of the one noted; 0: not said, or no push):
     # fewer than the router's last order of it named, and that order was lost with its reply: sent again.
     objects: int = 0
+    # The last push a StopPush ended here (its trainer aborted it): the router sends the StopPush
+    # again while the replica reports it loads or noted an aborted push and not this ("": none)
+    stopped: str = ""
 
     def handed_counts(self) -> dict[str, int]:
         """`handed` as the router keeps it: its (str, non-negative int) items; {} where a report

@@ -172,6 +172,9 @@ class FleetControl:
             self.weights.learn(state)
         failed = self.weights.record(rep, state, self.outbox.pending(rep.replica_id, (LoadWeights,)),
                                      self.outbox.pending(rep.replica_id, (NoteWeights,)))
+        stop = self.weights.still_on_aborted(state)
+        if stop is not None and not self.outbox.pending(rep.replica_id, (StopPush,)):
+            self.outbox.to(rep.replica_id).control.append(stop)  # (its first StopPush was lost with a reply)
         self.order_weights(rep)
         return failed
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..protocol import InputError, LoadWeights, NoteWeights, WeightsState, WeightsVersionError, is_int
+from ..protocol import InputError, LoadWeights, NoteWeights, StopPush, WeightsState, WeightsVersionError, is_int
 from .state import ReplicaState
 from .weights_floor import VersionFloor
 
@@ -69,6 +69,7 @@ class FleetWeights:
         # the last push its trainer aborted (status): version, source, reason, the version gone back to,
         # and how each replica's load of it ended (its error: stopped, and whether it reloaded what it held)
         self.aborted: Optional[dict] = None
+        self.aborted_reasons: dict[str, str] = {}  # the last BROKEN_KEPT aborted pushes' sources -> why (StopPush again)
         self.keep = False  # the version's loads swap under running sequences (update_weights running="keep")
         self.errors: dict[str, str] = {}  # replica_id -> why it cannot hold `version` (its load failed, or broke)
         self.broken: dict[tuple[str, int], BrokenLoad] = {}  # (path, version) -> its first failure, oldest first
@@ -156,6 +157,9 @@ class FleetWeights:
         self.previous, self.total, self.keep = None, None, False
         self.aborted = {"version": aborted, "source": source, "reason": reason, "back_to": self.version,
                         "replicas": {}}
+        self.aborted_reasons[source] = reason
+        while len(self.aborted_reasons) > BROKEN_KEPT:
+            self.aborted_reasons.pop(next(iter(self.aborted_reasons)))
         self.sent.clear()
         self.errors.clear()
         self.held_back.clear()
@@ -248,6 +252,15 @@ class FleetWeights:
         if (self.buckets is not None and is_int(known) and 0 < known < self.sent.get(rid, 0) and on_it
                 and not pending):
             self.sent[rid] = known
+
+    def still_on_aborted(self, w: WeightsState) -> Optional[StopPush]:
+        """A StopPush for the aborted push the replica reports it loads, or noted while asleep, with
+        no StopPush of it taken (WeightsState.stopped): the first one was lost with a pull's reply.
+        None: nothing to stop."""
+        for path, on in ((w.loading_path, w.loading), (w.noted_path, w.noted)):
+            if on and isinstance(path, str) and path in self.aborted_reasons and w.stopped != path:
+                return StopPush(path, self.aborted_reasons[path])
+        return None
 
     def holds_back(self, rep: ReplicaState) -> bool:
         """It lacks the current version, which broke a load, and was not ordered it before the break."""

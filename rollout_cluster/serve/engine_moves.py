@@ -46,6 +46,7 @@ class EngineMoves:
         self.streams: dict[str, BucketStream] = {}  # push source -> its objects as they came (transfer/bucket_stream.py)
         # where the last load that failed had the version held before reloaded from (_reload_held; None: not)
         self.reloaded: Optional[str] = None
+        self.stopped_push = ""  # the last push a StopPush ended here (WeightsState.stopped)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
         self.sleep_level, self.sleep_goal = 0, 0
@@ -96,7 +97,8 @@ class EngineMoves:
                                loading=self.loading[0] if self.loading else 0, path=self.weights_path,
                                loading_path=self.loading[2] if self.loading else "",
                                noted=self.noted[0], noted_path=self.noted[1], handed=dict(self.weights_handed),
-                               objects=len(self.streams.get(self.loading[2] if self.loading else self.noted[1], ())))
+                               objects=len(self.streams.get(self.loading[2] if self.loading else self.noted[1], ())),
+                               stopped=self.stopped_push)
         return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
 
     def reload_source(self) -> Optional[str]:
@@ -158,6 +160,7 @@ class EngineMoves:
     def _stop_push(self, order: StopPush) -> None:
         """Its trainer aborted the push: a load of it fails at once (and reloads the weights held
         before, if it had begun replacing them: _load_weights), a note of it is dropped."""
+        self.stopped_push = order.path
         stream = self.streams.get(order.path)
         if stream is not None and order.path != self.weights_path:  # (not one it holds whole)
             stream.stop(order.reason if isinstance(order.reason, str) else repr(order.reason))
