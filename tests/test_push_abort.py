@@ -19,6 +19,7 @@ from rollout_cluster.transfer.buckets import header, is_manifest, manifest, pack
 from rollout_cluster.transfer.push import PUSH_SCHEME
 
 from test_fleet_sleep import batch, core_with, pull
+from test_push_stream import FakeRef
 
 SRC, OTHER = f"{PUSH_SCHEME}s1", f"{PUSH_SCHEME}s2"
 
@@ -325,14 +326,6 @@ def test_a_stopped_stream_fails_its_reader_at_once_naming_why():
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
-class FakeRef:
-    def __init__(self, i):
-        self.i = i
-
-    def hex(self):
-        return f"{self.i:032x}"
-
-
 class Answer:
     def __init__(self, value):
         self.value = value

@@ -58,14 +58,10 @@ class FleetControl:
         aborted = self.weights.abort(source, reason)
         if aborted is None:
             return None
-        for rid, rep in self.fleet.replicas.items():
+        for rid, rep in self.fleet.replicas.items():  # (their weights_ordered/noted name a number never given again)
             orders = self.outbox.to(rid)
             of_it = [o for o in orders.control if isinstance(o, (LoadWeights, NoteWeights, Wake)) and o.path == source]
             orders.control = [o for o in orders.control if o not in of_it] + [StopPush(source, reason)]
-            if rep.weights_ordered == aborted:
-                rep.weights_ordered = None
-            if rep.weights_noted == aborted:
-                rep.weights_noted = None
             self.order_weights(rep)
             if any(isinstance(o, Wake) for o in of_it):
                 self.order_sleep(rid)  # the wake it was to get, naming the weights gone back to

@@ -369,4 +369,5 @@ class FleetWeights:
                 "handed": {rid: dict(r.weights_handed) for rid, r in replicas.items()},
                 "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()],
                 # a streamed push whose objects still come (the order's count), and the last push aborted
-                "streaming": self.total is not None, "aborted": {**self.aborted, "replicas": dict(self.aborted["replicas"])} if self.aborted else None}
+                "streaming": self.total is not None,
+                "aborted": {**self.aborted, "replicas": dict(self.aborted["replicas"])} if self.aborted else None}

@@ -44,8 +44,6 @@ class EngineMoves:
         self.noted = (0, "")  # (version, path) of an update ordered while asleep: loaded at wake
         self.noted_buckets: Optional[BucketStream] = None  # a noted push's buckets (a restarted router has lost them)
         self.streams: dict[str, BucketStream] = {}  # push source -> its objects as they came (transfer/bucket_stream.py)
-        # where the last load that failed had the version held before reloaded from (_reload_held; None: not)
-        self.reloaded: Optional[str] = None
         self.stopped_push = ""  # the last push a StopPush ended here (WeightsState.stopped)
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
@@ -278,12 +276,11 @@ class EngineMoves:
                 await self.engine.load_weights(path)
                 self.weights_handed = self._handed()
             return
-        await self._load_weights(path, version, buckets=buckets)
+        back = await self._load_weights(path, version, buckets=buckets)
         if self.weights_error and self.weights_error_version == version:
-            if self.reloaded is None and self.broken is None and (version, path) != (self.weights_version,
-                                                                                      self.weights_path):
-                self.reloaded = await self._reload_held()  # level 2 dropped the weights: the failed load left none
-            if self.reloaded is None:
+            if back is None and self.broken is None and (version, path) != (self.weights_version, self.weights_path):
+                back = await self._reload_held()  # level 2 dropped the weights: the failed load left none
+            if back is None:
                 raise RuntimeError(self.weights_error)
 
     def _handed(self) -> dict[str, int]:  # the engine's last load's WeightsState.handed ({}: an engine that does not count)
@@ -325,10 +322,12 @@ class EngineMoves:
         return source
 
     async def _load_weights(self, path: str, version: int, before=(), buckets: Optional[tuple] = None,
-                            keep: bool = False) -> None:
+                            keep: bool = False) -> Optional[str]:
+        """Load `path` as `version`; on failure record why. Returns where the version held before was
+        reloaded from when the failed load had broken the engine's weights (_reload_held), else None."""
         # keep: swapped in under the running sequences, which report where (SeqProgress.swaps)
         keep_as = version if keep else None
-        self.reloaded = None
+        back = None
         try:
             if before:
                 await asyncio.gather(*before, return_exceptions=True)
@@ -351,7 +350,6 @@ class EngineMoves:
                 if back is None:
                     self.broken = e  # the engine's weights are unknown: check_health has Serve restart it
                 else:
-                    self.reloaded = back
                     self.weights_error += f"; the replica reloaded version {self.weights_version} from {back!r}"
         else:
             self.weights_version, self.weights_path, self.weights_error = version, path, None
@@ -362,3 +360,4 @@ class EngineMoves:
             if self.loading and (self.loading[0], self.loading[2]) == (version, path):  # not a later load's flag
                 self.loading = None
             self._forget_streams()  # (the version this load replaced, or the push that failed to load)
+        return back
