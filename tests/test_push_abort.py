@@ -386,7 +386,7 @@ def test_a_push_that_waits_for_every_bucket_names_them_all_and_has_nothing_to_ab
 
     puts = []
     monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or FakeRef(len(puts) - 1))
-    monkeypatch.delenv(push_mod.STREAM_ENV, raising=False)
+    monkeypatch.setenv(push_mod.STREAM_ENV, "0")
     log = []
     push_mod.push(AbortRouter(log), SIGNER, [(f"w{i}", torch.zeros(4)) for i in range(3)], None, 16, 5.0)
     assert [what for what, _ in log] == ["push_weights"] and log[0][1]["objects"] == 4 == len(log[0][1]["buckets"])

@@ -6,6 +6,8 @@ whose objects stop coming (the trainer died, its router restarted) fails the loa
 came, instead of hanging. The real path: tests/e2e/test_push_weights.py (every push streams)."""
 import asyncio
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -192,14 +194,16 @@ class Answer:
 
 
 class FakeRouter:
-    def __init__(self, log):
+    def __init__(self, log, leased: bool = False):
         outer = self
+        self.leased = leased  # the push's order must come with the trainer's lease ("lease")
 
         class Method:
             def __init__(self, name):
                 self.name = name
 
-            def remote(self, order, refs):
+            def remote(self, order, refs, *lease):
+                assert lease == (("lease",) if self.name == "push_weights" and outer.leased else ())
                 log.append((self.name, order.args.get("start"), [r.i for r in refs]))
                 assert order.args["buckets"] == [r.hex() for r in refs]
                 return Answer(log, self.name, 7 if self.name == "push_weights" else None)
@@ -207,9 +211,10 @@ class FakeRouter:
         outer.push_weights, outer.push_more = Method("push_weights"), Method("push_more")
 
 
-def _logged_push(monkeypatch, stream: bool, put_s: float = 0.0) -> tuple:
+def _logged_push(monkeypatch, stream: Optional[bool], put_s: float = 0.0) -> tuple:
     """push() of seven 16-byte tensors in 16-byte buckets with ray.put and the router logged:
-    (the log, what was put, push's refs). `put_s`: each put takes that long on push's clock."""
+    (the log, what was put, push's refs). `put_s`: each put takes that long on push's clock.
+    `stream`: ROLLOUT_PUSH_STREAM "1" or "0", None: unset (the default)."""
     import ray
 
     from router_support import SIGNER
@@ -224,12 +229,15 @@ def _logged_push(monkeypatch, stream: bool, put_s: float = 0.0) -> tuple:
         return FakeRef(len(puts) - 1)
 
     monkeypatch.setattr(ray, "put", put)
-    if stream:
-        monkeypatch.setenv(push_mod.STREAM_ENV, "1")
-    else:
+    if stream is None:
         monkeypatch.delenv(push_mod.STREAM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(push_mod.STREAM_ENV, "1" if stream else "0")
     named = [(f"w{i}", torch.full((4,), float(i))) for i in range(7)]
-    v, source, refs = push_mod.push(FakeRouter(log), SIGNER, named, None, 16, 5.0)
+    leases = []
+    v, source, refs = push_mod.push(FakeRouter(log, leased=stream is not False), SIGNER, named, None, 16, 5.0,
+                                    lease=lambda: leases.append(1) or "lease")
+    assert len(leases) == (0 if stream is False else 1)  # (a lease only for a streamed push)
     assert v == 7 and source.startswith(PUSH_SCHEME)
     return log, puts, refs
 
@@ -261,10 +269,18 @@ def test_a_slow_trainer_sends_its_later_buckets_at_least_every_ten_seconds(monke
         (None, [0, 1]), (2, [2]), (3, [3, 4]), (5, [5, 6]), (7, [7])]
 
 
-def test_by_default_the_order_waits_for_every_bucket_and_no_push_more_follows(monkeypatch):
-    """Streaming is opt-in (ROLLOUT_PUSH_STREAM=1): by default a trainer that fails while putting
-    its buckets fails before any replica is ordered, so no engine is left half loaded; the order
-    names the manifest first, then the buckets."""
+def test_streaming_is_the_default_and_its_order_comes_with_the_trainers_lease(monkeypatch):
+    """Unset, ROLLOUT_PUSH_STREAM streams: the order goes with the first bucket, and with the
+    trainer's lease (which the router watches until the last bucket comes: serve/push_watch.py)."""
+    log, puts, refs = _logged_push(monkeypatch, stream=None)
+    assert [e[0] for e in log if len(e) == 3] == ["push_weights", "push_more", "push_more", "push_more"]
+    assert log[:3] == [("put", 0), ("put", 1), ("push_weights", None, [0, 1])]
+
+
+def test_unstreamed_the_order_waits_for_every_bucket_and_no_push_more_follows(monkeypatch):
+    """ROLLOUT_PUSH_STREAM=0: a trainer that fails while putting its buckets fails before any
+    replica is ordered, so no engine is left half loaded; the order names the manifest first,
+    then the buckets, and comes without a lease (there is nothing to wait for)."""
     log, puts, refs = _logged_push(monkeypatch, stream=False)
     assert puts[refs[0].i] == WHOLE and [r.i for r in refs[1:]] == list(range(7))
     assert log == [("put", i) for i in range(8)] + [("push_weights", None, [7] + list(range(7))),

@@ -21,6 +21,7 @@ from .fleet_target import expected_replicas
 from .metrics import PrometheusRouterMetrics
 from .router_credentials import ReplicaCredentials
 from .router_status import status_of
+from .push_watch import PushWatch
 from .router_weight_orders import checked_abort, checked_checkpoint, checked_push
 from .stall_watch import StallWatch
 from ..niceness import set_niceness
@@ -58,6 +59,7 @@ class Router:
                                id_salt=lambda: secrets.token_hex(8),  # a batch's id is its capability: unguessable
                                stall_timeout_s=cfg.router.stall_timeout_s, max_sessions=cfg.router.max_sessions)
         self.stalls = StallWatch(self.core)  # replicas that pull on while their engine makes no progress
+        self.push_watch = PushWatch(self.core)  # the trainer of a streamed push still coming: alive?
         # Control orders are signed (security/signing.py); each replica reports with the credential
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
@@ -89,6 +91,12 @@ class Router:
                 for rid in dead:
                     self.work_ready.pop(rid, None)
                 self._wake_all()
+            try:
+                died = self.push_watch.tick()
+                if died:
+                    self._abort_push(*died, now)
+            except Exception:  # (never the reaper's end)
+                log.exception("the push watch failed; a streamed push whose trainer died waits out the replicas' stall limit")
             stalled = self.stalls.tick(now)
             if stalled:
                 self._wake_all()  # their work is queued: the others take it now (a held pull of theirs ends)
@@ -239,16 +247,20 @@ class Router:
         self._wake_all()  # idle replicas are long-polling: give them the order now
         return v
 
-    async def push_weights(self, order, buckets: list) -> int:
+    async def push_weights(self, order, buckets: list, lease=None) -> int:
         """Order every replica to load the pushed tensors in `buckets` (object-store handles of
         transfer/buckets.py's buckets, the trainer's, in order) as `version`, between batches;
-        returns the version. The signed order names the buckets' object ids: others are refused."""
+        returns the version. The signed order names the buckets' object ids: others are refused.
+        `lease`: the trainer's (transfer/lease.py), watched while a streamed push's objects still
+        come: if the trainer dies, the push is aborted (serve/push_watch.py)."""
         args = self._order(order, "push_weights")
         source = checked_push(self, args, buckets)
         v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish",
                                      now=time.monotonic(), total=args.get("objects"))
         log.info("push_weights: version %d, %s tensors, %s bytes in %d buckets", v, args.get("tensors"),
                  args.get("bytes"), len(buckets))
+        if lease is not None and self.core.weights.total is not None:  # (streamed: more to come)
+            self.push_watch.watch(source, lease)
         self._wake_all()
         return v
 
@@ -268,10 +280,13 @@ class Router:
         once (reloading those weights where it had begun replacing them) instead of waiting out
         bucket_stream.STALL_S. {"aborted": version or None, "version": the fleet's now}."""
         source, reason = checked_abort(self._order(order, "push_abort"))
-        out = self.core.abort_push(source, reason, time.monotonic())
+        return self._abort_push(source, reason, time.monotonic())
+
+    def _abort_push(self, source: str, reason: str, now: float) -> dict:
+        out = self.core.abort_push(source, reason, now)
         if out["aborted"] is not None:
             self._notify_batches()  # (a batch that named the aborted version failed)
-            log.warning("push_abort: version %d (%s) aborted by its trainer (%s); the fleet is back at version %d",
+            log.warning("push_abort: version %d (%s) aborted (%s); the fleet is back at version %d",
                         out["aborted"], source, reason, out["version"])
         self._wake_all()
         return out

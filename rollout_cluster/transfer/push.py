@@ -25,11 +25,14 @@ from .staging import one_bucket_at_a_time
 from .trace import mark
 
 PUSH_SCHEME = "push://"  # a pushed version's path: "push://<id>" (no checkpoint directory)
-# "1": the order goes out with the first bucket and the rest follow (push_more). Off by default:
-# a push that waits for every bucket fails before any replica is touched. A streamed push that
-# fails in the trainer is aborted (push_abort: the fleet goes back, each replica reloads the
-# weights it held); one whose trainer dies or stalls leaves each replica waiting
-# bucket_stream.STALL_S first. Streaming saved 7 % on the CPU cluster.
+# Streamed (the default; "0": off): the order goes out with the first bucket and the rest follow
+# (push_more), so that the replicas load while the trainer puts. A streamed push that fails in
+# the trainer is aborted (push_abort: the fleet goes back, each replica reloads the weights it
+# held); one whose trainer dies is aborted by the router, which watches the trainer's lease
+# (lease.py, serve/push_watch.py); one whose trainer hangs leaves each replica waiting
+# bucket_stream.STALL_S first. Off, a push waits for every bucket and fails before any replica is
+# touched. Streaming saved 22 % of a 7B push on an H100 and 8 % on the CPU cluster
+# (docs/benchmarks.md, section 11).
 STREAM_ENV = "ROLLOUT_PUSH_STREAM"
 # A streamed push's later buckets go out at least this often, however few the doubling batch has
 # so far: a replica fails a push whose next object comes more than bucket_stream.STALL_S (60 s)
@@ -73,13 +76,16 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 
 def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
          call_timeout_s: float, running: str = "finish", ipc=None,
-         until_numbered: Optional[Callable[[Callable[[], int]], int]] = None) -> tuple:
+         until_numbered: Optional[Callable[[Callable[[], int]], int]] = None,
+         lease: Optional[Callable[[], object]] = None) -> tuple:
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
     `refs` until every replica holds the version (its process owns them anyway), and `ipc` (an
     ipc.IpcHold: push by CUDA IPC) until then too. `until_numbered(send)`: calls send() again while
     a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew.
+    `lease()`: the trainer's lease (lease.lease_of_this_process), sent with a streamed push's order
+    so that the router aborts the push if the trainer dies before its last bucket.
 
-    With ROLLOUT_PUSH_STREAM=1 (STREAM_ENV), through the object store the order goes out once the
+    Streamed (unless ROLLOUT_PUSH_STREAM=0, STREAM_ENV), through the object store the order goes out once the
     manifest and the first bucket are in the store, and the later buckets follow (`push_more`)
     while the replicas fetch and load (transfer/bucket_stream.py): each time as many are in as were
     sent before, the rest at the end, and at least every PUSH_MORE_EVERY_S while the trainer puts. The router orders every
@@ -93,7 +99,7 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     stage = staging.shared() if os.environ.get(STAGING_ENV, "1") != "0" else None
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
-    if ipc is not None or os.environ.get(STREAM_ENV, "0") != "1":
+    if ipc is not None or os.environ.get(STREAM_ENV, "1") == "0":
         # every bucket in before the order, each packed as the tensors come (no more than a bucket
         # of them held at once): a trainer that fails here has touched no replica
         refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc, stage if ipc is None else None)
@@ -109,12 +115,14 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
         later = groups[1:]
 
     objects = len(refs) + len(later)  # the manifest and every bucket
+    # streamed: the router watches the trainer's lease while the later buckets come (lease.py)
+    leased = (lease(),) if later and lease is not None else ()
 
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
                                              "tensors": tensors, "bytes": nbytes, "running": running,
                                              "objects": objects})
-        return router.push_weights.remote(order, refs).result(timeout_s=call_timeout_s)
+        return router.push_weights.remote(order, refs, *leased).result(timeout_s=call_timeout_s)
 
     refs, ready = list(refs), []
     sending = None  # the last push_more, answered while the next buckets are put

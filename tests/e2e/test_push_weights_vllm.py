@@ -69,9 +69,9 @@ def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_con
     other = make_model(str(tmp_path / "b"), seed=1)
     base, _ = greedy(client)
     try:
-        monkeypatch.setenv("ROLLOUT_PUSH_STREAM", "1")  # streamed: the later buckets come in push_more calls
+        monkeypatch.setenv("ROLLOUT_PUSH_STREAM", "0")  # unstreamed: every bucket in before the order
         v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)  # several buckets
-        monkeypatch.delenv("ROLLOUT_PUSH_STREAM")  # (the rest: the default, every bucket before the order)
+        monkeypatch.delenv("ROLLOUT_PUSH_STREAM")  # (the rest: the default, streamed: the later buckets in push_more calls)
         st = client.status()["weights"]
         assert set(st["replicas"].values()) == {v1} and st["path"].startswith("push://")
         all_from_the_store(st)
@@ -271,6 +271,74 @@ def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_resta
         assert set(ended) == replicas and all(f"reloaded version {v0} from" in e for e in ended.values()), ended
         assert set(client.status()["weights"]["replicas"]) == replicas  # the same replicas: none restarted
         monkeypatch.setattr(push_mod, "_put", real_put)
+        v2 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)
+        assert v2 > st["aborted"]["version"] and greedy(client)[0] != base
+    finally:
+        client.update_weights(str(original))  # the next tests expect the served model
+    assert greedy(client)[0] == base
+
+
+DYING_TRAINER = """
+import os, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+from rollout_cluster.client.client import RolloutClient
+from rollout_cluster.transfer import push as push_mod
+
+client = RolloutClient.connect(sys.argv[1])
+named = AutoModelForCausalLM.from_pretrained(sys.argv[2], torch_dtype=torch.float32).state_dict()
+real_put = push_mod._put
+
+def dying_put(group, i, stage, bucket_bytes):
+    if i == 3:  # the order and buckets 0-2 went out: the replicas load them meanwhile
+        time.sleep(3.0)
+        print("dying", flush=True)
+        os._exit(9)  # no push_abort, no ray.shutdown: as a trainer the kernel killed
+    return real_put(group, i, stage, bucket_bytes)
+
+push_mod._put = dying_put
+client.push_weights(named.items(), bucket_bytes=1 << 19)  # 7 buckets, streamed (the default)
+print("the push came whole", flush=True)
+"""
+
+
+def test_a_streamed_push_whose_trainer_dies_is_aborted_by_the_router_within_seconds(client, tmp_path):
+    """The trainer's process dies between its streamed push's order and its last bucket, telling
+    nobody (os._exit in another Ray driver). Its lease (transfer/lease.py) dies with it; the router,
+    which pings it while the push comes (serve/push_watch.py), aborts the push within seconds, not
+    the replicas' 60 s wait for a next bucket: the fleet goes back to the weights it held, every
+    parameter is the old one again (digest), no replica restarts, and the next push loads."""
+    import time
+
+    original = ROOT / "models" / "tiny-llama"
+    other = make_model(str(tmp_path / "b"), seed=1)
+    v0 = client.update_weights(str(original))
+    base, _ = greedy(client)
+    held = one_digest(client.weights_digest(detail=True), v0)
+    replicas = set(client.status()["weights"]["replicas"])
+    script = tmp_path / "dying_trainer.py"
+    script.write_text(DYING_TRAINER)
+    try:
+        run = subprocess.run([str(VENV_BIN / "python"), str(script), client.app_name, str(other)], env=ray_env(),
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+        died_t = time.monotonic()
+        assert run.returncode == 9 and "dying" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
+        while time.monotonic() - died_t < 60:
+            st = client.status()["weights"]
+            if st["aborted"] and st["aborted"]["version"] > v0:
+                break
+            time.sleep(0.2)
+        aborted_s = time.monotonic() - died_t
+        print(f"the router aborted the dead trainer's push {aborted_s:.2f} s after the trainer's process ended")
+        assert st["aborted"] and st["aborted"]["version"] > v0, st
+        assert aborted_s < 20, aborted_s  # the watch's ping, not bucket_stream.STALL_S (60 s)
+        assert st["version"] == v0 and st["aborted"]["back_to"] == v0 and not st["streaming"]
+        assert "the trainer's process died before the push's last objects came" in st["aborted"]["reason"], st
+        assert greedy(client)[0] == base  # (it waits until a replica holds v0 and loads nothing)
+        assert one_digest(client.weights_digest(detail=True), v0)["params"] == held["params"]
+        ended = client.status()["weights"]["aborted"]["replicas"]  # how each replica's load of it ended
+        assert set(ended) == replicas, ended
+        assert set(client.status()["weights"]["replicas"]) == replicas  # the same replicas: none restarted
         v2 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)
         assert v2 > st["aborted"]["version"] and greedy(client)[0] != base
     finally:
