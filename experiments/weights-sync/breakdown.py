@@ -92,12 +92,16 @@ def steps(way: str, t0: float, t1: float, marks: list) -> dict:
                     "replica: stage (slot copy; store views: lookup)": write, "replica: load start -> end": e - a,
                     "replica: end (finalize)": e - last(marks, "loads_sent", pid),
                     "replica done -> client sees it": t1 - e}
-    wl = defaultdict(float)
+    wl, ws = defaultdict(float), defaultdict(float)
     for m in marks:
         if m["event"] == "worker_load_start":
             wl[m["pid"]] -= m["t"]
         elif m["event"] == "worker_load_end":
             wl[m["pid"]] += m["t"]
+        elif m["event"] == "worker_stage_start":  # (engines/device_staging.py: the bucket to the GPU first)
+            ws[m["pid"]] -= m["t"]
+        elif m["event"] == "worker_stage_end":
+            ws[m["pid"]] += m["t"]
     for k in ("router ack -> replica starts", "replica: ray.get (waited)", "replica: stage (slot copy; store views: lookup)",
               "replica: load start -> end", "replica: end (finalize)", "replica done -> client sees it"):
         vals = [p[k] for p in per.values()]
@@ -105,6 +109,7 @@ def steps(way: str, t0: float, t1: float, marks: list) -> dict:
             s[k] = min(vals) if k == "replica done -> client sees it" else max(vals)
     if wl:
         s["worker: load_weights of the buckets"] = max(wl.values())
+        s["worker: of it, the buckets to the GPU through the ring (0: not staged)"] = max(ws.values()) if ws else 0.0
     return s
 
 

@@ -71,19 +71,27 @@ def unpack_bucket(header: dict, buf) -> list:
     tensor, or anything with the buffer protocol: bytes, a numpy array from Ray's object store)."""
     import torch
 
-    if not isinstance(buf, torch.Tensor):
-        if not memoryview(buf).nbytes:
-            buf = torch.empty(0, dtype=torch.uint8)
-        else:
-            with warnings.catch_warnings():  # read-only memory: the tensors are only read
-                warnings.simplefilter("ignore", UserWarning)
-                buf = torch.frombuffer(buf, dtype=torch.uint8)
+    buf = as_uint8(buf)
     out = []
     for name, dtype, shape, off in zip(header["names"], header["dtypes"], header["shapes"], header["offsets"]):
         dt = getattr(torch, dtype)
         n = math.prod(shape) * dt.itemsize
         out.append((name, buf[off:off + n].view(dt).view(shape)))
     return out
+
+
+def as_uint8(buf) -> "torch.Tensor":
+    """`buf` as a flat uint8 tensor (a view: no copy): a tensor already, or anything with the
+    buffer protocol (bytes, a numpy array from Ray's object store)."""
+    import torch
+
+    if isinstance(buf, torch.Tensor):
+        return buf
+    if not memoryview(buf).nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only memory: the tensors are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def map_shm(path: str, nbytes: int):

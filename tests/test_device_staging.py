@@ -1,0 +1,67 @@
+"""A pushed bucket moved to the worker's device in ring-sized chunks (engines/device_staging.py):
+every byte arrives whatever the bucket's and the chunk's sizes, the bucket's tensors are found in
+their own buffer by rebased offsets, and only a CUDA worker loading through vLLM's loaders stages.
+Here the device is the CPU (the same offsets and chunks; the CUDA streams ran on an H100:
+experiments/weights-colocated)."""
+import math
+
+import pytest
+import torch
+
+from rollout_cluster.engines.bucket_files import as_uint8, unpack_bucket
+from rollout_cluster.engines.device_staging import DeviceStaging, bucket_span, rebased, wanted
+
+
+@pytest.mark.parametrize("nbytes,chunk", [(0, 64), (1, 64), (63, 64), (64, 64), (65, 64), (1000, 64), (4096, 4096),
+                                          (12345, 1000)])
+def test_every_byte_arrives_whatever_the_sizes(nbytes, chunk):
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    staging = DeviceStaging("cpu", chunk_bytes=chunk)
+    out = staging.to_device(src)
+    assert torch.equal(out, src) and (nbytes == 0 or out.data_ptr() != src.data_ptr())
+    again = staging.to_device(src.flip(0))  # the ring is reused: the next bucket's bytes, not the last one's
+    assert torch.equal(again, src.flip(0)) and staging.copies == 2
+
+
+def region_with(tensors: dict, lead: int = 192) -> tuple:
+    """A flat uint8 'object-store region' holding `tensors` from byte `lead` on, 64-byte aligned,
+    and the header a replica sends for it (offsets in the region)."""
+    names, dtypes, shapes, offsets, off = [], [], [], [], lead
+    for name, t in tensors.items():
+        names.append(name), dtypes.append(str(t.dtype).removeprefix("torch.")), shapes.append(list(t.shape))
+        offsets.append(off)
+        off += math.ceil(t.numel() * t.element_size() / 64) * 64
+    region = torch.zeros(off + 256, dtype=torch.uint8)
+    for o, t in zip(offsets, tensors.values()):
+        n = t.numel() * t.element_size()
+        region[o:o + n] = t.contiguous().view(-1).view(torch.uint8)
+    header = {"names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets, "nbytes": off - lead}
+    return region, header
+
+
+def test_a_buckets_tensors_come_out_of_its_own_buffer_equal_to_the_regions():
+    tensors = {"a.weight": torch.randn(7, 5), "b.bias": torch.arange(3, dtype=torch.int64),
+               "c.weight": torch.randn(4, 4).to(torch.bfloat16), "d.scale": torch.tensor(2.5)}
+    region, header = region_with(tensors)
+    lo, hi = bucket_span(header)
+    assert lo == 192 and hi == header["offsets"][-1] + 4  # (the last tensor's end, not the region's)
+    moved = DeviceStaging("cpu", chunk_bytes=100).to_device(as_uint8(region)[lo:hi])
+    assert moved.numel() == hi - lo
+    got = unpack_bucket(rebased(header, lo), moved)
+    want = unpack_bucket(header, region)
+    assert [n for n, _ in got] == list(tensors)
+    for (name, g), (_, w), t in zip(got, want, tensors.values()):
+        assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, w) and torch.equal(g, t), name
+        assert not (region.data_ptr() <= g.data_ptr() < region.data_ptr() + region.numel())  # its own buffer
+
+
+def test_an_empty_bucket_spans_nothing():
+    assert bucket_span({"names": [], "dtypes": [], "shapes": [], "offsets": []}) == (0, 0)
+
+
+def test_only_a_cuda_worker_loading_through_vllms_loaders_stages():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert wanted(cuda, direct=False, env=None) and wanted(cuda, direct=False, env="1")
+    assert not wanted(cuda, direct=False, env="0")  # turned off
+    assert not wanted(cuda, direct=True, env=None)  # (vLLM-CPU's direct load reads host memory itself)
+    assert not wanted(cpu, direct=False, env=None) and not wanted(None, direct=False, env=None)
