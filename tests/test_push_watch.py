@@ -35,8 +35,10 @@ class Lease:
         ping.set_exception(error) if error is not None else ping.set_result(True)
 
 
-def died() -> ActorDiedError:
-    return ActorDiedError()
+def died(init_failed: bool = False) -> ActorDiedError:
+    e = ActorDiedError()
+    e._actor_init_failed = init_failed  # (Ray sets it where the actor's creation failed)
+    return e
 
 
 def test_a_live_trainer_is_pinged_once_a_tick_and_its_push_goes_on():
@@ -103,3 +105,15 @@ def test_a_lease_that_cannot_be_called_is_pinged_again_next_tick():
     assert watch.tick() is None  # the failed ping is made
     assert watch.tick() is None and watch.source == SRC  # it failed, not as a death: tried again
     assert core.weights.version == 2
+
+
+def test_a_lease_that_never_started_says_nothing_of_the_trainer_and_is_not_taken_for_dead():
+    """Its creation failed (a runtime env, a placement): the trainer may well live; the push is no
+    longer watched (the replicas' stall limit still ends a push whose trainer died)."""
+    core = at_checkpoint_then_streaming()
+    watch, lease = PushWatch(core), Lease()
+    watch.watch(SRC, lease)
+    watch.tick()
+    lease.answer(died(init_failed=True))
+    assert watch.tick() is None and watch.source is None and len(lease.pings) == 1
+    assert core.weights.version == 2 and core.weights_status()["streaming"]

@@ -51,38 +51,53 @@ class DeviceStaging:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # (out was allocated on the current stream)
         used = [False, False]
-        for i, off in enumerate(range(0, nbytes, self.chunk_bytes)):
-            k, n = i % 2, min(self.chunk_bytes, nbytes - off)
-            if used[k]:
-                self.done[k].synchronize()  # the GPU has read this buffer: it may be written again
-            self.ring[k][:n].copy_(src[off:off + n])
-            with torch.cuda.stream(self.stream):
-                out[off:off + n].copy_(self.ring[k][:n], non_blocking=True)
-                self.done[k].record(self.stream)
-            used[k] = True
+        try:
+            for i, off in enumerate(range(0, nbytes, self.chunk_bytes)):
+                k, n = i % 2, min(self.chunk_bytes, nbytes - off)
+                if used[k]:
+                    self.done[k].synchronize()  # the GPU has read this buffer: it may be written again
+                self.ring[k][:n].copy_(src[off:off + n])
+                with torch.cuda.stream(self.stream):
+                    out[off:off + n].copy_(self.ring[k][:n], non_blocking=True)
+                    self.done[k].record(self.stream)
+                used[k] = True
+        finally:  # (also when a copy failed: the ring is free for the next bucket, from any call)
+            for k in range(2):
+                if used[k]:
+                    self.done[k].synchronize()
         current.wait_stream(self.stream)
-        out.record_stream(self.stream)  # (freed only once the copies into it are done)
-        for k in range(2):  # the ring is free for the next bucket (which may come from another call)
-            if used[k]:
-                self.done[k].synchronize()
         self.copies += 1
         return out
 
 
-def bucket_span(header: dict) -> tuple[int, int]:
-    """(first byte, end) of a packed bucket's tensors in the buffer its header's offsets index."""
-    import math
+ALIGN = 256  # a staged span starts at a multiple of this in its buffer (the views keep their alignment)
 
-    ends = [off + math.prod(shape) * _itemsize(dtype)
-            for dtype, shape, off in zip(header["dtypes"], header["shapes"], header["offsets"])]
-    if not ends:
+
+def bucket_span(header: dict) -> tuple[int, int]:
+    """(first byte, end) of a packed bucket's tensors in the buffer its header's offsets index, the
+    first byte rounded down to ALIGN. Tensors of no bytes have no place (their offset may be
+    anything, 0 in a store region: store_views.py) and are left out."""
+    sized = [(off, _nbytes(dtype, shape))
+             for dtype, shape, off in zip(header["dtypes"], header["shapes"], header["offsets"])]
+    sized = [(off, n) for off, n in sized if n]
+    if not sized:
         return 0, 0
-    return min(header["offsets"]), max(ends)
+    lo = min(off for off, _ in sized)
+    return lo - lo % ALIGN, max(off + n for off, n in sized)
 
 
 def rebased(header: dict, start: int) -> dict:
-    """The header with its offsets counted from `start` (its tensors moved to a buffer of their own)."""
-    return {**header, "offsets": [off - start for off in header["offsets"]]}
+    """The header with its offsets counted from `start` (its tensors moved to a buffer of their own);
+    a tensor of no bytes at 0."""
+    offsets = [off - start if _nbytes(dtype, shape) else 0
+               for dtype, shape, off in zip(header["dtypes"], header["shapes"], header["offsets"])]
+    return {**header, "offsets": offsets}
+
+
+def _nbytes(dtype: str, shape) -> int:
+    import math
+
+    return math.prod(shape) * _itemsize(dtype)
 
 
 def _itemsize(dtype: str) -> int:
@@ -91,7 +106,20 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
-def wanted(device, direct: bool, env: Optional[str]) -> bool:
+def wanted(device, direct: bool, env: Optional[str], world_size: int = 1) -> bool:
     """Whether a worker on `device` stages its host buckets on the device: a CUDA worker loading
-    through vLLM's loaders (not direct_load.py, which is vLLM-CPU's), unless ROLLOUT_DEVICE_STAGING=0."""
-    return getattr(device, "type", None) == "cuda" and not direct and env != "0"
+    through vLLM's loaders (not direct_load.py, which is vLLM-CPU's), the engine's only worker,
+    unless ROLLOUT_DEVICE_STAGING=0. (A tensor- or pipeline-parallel engine's workers each get every
+    bucket: staging would copy all of it to every GPU, where vLLM's loaders copy each worker's
+    shard only. Not measured yet: they load as before.)"""
+    return getattr(device, "type", None) == "cuda" and not direct and env != "0" and world_size == 1
+
+
+def room_for(nbytes: int, device, margin: int = 512 << 20) -> bool:
+    """Whether the device has `nbytes` and `margin` more free, counting what torch's allocator holds
+    unused: staging must not take the memory vLLM's loaders need next."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached >= nbytes + margin

@@ -47,6 +47,7 @@ class TensorLoader:
         model = self._rc_model()
         self._rc_sessions = getattr(self, "_rc_sessions", 0) + 1  # loads begun in this worker
         self._rc_on_gpu = 0  # buckets of this load staged on the GPU (_rc_on_device)
+        self._rc_stage_off = False  # staging failed in this load: its other buckets are not staged
         self._rc_expected = {n for n, _ in model.named_parameters()}
         self._rc_loaded = set()
         self._rc_direct = None
@@ -107,9 +108,12 @@ class TensorLoader:
             buf = maps[slot[0]]
         else:
             buf = map_shm(path, header["nbytes"]) if path is not None else data
-        on_device = self._rc_on_device(header, buf)
-        if on_device is not None:  # (views of a buffer of their own: nothing to copy if kept)
-            n = self._rc_load(on_device)
+        staged = self._rc_on_device(header, buf)
+        if staged is not None:
+            pairs, moved = staged
+            n = self._rc_load(pairs)
+            if self._rc_direct is None:  # (kept views would hold the whole GPU copy until their layer completes)
+                _copy_kept_views(moved)
         else:
             n = self._rc_load(unpack_bucket(header, buf))
             if (slot is not None or region is not None) and self._rc_direct is None:
@@ -117,38 +121,47 @@ class TensorLoader:
         mark("worker_load_end")
         return n
 
-    def _rc_on_device(self, header: dict, buf) -> list | None:
-        """The bucket's tensors as views of one copy of its bytes on this worker's GPU, made through
-        the worker's page-locked ring (device_staging.py); None where the loaders read the host
-        bytes themselves (not a CUDA worker, vLLM-CPU's direct load, ROLLOUT_DEVICE_STAGING=0,
-        or no GPU memory for the copy: said once)."""
+    def _rc_on_device(self, header: dict, buf) -> tuple | None:
+        """(the bucket's tensors as views of one copy of its bytes on this worker's GPU, that copy),
+        made through the worker's page-locked ring (device_staging.py); None where the loaders read
+        the host bytes themselves: not a CUDA worker, vLLM-CPU's direct load, a parallel engine,
+        ROLLOUT_DEVICE_STAGING=0, or not enough GPU memory for the copy (then not again in this load;
+        said once)."""
         import torch
 
-        from .device_staging import ENV, DeviceStaging, bucket_span, rebased, wanted
+        from .device_staging import ENV, DeviceStaging, bucket_span, rebased, room_for, wanted
 
         dev, env = getattr(self, "device", None), os.environ.get(ENV)
         if env == "alternate":  # (a benchmark's A/B: every other load staged, the first one too)
             env = "1" if getattr(self, "_rc_sessions", 1) % 2 else "0"
-        if not wanted(dev, self._rc_direct is not None, env):
+        world = getattr(getattr(self.vllm_config, "parallel_config", None), "world_size", 1)
+        if (not wanted(dev, self._rc_direct is not None, env, world) or getattr(self, "_rc_stage_off", False)
+                or self.__dict__.get("_rc_device_staging", None) is False):
             return None
         lo, hi = bucket_span(header)
         try:
             staging = self.__dict__.get("_rc_device_staging")
             if staging is None:
                 staging = self._rc_device_staging = DeviceStaging(dev)
+            if not room_for(hi - lo, dev):
+                raise torch.OutOfMemoryError(f"{hi - lo} bytes and a margin are not free")
             mark("worker_stage_start", bytes=hi - lo)
             moved = staging.to_device(as_uint8(buf)[lo:hi])
             mark("worker_stage_end")
-            self._rc_on_gpu = getattr(self, "_rc_on_gpu", 0) + 1
         except torch.OutOfMemoryError as e:
-            if not getattr(self, "_rc_staging_refused", False):
-                self._rc_staging_refused = True
-                import logging
-
-                logging.getLogger(__name__).warning("a pushed bucket's %d bytes found no GPU memory (%s): the "
-                                                    "loaders read it from host memory", hi - lo, e)
+            self._rc_stage_off = True  # (the rest of this load: each try would sync and empty the cache)
+            _say_once(self, "_rc_said_room", "a pushed bucket's %d bytes found no room on the GPU (%s): this load's "
+                      "buckets go to vLLM's loaders from host memory", hi - lo, e)
             return None
-        return unpack_bucket(rebased(header, lo), moved)
+        except RuntimeError as e:  # (the ring's page-locked memory refused: never again in this worker)
+            if self.__dict__.get("_rc_device_staging") is None:
+                self._rc_device_staging = False
+                _say_once(self, "_rc_said_ring", "no page-locked ring for pushed buckets (%s): they go to vLLM's "
+                          "loaders from host memory", e)
+                return None
+            raise
+        self._rc_on_gpu = getattr(self, "_rc_on_gpu", 0) + 1
+        return unpack_bucket(rebased(header, lo), moved), moved
 
     def rc_tensors_load_ipc(self, header: dict, handles: bytes) -> int:
         """Load one IPC bucket (transfer/ipc.py): its tensors rebuilt from the trainer's CUDA IPC
@@ -221,11 +234,20 @@ class TensorLoader:
         return sorted(getattr(self, "_rc_expected", set()) - getattr(self, "_rc_loaded", set()))
 
 
+def _say_once(worker, flag: str, msg: str, *args) -> None:
+    if not getattr(worker, flag, False):
+        setattr(worker, flag, True)
+        import logging
+
+        logging.getLogger(__name__).warning(msg, *args)
+
+
 def _copy_kept_views(buf) -> None:
     """vLLM's layerwise reload keeps the tensors of a layer whose other tensors have not arrived
     yet (and of a padded layer, until rc_tensors_end): views of `buf`, a shm slot the replica
     writes another bucket into once this call returned (or an object-store region, whose object
-    the replica lets go then). Each such tensor becomes a copy of its own."""
+    the replica lets go then; or a bucket's copy on the GPU, device_staging.py, which would stay
+    whole while one view of it is kept). Each such tensor becomes a copy of its own."""
     import torch
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
@@ -234,6 +256,6 @@ def _copy_kept_views(buf) -> None:
     for info in list(LAYERWISE_INFO.values()):
         for _, args in info.loaded_weights:
             for key, value in args.arguments.items():
-                if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel()
+                if (isinstance(value, torch.Tensor) and value.device == buf.device and value.numel()
                         and lo <= value.data_ptr() < hi):
                     args.arguments[key] = value.clone()

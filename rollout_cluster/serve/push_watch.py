@@ -8,9 +8,10 @@ that the lease died, aborts the push as the trainer would have (RouterCore.abort
 goes back to the weights it held, each replica's load stops at once). Without the watch each
 replica waits bucket_stream.STALL_S (60 s) for the next bucket first.
 
-Only a definite death counts (ActorDiedError): a lease that is unreachable for a while
-(ActorUnavailableError, a busy node) or not started yet is pinged again. A push whose order came
-without a lease (an older client) is left to STALL_S.
+Only a definite death counts (ActorDiedError, not one of a lease that could not start: that says
+nothing of the trainer): a lease that is unreachable for a while (ActorUnavailableError, a busy
+node) or not started yet is pinged again. A push whose order came without a lease (an older
+client, or none could be made) is left to STALL_S.
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ class PushWatch:
         self.source: Optional[str] = None  # the streamed push watched ("push://<id>"), None: none
         self.lease = None  # its trainer's lease (an actor handle of transfer/lease.TrainerLease)
         self.ping = None  # the ping in flight (a concurrent Future of lease.alive), None: none yet
+        self.said = False  # a failed ping of this push's lease is in the log already (once a push)
 
     def watch(self, source: str, lease) -> None:
         """The fleet now waits on the streamed push `source`, whose trainer holds `lease`."""
-        self.source, self.lease, self.ping = source, lease, None
+        self.source, self.lease, self.ping, self.said = source, lease, None, False
 
     def coming(self) -> bool:
         """The watched push is the fleet's and some of its objects have not come."""
@@ -52,10 +54,16 @@ class PushWatch:
         err = self.ping.exception()
         from ray.exceptions import ActorDiedError
 
-        if isinstance(err, ActorDiedError):
+        if isinstance(err, ActorDiedError) and not err.actor_init_failed:
             source, self.source, self.lease, self.ping = self.source, None, None, None
             return source, f"the trainer's process died before the push's last objects came ({_first_line(err)})"
-        if err is not None:
+        if isinstance(err, ActorDiedError):  # (it never started: the trainer's fate is unknown)
+            log.warning("push %s: its trainer's lease could not start (%s); the push is not watched", self.source,
+                        _first_line(err))
+            self.source, self.lease, self.ping = None, None, None
+            return None
+        if err is not None and not self.said:
+            self.said = True
             log.info("push %s: its trainer's lease did not answer (%s); asking again", self.source, _first_line(err))
         self.ping = self._send()
         return None

@@ -11,14 +11,22 @@ answers ActorDiedError within about a second of the trainer's death, and the rou
 as if the trainer had (the fleet goes back to the weights it held).
 
 One lease per trainer process and Ray session, made at its first streamed push: the actor needs
-no CPU, and its worker process is the only cost (started once, in the background).
+no CPU, and its worker process is the only cost (started once, in the background). At every
+later push the lease is pinged first (a millisecond): one that died while the trainer lives (its
+worker killed by Ray's memory monitor, `ray.kill`) is replaced, so that it never aborts a push of
+a live trainer. A lease that could not be made at all (Ray Client, a placement refused) leaves the
+push unwatched: the replicas' bucket_stream.STALL_S still ends it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 
-_leases: dict = {}  # (GCS address, job id, worker id) -> the lease's actor handle
+CHECK_S = 10.0  # a lease made before answers its ping within this, or it is used unchecked (not replaced)
+
+_leases: dict = {}  # (session, GCS address, job id, worker id) -> the lease's actor handle
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 class TrainerLease:
@@ -30,18 +38,45 @@ class TrainerLease:
 
 def lease_of_this_process():
     """This process's lease (an actor handle), made at the first call in this Ray session: created
-    by this process (which owns it: it dies with it) on this node (it dies with the node)."""
+    by this process (which owns it: it dies with it) on this node (it dies with the node). A lease
+    made before that no longer answers is replaced. None: no lease can be made here (said)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        ctx = ray.get_runtime_context()
+        key = (ctx.get_session_name(), ctx.gcs_address, ctx.get_job_id(), ctx.get_worker_id())
+    except Exception as e:  # (no Ray here, or a Ray Client: no node of this process's own)
+        log.warning("push_weights: no trainer lease (%s: %s): a streamed push this process dies in is "
+                    "ended by the replicas' stall limit, not at once", type(e).__name__, e)
+        return None
+    with _lock:
+        for stale in [k for k in _leases if k[0] != key[0]]:  # (handles of an earlier session)
+            del _leases[stale]
+        lease = _leases.get(key)
+        if lease is not None:
+            try:
+                ray.get(lease.alive.remote(), timeout=CHECK_S)
+                return lease
+            except GetTimeoutError:
+                return lease  # (slow to start, or a busy node: not dead)
+            except RayActorError as e:
+                log.warning("push_weights: this trainer's lease died (%s); a new one is made", type(e).__name__)
+        try:
+            lease = _leases[key] = _make(ctx)
+        except Exception as e:
+            log.warning("push_weights: no trainer lease (%s: %s): a streamed push this process dies in is "
+                        "ended by the replicas' stall limit, not at once", type(e).__name__, e)
+            _leases.pop(key, None)
+            return None
+        return lease
+
+
+def _make(ctx):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ctx = ray.get_runtime_context()
-    key = (ctx.gcs_address, ctx.get_job_id(), ctx.get_worker_id())
-    with _lock:
-        lease = _leases.get(key)
-        if lease is None:
-            actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(TrainerLease)
-            lease = actor.options(
-                lifetime="non_detached",  # fate-shared with this process, whatever the job's default
-                scheduling_strategy=NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False)).remote()
-            _leases[key] = lease
-        return lease
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(TrainerLease)
+    return actor.options(
+        lifetime="non_detached",  # fate-shared with this process, whatever the job's default
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False)).remote()

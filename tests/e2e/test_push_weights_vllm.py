@@ -230,6 +230,30 @@ def test_repeated_pushes_keep_one_version_in_the_object_store(client):
     assert used - base < 0.5 * size, (used - base, size)
 
 
+class Held:
+    """The fleet before a push that will be aborted: the served checkpoint loaded again (`v0`), its
+    greedy tokens, digest and replicas, and another model to push (`other`)."""
+
+    def __init__(self, client, tmp_path):
+        self.original = ROOT / "models" / "tiny-llama"
+        self.other = make_model(str(tmp_path / "b"), seed=1)
+        self.v0 = client.update_weights(str(self.original))
+        self.base, _ = greedy(client)
+        self.digest = one_digest(client.weights_digest(detail=True), self.v0)
+        self.replicas = set(client.status()["weights"]["replicas"])
+
+    def back(self, client, aborted: dict) -> None:
+        """After the abort: the same replicas hold v0 again, bit for bit (none restarted), each says
+        how its load of the push ended, and the next push loads, numbered above the aborted one."""
+        assert greedy(client)[0] == self.base  # (it waits until a replica holds v0 and loads nothing)
+        assert one_digest(client.weights_digest(detail=True), self.v0)["params"] == self.digest["params"]
+        st = client.status()["weights"]
+        assert set(st["aborted"]["replicas"]) == self.replicas, st["aborted"]
+        assert set(st["replicas"]) == self.replicas  # the same replicas: none restarted
+        v2 = client.push_weights(state_dict(self.other).items(), bucket_bytes=1 << 19)
+        assert v2 > aborted["version"] and greedy(client)[0] != self.base
+
+
 def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_restart(client, tmp_path, monkeypatch):
     """The trainer fails between its streamed push's order and its last bucket (the fourth
     bucket's put raises, once the replicas have loaded the first ones): push_weights raises the
@@ -241,12 +265,8 @@ def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_resta
 
     from rollout_cluster.transfer import push as push_mod
 
-    original = ROOT / "models" / "tiny-llama"
-    other = make_model(str(tmp_path / "b"), seed=1)
-    v0 = client.update_weights(str(original))
-    base, _ = greedy(client)
-    held = one_digest(client.weights_digest(detail=True), v0)
-    replicas = set(client.status()["weights"]["replicas"])
+    held = Held(client, tmp_path)
+    v0 = held.v0
     real_put = push_mod._put
 
     def failing_put(group, i, stage, bucket_bytes):
@@ -260,22 +280,19 @@ def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_resta
     try:
         t0 = time.monotonic()
         with pytest.raises(MemoryError, match="a test's"):
-            client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)  # 7 buckets
+            client.push_weights(state_dict(held.other).items(), bucket_bytes=1 << 19)  # 7 buckets
         assert time.monotonic() - t0 < 30  # not the replicas' 60 s wait for a next bucket
         st = client.status()["weights"]
         assert st["version"] == v0 and st["aborted"]["back_to"] == v0 and st["aborted"]["version"] > v0
         assert "MemoryError: pinned memory exhausted" in st["aborted"]["reason"]
-        assert greedy(client)[0] == base  # (it waits until a replica holds v0 and loads nothing)
-        assert one_digest(client.weights_digest(detail=True), v0)["params"] == held["params"]
-        ended = client.status()["weights"]["aborted"]["replicas"]  # each replica's load: stopped, then reloaded
-        assert set(ended) == replicas and all(f"reloaded version {v0} from" in e for e in ended.values()), ended
-        assert set(client.status()["weights"]["replicas"]) == replicas  # the same replicas: none restarted
         monkeypatch.setattr(push_mod, "_put", real_put)
-        v2 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)
-        assert v2 > st["aborted"]["version"] and greedy(client)[0] != base
+        greedy(client)  # (it waits until a replica holds v0 and loads nothing)
+        ended = client.status()["weights"]["aborted"]["replicas"]  # each replica's load: stopped, then reloaded
+        assert all(f"reloaded version {v0} from" in e for e in ended.values()), ended
+        held.back(client, st["aborted"])
     finally:
-        client.update_weights(str(original))  # the next tests expect the served model
-    assert greedy(client)[0] == base
+        client.update_weights(str(held.original))  # the next tests expect the served model
+    assert greedy(client)[0] == held.base
 
 
 DYING_TRAINER = """
@@ -310,16 +327,12 @@ def test_a_streamed_push_whose_trainer_dies_is_aborted_by_the_router_within_seco
     parameter is the old one again (digest), no replica restarts, and the next push loads."""
     import time
 
-    original = ROOT / "models" / "tiny-llama"
-    other = make_model(str(tmp_path / "b"), seed=1)
-    v0 = client.update_weights(str(original))
-    base, _ = greedy(client)
-    held = one_digest(client.weights_digest(detail=True), v0)
-    replicas = set(client.status()["weights"]["replicas"])
+    held = Held(client, tmp_path)
+    v0 = held.v0
     script = tmp_path / "dying_trainer.py"
     script.write_text(DYING_TRAINER)
     try:
-        run = subprocess.run([str(VENV_BIN / "python"), str(script), client.app_name, str(other)], env=ray_env(),
+        run = subprocess.run([str(VENV_BIN / "python"), str(script), client.app_name, str(held.other)], env=ray_env(),
                              capture_output=True, text=True, timeout=600, cwd=ROOT)
         died_t = time.monotonic()
         assert run.returncode == 9 and "dying" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
@@ -334,13 +347,29 @@ def test_a_streamed_push_whose_trainer_dies_is_aborted_by_the_router_within_seco
         assert aborted_s < 20, aborted_s  # the watch's ping, not bucket_stream.STALL_S (60 s)
         assert st["version"] == v0 and st["aborted"]["back_to"] == v0 and not st["streaming"]
         assert "the trainer's process died before the push's last objects came" in st["aborted"]["reason"], st
-        assert greedy(client)[0] == base  # (it waits until a replica holds v0 and loads nothing)
-        assert one_digest(client.weights_digest(detail=True), v0)["params"] == held["params"]
-        ended = client.status()["weights"]["aborted"]["replicas"]  # how each replica's load of it ended
-        assert set(ended) == replicas, ended
-        assert set(client.status()["weights"]["replicas"]) == replicas  # the same replicas: none restarted
-        v2 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 19)
-        assert v2 > st["aborted"]["version"] and greedy(client)[0] != base
+        held.back(client, st["aborted"])
     finally:
-        client.update_weights(str(original))  # the next tests expect the served model
-    assert greedy(client)[0] == base
+        client.update_weights(str(held.original))  # the next tests expect the served model
+    assert greedy(client)[0] == held.base
+
+
+def test_a_lease_killed_while_its_trainer_lives_is_replaced_and_the_push_goes_on(client):
+    """The trainer's lease dies while the trainer lives (Ray's memory monitor, a ray.kill): the next
+    push pings it first, makes a new one, and its streamed push is not aborted as a dead trainer's."""
+    import ray
+
+    from rollout_cluster.transfer.lease import lease_of_this_process
+
+    original = ROOT / "models" / "tiny-llama"
+    lease = lease_of_this_process()
+    assert ray.get(lease.alive.remote(), timeout=120) is True
+    assert lease_of_this_process() is lease  # (alive: kept)
+    ray.kill(lease)
+    new = lease_of_this_process()
+    assert new is not None and new is not lease and ray.get(new.alive.remote(), timeout=120) is True
+    ray.kill(new)  # (the push itself replaces it now)
+    before = client.status()["weights"]["aborted"]
+    v = client.push_weights(state_dict(original).items(), bucket_bytes=1 << 19)  # 7 buckets, streamed
+    st = client.status()["weights"]
+    assert st["version"] == v and set(st["replicas"].values()) == {v} and st["aborted"] == before, st
+    client.update_weights(str(original))  # (the next tests expect the checkpoint)
