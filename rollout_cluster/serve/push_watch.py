@@ -44,7 +44,7 @@ class PushWatch:
         """(the watched push, why it must be aborted: its trainer died), or None. Sends the next
         ping when the last one was answered."""
         if not self.coming():
-            self.source, self.lease, self.ping = None, None, None
+            self._forget()
             return None
         if self.ping is None:
             self.ping = self._send()
@@ -55,18 +55,22 @@ class PushWatch:
         from ray.exceptions import ActorDiedError
 
         if isinstance(err, ActorDiedError) and not err.actor_init_failed:
-            source, self.source, self.lease, self.ping = self.source, None, None, None
+            source = self.source
+            self._forget()
             return source, f"the trainer's process died before the push's last objects came ({_first_line(err)})"
         if isinstance(err, ActorDiedError):  # (it never started: the trainer's fate is unknown)
             log.warning("push %s: its trainer's lease could not start (%s); the push is not watched", self.source,
                         _first_line(err))
-            self.source, self.lease, self.ping = None, None, None
+            self._forget()
             return None
         if err is not None and not self.said:
             self.said = True
             log.info("push %s: its trainer's lease did not answer (%s); asking again", self.source, _first_line(err))
         self.ping = self._send()
         return None
+
+    def _forget(self) -> None:
+        self.source, self.lease, self.ping = None, None, None
 
     def _send(self):
         try:
