@@ -12,6 +12,15 @@ on the same bytes in a /dev/shm mapping like the store's, side by side and alter
 Every way's GPU bytes are checked against the source (a sample of each chunk). Torch only.
 
     python3 experiments/weights-colocated/h2d_bench.py --gib 15 --rounds 3 --out $OUT
+
+`--worker`: the replica's own ring (engines/device_staging.py) instead, bucket by bucket (256 MiB),
+reading the file as the worker reads the store (store_views.open_region: a private mapping of
+its own, whose page tables each new object's pages first fill), to find why it ran at 11 GB/s in
+the worker against 26-28 here: stage-fresh (a new mapping each round, torch's threads),
+stage-fresh-1t (one thread), stage-fresh-populate (the range's page tables filled first,
+MADV_POPULATE_READ, counted), stage-warm (the same mapping again).
+
+    PYTHONPATH=$PWD python3 experiments/weights-colocated/h2d_bench.py --worker --gib 15 --rounds 2 --out $OUT
 """
 from __future__ import annotations
 
@@ -105,10 +114,70 @@ def check(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return True
 
 
+def worker_view(path: str, nbytes: int):
+    """The file mapped as store_views.open_region maps the store: private, read and write."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def staged_buckets(staging, src: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """(seconds, every sampled byte equal): src to the device bucket by bucket through the ring."""
+    t, equal = 0.0, True
+    for off, n in chunks(src.numel()):
+        t0 = time.perf_counter()
+        out = staging.to_device(src[off:off + n])
+        torch.cuda.synchronize()
+        t += time.perf_counter() - t0
+        idx = torch.tensor([(n - 1) * k // 63 for k in range(64)], dtype=torch.long)
+        equal = equal and torch.equal(out[idx.cuda()].cpu(), ref[off:off + n][idx])
+    return t, equal
+
+
+def worker_mode(a, path: str, nbytes: int, ref: torch.Tensor) -> list:
+    from rollout_cluster.engines.device_staging import DeviceStaging
+
+    staging = DeviceStaging(torch.device("cuda", torch.cuda.current_device()))
+    threads = torch.get_num_threads()
+    rows = []
+    for r in range(a.rounds):
+        for way in ("stage-fresh", "stage-fresh-1t", "stage-fresh-populate", "stage-warm"):
+            row = {"round": r, "way": way, "threads": 1 if way.endswith("-1t") else threads}
+            try:
+                mm, src = worker_view(path, nbytes)
+                t0 = time.perf_counter()
+                if way == "stage-fresh-populate":
+                    mm.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), 0, nbytes)
+                row["populate_s"] = time.perf_counter() - t0
+                if way == "stage-warm":  # (its page tables filled by a read first, not counted)
+                    staged_buckets(staging, src, ref)
+                torch.set_num_threads(row["threads"])
+                copy_s, row["equal"] = staged_buckets(staging, src, ref)
+                torch.set_num_threads(threads)
+                row["copy_s"] = copy_s
+                row["gb_per_s"] = nbytes / (copy_s + row["populate_s"]) / 1e9
+                del src
+                try:
+                    mm.close()
+                except BufferError:  # (a view still alive: the mapping goes with it)
+                    pass
+            except Exception as e:
+                torch.set_num_threads(threads)
+                row["error"] = f"{type(e).__name__}: {e}"
+            row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=15.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help="the replica's ring (device_staging.py), as the worker reads")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -122,6 +191,12 @@ def main() -> None:
     src = torch.from_numpy(arr)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "bytes": nbytes, "file": path,
                       "fill_s": round(time.perf_counter() - t, 2)}), flush=True)
+    if a.worker:
+        rows = worker_mode(a, path, nbytes, src)
+        with open(os.path.join(a.out, "h2d_bench_worker.json"), "w") as f:
+            json.dump({"rows": rows, "bytes": nbytes, "gpu": torch.cuda.get_device_name()}, f, indent=1)
+        os.unlink(path)
+        return
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     bufs = [torch.empty(CHUNK, dtype=torch.uint8).pin_memory() for _ in range(2)]
     stream = torch.cuda.Stream()
