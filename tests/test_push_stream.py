@@ -211,10 +211,10 @@ class FakeRouter:
         outer.push_weights, outer.push_more = Method("push_weights"), Method("push_more")
 
 
-def _logged_push(monkeypatch, stream: Optional[bool], put_s: float = 0.0) -> tuple:
+def _logged_push(monkeypatch, stream: Optional[bool], put_s: float = 0.0, arg: Optional[bool] = None) -> tuple:
     """push() of seven 16-byte tensors in 16-byte buckets with ray.put and the router logged:
     (the log, what was put, push's refs). `put_s`: each put takes that long on push's clock.
-    `stream`: ROLLOUT_PUSH_STREAM "1" or "0", None: unset (the default)."""
+    `stream`: ROLLOUT_PUSH_STREAM "1" or "0", None: unset (the default). `arg`: push's `stream`."""
     import ray
 
     from router_support import SIGNER
@@ -235,9 +235,10 @@ def _logged_push(monkeypatch, stream: Optional[bool], put_s: float = 0.0) -> tup
         monkeypatch.setenv(push_mod.STREAM_ENV, "1" if stream else "0")
     named = [(f"w{i}", torch.full((4,), float(i))) for i in range(7)]
     leases = []
-    v, source, refs = push_mod.push(FakeRouter(log, leased=stream is not False), SIGNER, named, None, 16, 5.0,
-                                    lease=lambda: leases.append(1) or "lease")
-    assert len(leases) == (0 if stream is False else 1)  # (a lease only for a streamed push)
+    streamed = arg if arg is not None else stream is not False
+    v, source, refs = push_mod.push(FakeRouter(log, leased=streamed), SIGNER, named, None, 16, 5.0,
+                                    lease=lambda: leases.append(1) or "lease", stream=arg)
+    assert len(leases) == (1 if streamed else 0)  # (a lease only for a streamed push)
     assert v == 7 and source.startswith(PUSH_SCHEME)
     return log, puts, refs
 
@@ -285,3 +286,18 @@ def test_unstreamed_the_order_waits_for_every_bucket_and_no_push_more_follows(mo
     assert puts[refs[0].i] == WHOLE and [r.i for r in refs[1:]] == list(range(7))
     assert log == [("put", i) for i in range(8)] + [("push_weights", None, [7] + list(range(7))),
                                                     ("answered", "push_weights")]
+
+
+def test_the_callers_stream_argument_overrides_the_environment(monkeypatch):
+    """push_weights(stream=False) for a generator that gathers shards as it goes (a streamed push
+    holds every tensor until packed); stream=True streams where ROLLOUT_PUSH_STREAM=0."""
+    log, _, _ = _logged_push(monkeypatch, stream=None, arg=False)
+    assert [e[0] for e in log if len(e) == 3] == ["push_weights"]  # every bucket before the one order
+    log, _, _ = _logged_push(monkeypatch, stream=False, arg=True)
+    assert [e[0] for e in log if len(e) == 3][:2] == ["push_weights", "push_more"]
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, "0"])
+def test_a_stream_that_is_no_bool_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"stream=.*must be True, False or None"):
+        push_mod.check_stream(bad)

@@ -98,7 +98,8 @@ class RolloutClient:
         return fleet_ops.update_weights(self, path, version, checked_wait(timeout_s), running)
 
     def push_weights(self, named_tensors, version: Optional[int] = None, timeout_s: float = 600.0,
-                     bucket_bytes: int = 256 << 20, running: str = "finish", transport: str = "object_store") -> int:
+                     bucket_bytes: int = 256 << 20, running: str = "finish", transport: str = "object_store",
+                     stream: Optional[bool] = None) -> int:
         """Load the trainer's tensors into every replica without a checkpoint: `named_tensors`
         ((name, tensor) pairs in the served checkpoint's names and shapes, e.g.
         `model.named_parameters()` or `model.state_dict().items()` of the same architecture) go to
@@ -111,6 +112,14 @@ class RolloutClient:
         size that this process keeps from push to push, pinned (transfer/staging.py); shutdown()
         frees it.
 
+        `stream` (None: on, unless ROLLOUT_PUSH_STREAM=0): the order goes out with the first
+        bucket and the replicas load while this process puts the rest. It goes through
+        `named_tensors` once first, to plan the buckets, and holds every tensor until it is
+        packed: free for tensors the trainer holds anyway (its parameters, a state_dict), but a
+        generator that gathers shards on the fly (FSDP's full tensors) would then hold the whole
+        model at once; pass stream=False for it (each tensor is packed as it comes, and the order
+        waits for the last bucket).
+
         `transport="ipc"` (co-location: the trainer's CUDA tensors on the GPU a replica's engine
         uses): the buckets carry CUDA IPC handles, and the engine copies the tensors straight from
         this process's GPU memory (transfer/ipc.py). Every tensor on one GPU; the fleet awake;
@@ -118,7 +127,7 @@ class RolloutClient:
         replica on another GPU or host, or one that joins later, fails loading this version (its
         error says why) and gets the next push."""
         return fleet_ops.push_weights(self, named_tensors, version, bucket_bytes, checked_wait(timeout_s), running,
-                                      transport)
+                                      transport, stream)
 
     def sleep(self, level: int = 1, timeout_s: float = 600.0) -> dict:
         """Put every engine to sleep between batches (vLLM sleep mode), so a trainer on the same GPUs

@@ -92,12 +92,13 @@ def update_weights(client, path: str, version: Optional[int], timeout_s: float, 
 
 
 def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: int, timeout_s: float,
-                 running: str = "finish", transport: str = "object_store") -> int:
+                 running: str = "finish", transport: str = "object_store", stream: Optional[bool] = None) -> int:
     from ..transfer.ipc import IpcHold, check_transport
     from ..transfer.lease import lease_of_this_process
-    from ..transfer.push import push
+    from ..transfer.push import check_stream, push
 
     check_transport(transport, running)
+    check_stream(stream)
     hold = None
     if transport == "ipc":
         level = client.status()["sleep"]["level"]
@@ -110,7 +111,7 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
         before_update(client, running, deadline)
         v, source, _ = push(client.router.handle, client.router.signer, named_tensors, version, bucket_bytes,
                             client.call_timeout_s, running, hold, until_numbered=lambda send: numbered(send, deadline),
-                            lease=lease_of_this_process)
+                            lease=lease_of_this_process, stream=stream)
         return wait_for_version(client, v, source, "push_weights", timeout_s)
     finally:  # every replica loaded or failed (or the wait gave up): the handles close
         if hold is not None and not hold.release(timeout_s):

@@ -77,13 +77,14 @@ def put_buckets(named_tensors: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTE
 def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket_bytes: int,
          call_timeout_s: float, running: str = "finish", ipc=None,
          until_numbered: Optional[Callable[[Callable[[], int]], int]] = None,
-         lease: Optional[Callable[[], object]] = None) -> tuple:
+         lease: Optional[Callable[[], object]] = None, stream: Optional[bool] = None) -> tuple:
     """Send the tensors and the signed order; returns (version, source, refs). The caller keeps
     `refs` until every replica holds the version (its process owns them anyway), and `ipc` (an
     ipc.IpcHold: push by CUDA IPC) until then too. `until_numbered(send)`: calls send() again while
     a new router refuses the order for now (client/fleet_ops.numbered); each send signs anew.
     `lease()`: the trainer's lease (lease.lease_of_this_process), sent with a streamed push's order
-    so that the router aborts the push if the trainer dies before its last bucket.
+    so that the router aborts the push if the trainer dies before its last bucket. `stream`: True,
+    False, or None for STREAM_ENV's choice (on unless "0").
 
     Streamed (unless ROLLOUT_PUSH_STREAM=0, STREAM_ENV), through the object store the order goes out once the
     manifest and the first bucket are in the store, and the later buckets follow (`push_more`)
@@ -99,7 +100,8 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     stage = staging.shared() if os.environ.get(STAGING_ENV, "1") != "0" else None
     source = f"{PUSH_SCHEME}{uuid.uuid4().hex}"
-    if ipc is not None or os.environ.get(STREAM_ENV, "1") == "0":
+    streamed = stream if stream is not None else os.environ.get(STREAM_ENV, "1") != "0"
+    if ipc is not None or not streamed:
         # every bucket in before the order, each packed as the tensors come (no more than a bucket
         # of them held at once): a trainer that fails here has touched no replica
         refs, tensors, nbytes = put_buckets(named_tensors, bucket_bytes, ipc, stage if ipc is None else None)
@@ -148,6 +150,13 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
             abort(router, signer, source, e, call_timeout_s)
         raise
     return v, source, refs
+
+
+def check_stream(stream) -> None:
+    """push_weights' `stream`: True, False or None (STREAM_ENV decides)."""
+    if stream is not None and not isinstance(stream, bool):
+        raise ValueError(f"stream={stream!r}: must be True, False or None (None: streamed unless "
+                         f"{STREAM_ENV}=0)")
 
 
 def abort(router, signer, source: str, error: BaseException, call_timeout_s: float) -> None:

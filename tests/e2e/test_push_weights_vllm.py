@@ -63,15 +63,14 @@ def generate_behind(client, prompts, spec, tokens: int):
     return runner, results
 
 
-def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_continue_exactly(client, tmp_path,
-                                                                                              monkeypatch):
+def test_pushed_tensors_serve_exactly_as_the_checkpoint_and_in_flight_pushes_continue_exactly(client, tmp_path):
     original = ROOT / "models" / "tiny-llama"
     other = make_model(str(tmp_path / "b"), seed=1)
     base, _ = greedy(client)
     try:
-        monkeypatch.setenv("ROLLOUT_PUSH_STREAM", "0")  # unstreamed: every bucket in before the order
-        v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20)  # several buckets
-        monkeypatch.delenv("ROLLOUT_PUSH_STREAM")  # (the rest: the default, streamed: the later buckets in push_more calls)
+        # unstreamed (every bucket in before the order); the rest: the default, streamed (the later
+        # buckets in push_more calls)
+        v1 = client.push_weights(state_dict(other).items(), bucket_bytes=1 << 20, stream=False)  # several buckets
         st = client.status()["weights"]
         assert set(st["replicas"].values()) == {v1} and st["path"].startswith("push://")
         all_from_the_store(st)
@@ -276,11 +275,10 @@ def test_a_streamed_push_its_trainer_aborts_sends_the_fleet_back_without_a_resta
         return real_put(group, i, stage, bucket_bytes)
 
     monkeypatch.setattr(push_mod, "_put", failing_put)
-    monkeypatch.setenv("ROLLOUT_PUSH_STREAM", "1")
     try:
         t0 = time.monotonic()
         with pytest.raises(MemoryError, match="a test's"):
-            client.push_weights(state_dict(held.other).items(), bucket_bytes=1 << 19)  # 7 buckets
+            client.push_weights(state_dict(held.other).items(), bucket_bytes=1 << 19, stream=True)  # 7 buckets
         assert time.monotonic() - t0 < 30  # not the replicas' 60 s wait for a next bucket
         st = client.status()["weights"]
         assert st["version"] == v0 and st["aborted"]["back_to"] == v0 and st["aborted"]["version"] > v0
