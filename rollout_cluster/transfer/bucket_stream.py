@@ -5,8 +5,10 @@ Every order of a push (LoadWeights, NoteWeights, Wake; resent by the router each
 grew) names its objects so far, in order; `offer` adds the ones not seen. The manifest, the first
 object, says how many there are (`expect`). A push its trainer aborted is `stop`ped: its reader
 fails at once, naming why. A reader waits for the next one (`ref`) at most
-`STALL_S` after the last one came: a trainer that died mid-push, or a router that restarted
-(it lost the handles), sends no more, and the load fails naming what came instead of hanging.
+`STALL_S` after the last one came: a trainer that hangs mid-push, or one that died without a
+lease (the router aborts the push of one that died with it: serve/push_watch.py), or a router
+that restarted (it lost the handles), sends no more, and the load fails naming what came
+instead of hanging.
 `fetched` is the replica's reader: a push's buckets, one fetched ahead of the engine.
 """
 from __future__ import annotations
