@@ -75,9 +75,16 @@ def unpack_bucket(header: dict, buf) -> list:
     out = []
     for name, dtype, shape, off in zip(header["names"], header["dtypes"], header["shapes"], header["offsets"]):
         dt = getattr(torch, dtype)
-        n = math.prod(shape) * dt.itemsize
+        n = tensor_nbytes(dtype, shape)
         out.append((name, buf[off:off + n].view(dt).view(shape)))
     return out
+
+
+def tensor_nbytes(dtype: str, shape) -> int:
+    """The bytes of a tensor of torch dtype name `dtype` and `shape`, as a bucket header gives them."""
+    import torch
+
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def as_uint8(buf) -> "torch.Tensor":

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .bucket_files import tensor_nbytes
+
 CHUNK_BYTES = 64 << 20  # each ring buffer (two are kept per worker)
 # "0": the loaders read the host bytes themselves (vLLM's own copies); "alternate": every other
 # load of a worker staged (a benchmark's side-by-side: experiments/weights-colocated)
@@ -77,7 +79,7 @@ def bucket_span(header: dict) -> tuple[int, int]:
     """(first byte, end) of a packed bucket's tensors in the buffer its header's offsets index, the
     first byte rounded down to ALIGN. Tensors of no bytes have no place (their offset may be
     anything, 0 in a store region: store_views.py) and are left out."""
-    sized = [(off, _nbytes(dtype, shape))
+    sized = [(off, tensor_nbytes(dtype, shape))
              for dtype, shape, off in zip(header["dtypes"], header["shapes"], header["offsets"])]
     sized = [(off, n) for off, n in sized if n]
     if not sized:
@@ -89,21 +91,9 @@ def bucket_span(header: dict) -> tuple[int, int]:
 def rebased(header: dict, start: int) -> dict:
     """The header with its offsets counted from `start` (its tensors moved to a buffer of their own);
     a tensor of no bytes at 0."""
-    offsets = [off - start if _nbytes(dtype, shape) else 0
+    offsets = [off - start if tensor_nbytes(dtype, shape) else 0
                for dtype, shape, off in zip(header["dtypes"], header["shapes"], header["offsets"])]
     return {**header, "offsets": offsets}
-
-
-def _nbytes(dtype: str, shape) -> int:
-    import math
-
-    return math.prod(shape) * _itemsize(dtype)
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
 
 
 def wanted(device, direct: bool, env: Optional[str], world_size: int = 1) -> bool:

@@ -12,8 +12,8 @@ all its tensors arrived), `finalize_layerwise_reload` once. Either way a layer's
 in different buckets. Buckets come from a /dev/shm slot or file, as bytes, from Ray's object
 store where they lie (store_views.py), or (pushed by CUDA IPC, transfer/ipc.py) as handles the
 worker opens on its own GPU. A GPU worker first copies a host bucket to its GPU through a
-page-locked ring (device_staging.py: 1.3-1.5 s for a 7B model against vLLM's own 2.8-3.2 s of
-copies from pageable memory), and the loaders copy on the device.
+page-locked ring (device_staging.py; a 7B model's load 1.5 s on an H100 against 2.8-3.2 s with
+vLLM's own copies from pageable memory), and the loaders copy on the device.
 """
 from __future__ import annotations
 
@@ -129,20 +129,19 @@ class TensorLoader:
         said once)."""
         import torch
 
-        from .device_staging import ENV, DeviceStaging, bucket_span, rebased, room_for, wanted
+        from .device_staging import ENV, bucket_span, rebased, room_for, wanted
 
         dev, env = getattr(self, "device", None), os.environ.get(ENV)
         if env == "alternate":  # (a benchmark's A/B: every other load staged, the first one too)
             env = "1" if getattr(self, "_rc_sessions", 1) % 2 else "0"
         world = getattr(getattr(self.vllm_config, "parallel_config", None), "world_size", 1)
-        if (not wanted(dev, self._rc_direct is not None, env, world) or getattr(self, "_rc_stage_off", False)
-                or self.__dict__.get("_rc_device_staging", None) is False):
+        if not wanted(dev, self._rc_direct is not None, env, world) or getattr(self, "_rc_stage_off", False):
+            return None
+        staging = self._rc_ring(dev)
+        if staging is None:
             return None
         lo, hi = bucket_span(header)
         try:
-            staging = self.__dict__.get("_rc_device_staging")
-            if staging is None:
-                staging = self._rc_device_staging = DeviceStaging(dev)
             if not room_for(hi - lo, dev):
                 raise torch.OutOfMemoryError(f"{hi - lo} bytes and a margin are not free")
             mark("worker_stage_start", bytes=hi - lo)
@@ -153,15 +152,24 @@ class TensorLoader:
             _say_once(self, "_rc_said_room", "a pushed bucket's %d bytes found no room on the GPU (%s): this load's "
                       "buckets go to vLLM's loaders from host memory", hi - lo, e)
             return None
-        except RuntimeError as e:  # (the ring's page-locked memory refused: never again in this worker)
-            if self.__dict__.get("_rc_device_staging") is None:
-                self._rc_device_staging = False
-                _say_once(self, "_rc_said_ring", "no page-locked ring for pushed buckets (%s): they go to vLLM's "
-                          "loaders from host memory", e)
-                return None
-            raise
         self._rc_on_gpu = getattr(self, "_rc_on_gpu", 0) + 1
         return unpack_bucket(rebased(header, lo), moved), moved
+
+    def _rc_ring(self, dev):
+        """This worker's DeviceStaging, made at its first staged bucket; None for good where its
+        page-locked memory was refused (said once)."""
+        from .device_staging import DeviceStaging
+
+        ring = self.__dict__.get("_rc_device_staging")
+        if ring is None:
+            try:
+                ring = DeviceStaging(dev)
+            except RuntimeError as e:
+                ring = False
+                _say_once(self, "_rc_said_ring", "no page-locked ring for pushed buckets (%s): they go to vLLM's "
+                          "loaders from host memory", e)
+            self._rc_device_staging = ring
+        return ring or None
 
     def rc_tensors_load_ipc(self, header: dict, handles: bytes) -> int:
         """Load one IPC bucket (transfer/ipc.py): its tensors rebuilt from the trainer's CUDA IPC

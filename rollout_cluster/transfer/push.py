@@ -118,8 +118,8 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     objects = len(refs) + len(later)  # the manifest and every bucket
     # streamed: the router watches the trainer's lease while the later buckets come (lease.py)
-    leased = (lease(),) if later and lease is not None else ()
-    leased = tuple(x for x in leased if x is not None)  # (None: no lease could be made: unwatched)
+    held = lease() if later and lease is not None else None  # (None: no lease could be made: unwatched)
+    leased = (held,) if held is not None else ()
 
     def send() -> int:  # (a signed order is taken once: its nonce)
         order = signer.sign("push_weights", {"source": source, "version": version, "buckets": [r.hex() for r in refs],
