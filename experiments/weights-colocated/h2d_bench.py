@@ -15,10 +15,9 @@ Every way's GPU bytes are checked against the source (a sample of each chunk). T
 
 `--worker`: the replica's own ring (engines/device_staging.py) instead, bucket by bucket (256 MiB),
 reading the file as the worker reads the store (store_views.open_region: a private mapping of
-its own, whose page tables each new object's pages first fill), to find why it ran at 11 GB/s in
-the worker against 26-28 here: stage-fresh (a new mapping each round, torch's threads),
-stage-fresh-1t (one thread), stage-fresh-populate (the range's page tables filled first,
-MADV_POPULATE_READ, counted), stage-warm (the same mapping again).
+its own, whose page tables each new object's pages first fill), torch at one thread outside the copies
+and the ring's threads 1, 4, 8 and 16 (results/h100-h2d-worker; the worker's own numbers:
+results/h100-ring-threads).
 
     PYTHONPATH=$PWD python3 experiments/weights-colocated/h2d_bench.py --worker --gib 15 --rounds 2 --out $OUT
 """
@@ -137,35 +136,37 @@ def staged_buckets(staging, src: torch.Tensor, ref: torch.Tensor) -> tuple[float
     return t, equal
 
 
+WAYS = [(1, False), (4, False), (8, False), (16, False), (8, True)]  # (DeviceStaging's threads, a warm mapping)
+
+
 def worker_mode(a, path: str, nbytes: int, ref: torch.Tensor) -> list:
+    """The ring as a vLLM GPU worker runs it: torch at one thread (vLLM's OMP_NUM_THREADS), the
+    ring raising torch's threads to 1, 4, 8, 16 for its copies (device_staging.copy_threads), on a
+    fresh private mapping of the file (its page tables filled by the copy, as a new object's are)
+    or, "-warm", on one read once before."""
     from rollout_cluster.engines.device_staging import DeviceStaging
 
-    staging = DeviceStaging(torch.device("cuda", torch.cuda.current_device()))
-    threads = torch.get_num_threads()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.set_num_threads(1)
     rows = []
     for r in range(a.rounds):
-        for way in ("stage-fresh", "stage-fresh-1t", "stage-fresh-populate", "stage-warm"):
-            row = {"round": r, "way": way, "threads": 1 if way.endswith("-1t") else threads}
+        for threads, warm in WAYS:
+            row = {"round": r, "way": f"ring-{threads}t" + ("-warm" * warm), "threads": threads,
+                   "torch_threads": torch.get_num_threads()}
+            staging = DeviceStaging(dev, threads=threads)
             try:
                 mm, src = worker_view(path, nbytes)
-                t0 = time.perf_counter()
-                if way == "stage-fresh-populate":
-                    mm.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), 0, nbytes)
-                row["populate_s"] = time.perf_counter() - t0
-                if way == "stage-warm":  # (its page tables filled by a read first, not counted)
+                if warm:  # (the mapping's page tables filled by a first pass, not counted)
                     staged_buckets(staging, src, ref)
-                torch.set_num_threads(row["threads"])
                 copy_s, row["equal"] = staged_buckets(staging, src, ref)
-                torch.set_num_threads(threads)
                 row["copy_s"] = copy_s
-                row["gb_per_s"] = nbytes / (copy_s + row["populate_s"]) / 1e9
+                row["gb_per_s"] = nbytes / copy_s / 1e9
                 del src
                 try:
                     mm.close()
                 except BufferError:  # (a view still alive: the mapping goes with it)
                     pass
             except Exception as e:
-                torch.set_num_threads(threads)
                 row["error"] = f"{type(e).__name__}: {e}"
             row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
             rows.append(row)

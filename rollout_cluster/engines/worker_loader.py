@@ -144,7 +144,7 @@ class TensorLoader:
         try:
             if not room_for(hi - lo, dev):
                 raise torch.OutOfMemoryError(f"{hi - lo} bytes and a margin are not free")
-            mark("worker_stage_start", bytes=hi - lo)
+            mark("worker_stage_start", bytes=hi - lo, threads=staging.threads, torch_threads=torch.get_num_threads())
             moved = staging.to_device(as_uint8(buf)[lo:hi])
             mark("worker_stage_end")
         except torch.OutOfMemoryError as e:
@@ -157,14 +157,14 @@ class TensorLoader:
 
     def _rc_ring(self, dev):
         """This worker's DeviceStaging, made at its first staged bucket; None for good where its
-        page-locked memory was refused (said once)."""
+        page-locked memory was refused or ROLLOUT_STAGING_THREADS is no number of threads (said once)."""
         from .device_staging import DeviceStaging
 
         ring = self.__dict__.get("_rc_device_staging")
         if ring is None:
             try:
                 ring = DeviceStaging(dev)
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:
                 ring = False
                 _say_once(self, "_rc_said_ring", "no page-locked ring for pushed buckets (%s): they go to vLLM's "
                           "loaders from host memory", e)
