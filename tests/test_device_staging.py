@@ -4,6 +4,7 @@ their own buffer by rebased offsets, and only a CUDA worker loading through vLLM
 Here the device is the CPU (the same offsets and chunks; the CUDA streams ran on an H100:
 experiments/weights-colocated)."""
 import math
+import re
 
 import pytest
 import torch
@@ -87,11 +88,40 @@ def test_how_many_threads_copy():
 
     assert copy_threads(env="", cpus=1) == 1
     assert copy_threads(env="", cpus=4) == 4
+    assert copy_threads(env="  ", cpus=4) == 4
     assert copy_threads(env="", cpus=128) == MAX_THREADS
-    assert copy_threads(env="12", cpus=2) == 12
-    for bad in ("0", "-1", "many", "2.5"):
-        with pytest.raises(ValueError, match=f"ROLLOUT_STAGING_THREADS={bad!r}"):
+    assert copy_threads(env="12", cpus=16) == 12  # (above the default's ceiling, when asked for)
+    assert copy_threads(env=" 3 ", cpus=16) == 3
+    assert copy_threads(env="12", cpus=2) == 2  # (no more than the CPUs it may run on)
+    for bad in ("0", "-1", "many", "2.5", "1_6", "+8", "\u0663"):
+        with pytest.raises(ValueError, match=re.escape(f"ROLLOUT_STAGING_THREADS={bad!r}")):
             copy_threads(env=bad, cpus=4)
+
+
+def test_the_ring_reads_its_threads_from_the_environment_and_refuses_none(monkeypatch):
+    from rollout_cluster.engines.device_staging import THREADS_ENV
+
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert DeviceStaging("cpu").threads == 1
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=re.escape(f"threads={bad!r}")):
+            DeviceStaging("cpu", threads=bad)
+
+
+def test_a_bad_thread_count_in_the_worker_is_said_and_the_default_used(monkeypatch, caplog):
+    """A typo in ROLLOUT_STAGING_THREADS must not cost the worker its ring (staging off for good):
+    it is said once, naming the value, and the ring copies on the default count."""
+    from rollout_cluster.engines.device_staging import THREADS_ENV, copy_threads
+    from rollout_cluster.engines.worker_loader import TensorLoader
+
+    monkeypatch.setenv(THREADS_ENV, "eight")
+    worker = TensorLoader()
+    with caplog.at_level("WARNING"):
+        ring = worker._rc_ring(torch.device("cpu"))
+        assert worker._rc_ring(torch.device("cpu")) is ring  # (made once, said once)
+    assert ring is not None and ring.threads == copy_threads(env="")
+    said = [r.getMessage() for r in caplog.records if THREADS_ENV in r.getMessage()]
+    assert len(said) == 1 and "'eight'" in said[0]
 
 
 def test_torchs_threads_copy_a_bucket_and_are_put_back(monkeypatch):
@@ -109,6 +139,9 @@ def test_torchs_threads_copy_a_bucket_and_are_put_back(monkeypatch):
     src = torch.randint(0, 256, (12345,), dtype=torch.uint8)
     assert torch.equal(staging.to_device(src), src)
     assert set(seen) == {before + 1} and torch.get_num_threads() == before
+    seen.clear()  # a ring whose count torch has already: copied as it is
+    assert torch.equal(DeviceStaging("cpu", chunk_bytes=1000, threads=before).to_device(src), src)
+    assert set(seen) == {before} and torch.get_num_threads() == before
     monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("copy failed")))
     with pytest.raises(RuntimeError, match="copy failed"):
         staging.to_device(src)

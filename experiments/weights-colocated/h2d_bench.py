@@ -140,7 +140,8 @@ WAYS = [(1, False), (4, False), (8, False), (16, False), (8, True)]  # (DeviceSt
 
 
 def worker_mode(a, path: str, nbytes: int, ref: torch.Tensor) -> list:
-    """The ring as a vLLM GPU worker runs it: torch at one thread (vLLM's OMP_NUM_THREADS), the
+    """The ring as the worker reads: torch at one thread outside the copies (so that each way's
+    threads are the ring's own; the worker's torch had 16), the
     ring raising torch's threads to 1, 4, 8, 16 for its copies (device_staging.copy_threads), on a
     fresh private mapping of the file (its page tables filled by the copy, as a new object's are)
     or, "-warm", on one read once before."""

@@ -11,10 +11,12 @@ loaders copy on the device. Page-locking the store itself would be faster still 
 pins every page of the store's mapping; the ring pins only its own 2 x `chunk_bytes`.
 
 The CPU's copy into the ring runs on torch's intra-op threads, which the ring sets to `threads`
-(at most 8, `copy_threads`) for each bucket's copy and puts back after. In the replica's worker
-that took a 7B model's staged bytes from 11 GB/s to 25-31 GB/s and its streamed push from 2.3 s
-to 1.2 s on an H100 (experiments/weights-colocated/results/h100-ring-threads); the ring's own
-Python threads, each copying a slice, ran slower there (21-23 GB/s).
+(by default the process's CPUs, at most 8: `copy_threads`) for each bucket's copy and puts back
+after. A streamed push runs the trainer's `ray.put`s on the same host at the same time: with
+torch's 16 threads the ring ran at 17 GB/s and doubled the puts' time; with 8, 25-31 GB/s, and a
+7B model's staged push went from 1.60-1.65 s to 1.17-1.27 s on one H100 host, side by side
+(experiments/weights-colocated/results/h100-ring-threads). The ring's own Python threads, each
+copying a slice, ran slower there (21-23 GB/s).
 
 Without CUDA (`device` "cpu") the ring is a plain chunked copy: the same offsets, for the tests.
 """
@@ -34,20 +36,19 @@ MAX_THREADS = 8  # the default's ceiling: alone, 16 copied no faster than 8 on a
 
 
 def copy_threads(env: Optional[str] = None, cpus: Optional[int] = None) -> int:
-    """How many of torch's threads copy into the ring: ROLLOUT_STAGING_THREADS if set (a whole number >= 1),
-    else the CPUs this process may run on, at most MAX_THREADS."""
+    """How many of torch's threads copy into the ring: ROLLOUT_STAGING_THREADS if set (digits, at
+    least 1; more than the CPUs this process may run on counts as that many), else those CPUs, at
+    most MAX_THREADS. A value that is no such number raises ValueError naming it."""
     env = os.environ.get(THREADS_ENV) if env is None else env
-    if env not in (None, ""):
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"{THREADS_ENV}={env!r}: expected a whole number of threads >= 1")
-        return n
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_THREADS, cpus))
+    cpus = max(1, cpus)
+    if env is None or not env.strip():
+        return min(MAX_THREADS, cpus)
+    text = env.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ValueError(f"{THREADS_ENV}={env!r}: expected a whole number of threads >= 1")
+    return min(int(text), cpus)
 
 
 class DeviceStaging:
@@ -56,7 +57,9 @@ class DeviceStaging:
 
         self.device = torch.device(device)  # where the buckets go
         self.chunk_bytes = chunk_bytes  # one ring buffer's size
-        self.threads = threads or copy_threads()  # torch's intra-op threads while a bucket is copied
+        self.threads = copy_threads() if threads is None else threads  # torch's intra-op threads while a bucket is copied
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
+            raise ValueError(f"threads={threads!r}: expected a whole number >= 1")
         cuda = self.device.type == "cuda"
         self.ring = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self.stream = torch.cuda.Stream(self.device) if cuda else None  # the host-to-device copies run here
@@ -65,7 +68,10 @@ class DeviceStaging:
 
     def to_device(self, src) -> "torch.Tensor":
         """`src` (a flat uint8 host tensor) copied into a new uint8 tensor on the device; the
-        current stream waits for the copies, so that whatever runs next on it reads the bytes."""
+        current stream waits for the copies, so that whatever runs next on it reads the bytes.
+        Torch's threads are `threads` meanwhile, in the calling thread (OpenMP's count is per
+        thread; a thread that first uses torch's threads during the copy would keep this count:
+        in vLLM's worker the loads run on the engine's one busy-loop thread)."""
         import torch
 
         before = torch.get_num_threads()

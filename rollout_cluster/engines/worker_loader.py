@@ -157,14 +157,20 @@ class TensorLoader:
 
     def _rc_ring(self, dev):
         """This worker's DeviceStaging, made at its first staged bucket; None for good where its
-        page-locked memory was refused or ROLLOUT_STAGING_THREADS is no number of threads (said once)."""
-        from .device_staging import DeviceStaging
+        page-locked memory was refused (said once). A ROLLOUT_STAGING_THREADS that is no number of
+        threads is said once, and the default used."""
+        from .device_staging import DeviceStaging, copy_threads
 
         ring = self.__dict__.get("_rc_device_staging")
         if ring is None:
             try:
-                ring = DeviceStaging(dev)
-            except (RuntimeError, ValueError) as e:
+                threads = copy_threads()
+            except ValueError as e:
+                threads = copy_threads(env="")
+                _say_once(self, "_rc_said_threads", "%s: the ring copies on %d threads", e, threads)
+            try:
+                ring = DeviceStaging(dev, threads=threads)
+            except RuntimeError as e:
                 ring = False
                 _say_once(self, "_rc_said_ring", "no page-locked ring for pushed buckets (%s): they go to vLLM's "
                           "loaders from host memory", e)
