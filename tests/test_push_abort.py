@@ -133,19 +133,44 @@ def test_a_batch_that_named_the_aborted_version_fails_and_one_that_named_none_ru
     assert core.batches.get(unnamed).weights_version == 1 and not core.fetch(unnamed, 0)[2]
 
 
-def test_an_abort_after_a_push_whose_trainer_died_goes_back_to_the_last_push_that_came_whole():
-    """Push A (version 2) streams and its trainer dies without aborting: every replica's load fails
-    (they reload version 1). Push B (version 3) streams, and its trainer aborts: the fleet goes back
-    to version 1, which the replicas hold, not to A, which none can."""
+def test_a_streamed_push_no_replica_could_load_is_aborted_by_the_router():
+    """Push A (version 2) streams and its trainer hangs, or dies without a lease: each replica's
+    load fails once the objects stop coming (each reloads version 1). The router aborts the push
+    itself once the last replica's load failed: the fleet is back at version 1 and runs work (a
+    batch opened on 2 too), the push's later buckets are refused naming why, the next is 3."""
     core = at_checkpoint_then_streaming()
     pull(core, "b", 1.1, version=1, path="/ck/1")
-    for rid in ("a", "b"):
-        failed = core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), capacity=8, weights=WeightsState(
-            version=1, path="/ck/1", error=f"replica {rid}: stopped", error_version=2, error_path=SRC)), 2.0)
-        assert not controls(failed)
-    assert core.update_weights(OTHER, None, ("m", "b0"), total=3) == 3
-    assert core.abort_push(OTHER, "x") == {"aborted": 3, "version": 1}
-    assert core.weights_status()["path"] == "/ck/1"
+    bid = batch(core, 1.2)
+    assert core.batches.get(bid).weights_version == 2
+
+    def failed(rid, t):
+        return core.on_report(Report(rid, "i1", progress=[], stats=EngineStats(), capacity=8, weights=WeightsState(
+            version=1, path="/ck/1", error=f"replica {rid}: {SRC}: 2 of its 4 objects came, then none for 60 s",
+            error_version=2, error_path=SRC)), t)
+
+    assert not controls(failed("a", 62.0))  # b may still load it: nothing aborted yet
+    assert core.weights_status()["streaming"] and core.weights_status()["version"] == 2
+    stops = controls(failed("b", 62.1))
+    st = core.weights_status()
+    assert (st["version"], st["path"], st["streaming"], st["errors"]) == (1, "/ck/1", False, {})
+    why = st["aborted"]["reason"]
+    assert st["aborted"]["version"] == 2 and why.startswith("every replica's load of it failed")
+    assert "replica a: " in why and "replica b: " in why
+    assert stops == [StopPush(SRC, why)]
+    assert core.batches.get(bid).weights_version == 1 and len(pull(core, "a", 62.2, version=1, path="/ck/1").start)
+    with pytest.raises(InputError, match="was aborted .every replica's load of it failed"):
+        core.control.push_more(SRC, 2, ("b1",))
+    assert core.weights.checked(OTHER, None) == 3  # (2 named the aborted weights)
+
+
+def test_a_streamed_push_one_replica_failed_to_load_is_not_aborted():
+    core = at_checkpoint_then_streaming()
+    pull(core, "b", 1.1, version=1, path="/ck/1")
+    core.on_report(Report("a", "i1", progress=[], stats=EngineStats(), capacity=8, weights=WeightsState(
+        version=1, path="/ck/1", error="replica a: bucket 1 refused", error_version=2, error_path=SRC)), 2.0)
+    st = core.weights_status()
+    assert (st["version"], st["streaming"], st["aborted"]) == (2, True, None) and list(st["errors"]) == ["a"]
+    core.control.push_more(SRC, 2, ("b1", "b2"))  # b loads on: the push completes
 
 
 # ---- the replica --------------------------------------------------------------------------------

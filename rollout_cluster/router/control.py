@@ -67,6 +67,19 @@ class FleetControl:
                 self.order_sleep(rid)  # the wake it was to get, naming the weights gone back to
         return aborted
 
+    def abort_unloadable_push(self) -> Optional[tuple[int, str, str]]:
+        """A streamed push whose objects still come, and every live replica's load of it failed (its
+        objects stopped coming: a trainer that hangs, or died without a lease; or a bucket every
+        engine refused): nothing can hold it, and a trainer that is gone would never abort it, so
+        the router does (abort_push), and the fleet serves the weights before it again. Returns
+        (the aborted version, its source, why) or None: nothing to abort."""
+        if self.weights.total is None or not self.weights.none_can_load(self.fleet.replicas):
+            return None
+        source = self.weights.path
+        reason = ("every replica's load of it failed before its last object came: " + self.weights.failure())[:1000]
+        aborted = self.abort_push(source, reason)
+        return None if aborted is None else (aborted, source, reason)
+
     def push_more(self, source: str, start: int, buckets: tuple) -> int:
         """The current push's later buckets (FleetWeights.extend): every replica ordered or noted
         the push gets its order again, naming them. Returns how many objects the push has now."""

@@ -246,16 +246,7 @@ class RouterCore:
         None (nothing to abort: not a push still coming), "version": the fleet's version now}."""
         aborted = self.control.abort_push(source, reason)
         if aborted is not None:
-            named = set()
-            for bid, batch in self.batches.live.items():
-                if batch.weights_version == aborted and batch.pinned:
-                    named.add(bid)
-                elif batch.weights_version == aborted:
-                    batch.weights_version = self.weights.version
-            if named:
-                self.moves.fail_queued(f"weights_version={aborted}: the push of that version ({source}) was aborted by "
-                                       f"its trainer ({reason}); the fleet's weights are version {self.weights.version} "
-                                       "again: the batch was not run", now, batches=named)
+            self.moves.after_push_abort(aborted, source, reason, now)
         return {"aborted": aborted, "version": self.weights.version}
 
     def sleep_fleet(self, level: int = 1) -> int:

@@ -183,6 +183,23 @@ class SeqMoves:
         if self.weights.none_can_load(self.fleet.replicas):
             self.fail_queued(self.weights.failure(), now)
 
+    def after_push_abort(self, aborted: int, source: str, reason: str, now: float) -> None:
+        """The streamed push `source` was aborted as version `aborted` (by its trainer, or by the
+        router once no replica could load it): the batches opened on it, none of whose sequences ran
+        (no replica could hold it), run on the version gone back to; those whose driver named the
+        aborted version fail (WeightsVersionError's words), as a batch naming a version the fleet is
+        not at is refused."""
+        named = set()
+        for bid, batch in self.batches.live.items():
+            if batch.weights_version == aborted and batch.pinned:
+                named.add(bid)
+            elif batch.weights_version == aborted:
+                batch.weights_version = self.weights.version
+        if named:
+            self.fail_queued(f"weights_version={aborted}: the push of that version ({source}) was aborted "
+                             f"({reason}); the fleet's weights are version {self.weights.version} again: the batch "
+                             "was not run", now, batches=named)
+
     def fail_queued(self, why: str, now: float, batches: Optional[set] = None) -> None:
         """Queued work that no replica can run ends with an error (running work cannot exist);
         `batches`: only theirs."""

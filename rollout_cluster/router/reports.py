@@ -50,7 +50,11 @@ class ReportApplier:
             rep.last_report_number = report.number
             self.control.apply_sleep(rep, report.sleep)
             if self.control.apply_weights(rep, report.weights, learn=not self.seqs):
-                self.moves.fail_queued_if_no_replica_can_load(now)
+                gone = self.control.abort_unloadable_push()  # (a streamed push none can load: the fleet goes back)
+                if gone is not None:
+                    self.moves.after_push_abort(*gone, now)
+                else:
+                    self.moves.fail_queued_if_no_replica_can_load(now)
         self.tracing.step(report.stats)
 
     def progress(self, rep: ReplicaState, report: Report, now: float) -> None:

@@ -120,6 +120,9 @@ class FleetWeights:
         """The current push's next buckets (push_more), the objects from `start` on; returns how
         many it has now. InputError naming the field: another push than the current one (a newer
         version replaced it, or a restarted router lost its handles), or a gap or overlap."""
+        if source in self.aborted_reasons and source != self.path:
+            raise InputError("source", source, f"was aborted ({self.aborted_reasons[source]}); the fleet is at "
+                             f"version {self.version}: push the weights again")
         if self.path is None or source != self.path or self.buckets is None:
             raise InputError("source", source, f"is not the push the fleet is at (its weights are version {self.version}, "
                              f"{self.path or 'the config model'!r}"

@@ -41,7 +41,7 @@ def lease_of_this_process():
     by this process (which owns it: it dies with it) on this node (it dies with the node). A lease
     made before that no longer answers is replaced. None: no lease can be made here (said)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
     try:
         ctx = ray.get_runtime_context()
@@ -58,8 +58,8 @@ def lease_of_this_process():
             try:
                 ray.get(lease.alive.remote(), timeout=CHECK_S)
                 return lease
-            except GetTimeoutError:
-                return lease  # (slow to start, or a busy node: not dead)
+            except (GetTimeoutError, ActorUnavailableError):
+                return lease  # (slow to start, or a busy node: unreachable a while is not dead, as the watch takes it)
             except RayActorError as e:
                 log.warning("push_weights: this trainer's lease died (%s); a new one is made", type(e).__name__)
         try:
