@@ -369,7 +369,7 @@ def test_trl_legacy_weight_routes_relay_an_update_before_the_prefix_cache_reset(
     ("/init_communicator/", {"host": "0.0.0.0", "world_size": 2}, "port"),
     ("/update_named_param/", {"name": "nope", "dtype": "torch.float32", "shape": [2, 3]}, "name"),
     ("/update_named_param/", {"name": "w.weight", "dtype": "torch.int64", "shape": [2, 3]}, "dtype"),
-    ("/update_named_param/", {"name": "w.weight", "dtype": "torch.float32", "shape": [3, 2]}, "name"),
+    ("/update_named_param/", {"name": "w.weight", "dtype": "torch.float32", "shape": [3, 2]}, "shape"),
     ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 5000,
                                                     "rank_offset": 1, "world_size": 3}}, "init_info.world_size"),
     ("/start_weight_update", {}, "communicator"),
@@ -448,10 +448,10 @@ def test_a_dummy_weight_model_bounds_announced_shapes_by_its_config(router, code
     runner = relay_runner(router, str(tmp_path), 5.0)
     ctx = ProtocolContext(router, codec, LimitsConfig(), 5.0, model_name="m", model_root=str(tmp_path), world_size=1)
     http = TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(), ctx, runner))
-    for body in ({"name": "model.norm.weight", "dtype": "torch.float32", "shape": [1 << 40]},
-                 {"name": "model.huge", "dtype": "torch.float32", "shape": [4]}):
+    for body, field in (({"name": "model.norm.weight", "dtype": "torch.float32", "shape": [1 << 40]}, "shape"),
+                        ({"name": "model.huge", "dtype": "torch.float32", "shape": [4]}, "name")):
         r = http.post("/update_named_param/", headers=AUTH, json=body)
-        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "name"], r.text
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", field], r.text
         assert body["name"] in r.json()["detail"][0]["msg"]
 
 

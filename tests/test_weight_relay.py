@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from rollout_cluster.transfer.channels import CpuChannel, CpuSender
 from rollout_cluster.transfer.relay import RelayError, WeightRelay, packed_chunks
 from ports import free_port
+from relay_commits import Recorder
 
 SPEC = {"a.weight": (4, 3), "b.bias": (5,), "c.weight": (2, 2, 2)}
 
@@ -18,15 +19,6 @@ SPEC = {"a.weight": (4, 3), "b.bias": (5,), "c.weight": (2, 2, 2)}
 def tensors(dtype=torch.float32, seed=0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g).to(dtype) for name, shape in SPEC.items()}
-
-
-class Recorder:
-    def __init__(self):
-        self.commits = []
-
-    def __call__(self, named: list) -> int:
-        self.commits.append(dict(named))
-        return len(self.commits)
 
 
 def in_thread(fn, *args):
@@ -155,9 +147,10 @@ def test_vllm_protocol_receives_packed_chunks_and_commits_at_finish():
     (lambda r: r.open_vllm([1]), "init_info"),
     (lambda r: r.receive_param("a.weight", "float32", [4, 3]), "communicator"),
     (lambda r: r.start(), "communicator"),
-    (lambda r: r.check_tensor("nope.weight", [4, 3], "name"), "name"),
-    (lambda r: r.check_tensor("a.weight", [3, 4], "name"), "name"),
-    (lambda r: r.check_tensor("a.weight", [4, -3], "name"), "name shape"),
+    (lambda r: r.check_param("nope.weight", "float32", [4, 3]), "name"),
+    (lambda r: r.bounds.tensor("a.weight", [3, 4], torch.float32, "update_info.names[0]", "update_info.shapes[0]"),
+     "update_info.shapes[0]"),  # the shape is what is wrong, not the name
+    (lambda r: r.check_param("a.weight", "float32", [4, -3]), "shape"),  # was "name shape", no field
 ])
 def test_refusals_name_the_field(call, field):
     relay = WeightRelay(SPEC, Recorder(), "cpu", timeout_s=5)
@@ -296,7 +289,7 @@ def test_without_checkpoint_files_the_config_gives_the_names_and_shapes(tmp_path
     tied = served_weights(tiny_config_dir(tmp_path / "tied", tie_word_embeddings=True)).spec
     assert set(served.spec) - set(tied) == {"lm_head.weight"}  # as named_parameters() and the checkpoint hold it
     relay = WeightRelay(served.spec, Recorder(), "cpu")
-    with pytest.raises(RelayError, match=r"^name: 'model.norm.weight': shape \[1000000000000\], the served"):
+    with pytest.raises(RelayError, match=r"^shape: \[1000000000000\] for 'model.norm.weight': the served"):
         relay.check_param("model.norm.weight", "float32", [10 ** 12])
     assert served_weights(str(tmp_path / "nothing")).source == "none"
 
@@ -347,7 +340,7 @@ def test_a_refused_announcement_too_large_to_take_is_refused_at_once_and_says_so
     huge = {"names": ["a.weight"], "dtype_names": ["float32"], "shapes": [[bound]], "packed": False}
     with pytest.raises(RelayError) as e:
         relay.receive_packed(huge)
-    assert e.value.field == "update_info.names[0]" and "was not received" in str(e.value)
+    assert e.value.field == "update_info.shapes[0]" and "was not received" in str(e.value)  # the shape is wrong
     assert relay.channel.received == 0
     with pytest.raises(RelayError) as e:  # a shape that is no shape: refused for its form, nothing to take
         relay.receive_packed({"names": ["a.weight"], "dtype_names": ["float32"], "shapes": [[4, -3]]})

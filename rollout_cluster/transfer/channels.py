@@ -71,6 +71,9 @@ class CpuChannel:
     def close(self) -> None:
         self.store = None
 
+    def abort(self) -> None:
+        """Nothing to end: a receive waiting here raises at the store's timeout by itself."""
+
 
 class CpuSender:
     """The trainer's end of the CPU channel: send(tensor) puts its bytes in the store and waits
@@ -108,19 +111,34 @@ class NcclChannel:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.comm = PyNcclCommunicator(group, device=self.device)
         self.src = src  # the trainer's rank
+        # a stream of its own (not the default one, which every other stream waits for): a broadcast
+        # whose sender died spins on it until aborted, and must not hold up the next group's
+        self.stream = torch.cuda.Stream(self.device)
 
     def receive(self, shape, dtype):
+        """The next tensor, on the host. NCCL's broadcast has no timeout: where the trainer died,
+        this waits (in the copy to the host) until abort() or for ever."""
         import torch
 
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        self.comm.broadcast(t, src=self.src)
-        return t.to("cpu")
+        with torch.cuda.stream(self.stream):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self.comm.broadcast(t, src=self.src, stream=self.stream)
+            return t.to("cpu")
 
     def barrier(self) -> None:
         self.comm.group.barrier()
 
     def close(self) -> None:
         self.comm = None
+
+    def abort(self) -> None:
+        """Ends the group from another thread while a receive waits on a trainer that is gone:
+        ncclCommAbort (PyNcclCommunicator.destroy; safe where the peer is gone) stops the waiting
+        kernel, and the receive returns or raises instead of waiting for ever. Not tried on GPUs
+        yet: where it does not end the wait, the relay has abandoned that thread all the same."""
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.destroy()
 
 
 def open_channel(backend: str, host: str, port: int, rank: int, world_size: int, src: int, timeout_s: float):

@@ -11,9 +11,10 @@ joiners, load them). A replica that dies mid-update leaves the trainer's group u
 Two protocols fill the relay:
 - TRL <= 1.10: `open_trl` (/init_communicator/), then `receive_param` per tensor
   (/update_named_param/, answered before the tensor arrives: the client broadcasts after the
-  answer). There is no "done" message, so the relay commits once it holds every tensor of the
-  served checkpoint, and at `settle` (/reset_prefix_cache/, which TRL calls after an update) or
-  `close` otherwise.
+  answer; so `accept_param` checks, before that answer, all that needs no byte of it). There
+  is no "done" message, so the relay commits once it holds every tensor of the served
+  checkpoint, and at `settle` (/reset_prefix_cache/, which TRL calls after an update) or `close`
+  otherwise; a new init drops what the last trainer left half sent.
 - vLLM's weight-transfer API (TRL >= 1.11): `open_vllm` (/init_weight_transfer_engine),
   `start` (/start_weight_update), `receive_packed` (/update_weights: packed chunks, cut where
   vLLM's packed_nccl_broadcast_consumer cuts them), `finish` (/finish_weight_update commits).
@@ -38,42 +39,79 @@ new send: received, it replaces the tensor.
 
 Bounds. `spec` ({name: shape}, engines/weight_checks.served_weights: the checkpoint's headers,
 else the model its config describes) refuses any other name or shape before a byte is
-allocated; without one, `max_bytes` caps a tensor and the tensors staged in one update. A
-refused /update_weights is still received (and dropped) before its answer, as far as its pieces
-are bounded: the trainer broadcasts while it waits for that answer (`_drain`).
+allocated; without one, `max_bytes` caps a tensor and the tensors staged in one update; and
+whatever the model, no tensor passes `max_tensor_bytes` nor an update `max_update_bytes`
+(relay_checks.py). A refused /update_weights is still received (and dropped) before its answer,
+as far as its pieces are bounded: the trainer broadcasts while it waits for that answer (`_drain`).
+
+Failures. A half update is never committed: tensors staged when a step fails (a receive that
+broke, a communicator given up) or when a new init comes (a restarted trainer's) are dropped,
+and the log and `describe()` say so; /finish_weight_update after a failed /update_weights answers
+that failure until the next /start_weight_update. Every blocking wait says what it waits for
+and how long it may take (`waiting`): the runner's watchdog (serve/protocols/trl_weights.py)
+gives up a step stuck past that (an NCCL receive has no timeout of its own) with `give_up`.
 """
 from __future__ import annotations
 
-import math
+import logging
 import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .channels import nbytes_of, open_channel
-from .relay_checks import (DEFAULT_PACKED_BUFFER_BYTES, RelayError, check_address, check_init_info, check_integer,
-                           check_shape, packed_chunks, torch_dtype)
+from .relay_checks import (DEFAULT_PACKED_BUFFER_BYTES, MAX_TENSOR_BYTES, MAX_UPDATE_BYTES, Bounds, RelayError,
+                           RelayTimeout, check_address, check_bool, check_init_info, check_integer, check_shape,
+                           packed_chunks, torch_dtype, unpacked)
 
-__all__ = ["RelayError", "WeightRelay", "packed_chunks", "torch_dtype"]
+__all__ = ["GivenUp", "RelayError", "RelayTimeout", "Waiting", "WeightRelay", "packed_chunks", "torch_dtype"]
+
+log = logging.getLogger(__name__)
+
+
+class GivenUp(RuntimeError):
+    """Raised in a step whose communicator was given up while it waited: what it did is dropped."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a relay step is blocked on, read by the runner's watchdog."""
+    what: str  # for the error: "tensor 'a.weight'", "the fleet's commit", ...
+    since: float  # time.monotonic() when the wait began
+    bound_s: float  # how long it may take; past that (and the runner's grace) the step is stuck
+    thread: threading.Thread  # the waiting thread
 
 
 class WeightRelay:
     def __init__(self, spec: Optional[dict], commit: Callable[[list], int], backend: str, timeout_s: float = 300.0,
-                 max_bytes: Optional[int] = None):
+                 max_bytes: Optional[int] = None, max_tensor_bytes: int = MAX_TENSOR_BYTES,
+                 max_update_bytes: int = MAX_UPDATE_BYTES, commit_timeout_s: float = 600.0):
         self.spec = spec  # {name: shape} of the served model, or None (nothing to build it from): what may arrive
-        self.max_bytes = max_bytes  # without a spec: what one tensor, and one update's, may take; None: no cap
+        self.bounds = Bounds(spec, max_bytes, max_tensor_bytes, max_update_bytes)  # what a tensor, an update may take
         self.commit_fn = commit  # (name, tensor) pairs -> the version every replica now holds
         self.backend = backend  # "cpu" or "nccl" (channels.py)
         self.timeout_s = timeout_s  # how long a rendezvous or a tensor may take to arrive
+        self.commit_timeout_s = commit_timeout_s  # how long the fleet's commit may take (its push's own timeout)
         self.channel = None  # the open group, or None
         self.protocol: Optional[str] = None  # "trl" (<= 1.10) or "vllm" (weight-transfer API) while open
         self.buffer_bytes = DEFAULT_PACKED_BUFFER_BYTES  # the vLLM protocol's packed chunk size
+        self.packed = True  # whether vLLM's trainer sends packed chunks (init_info; update_info may override)
         self.staged: dict = {}  # name -> host tensor received since the last commit
         self.version: Optional[int] = None  # the version of the last commit
         self.error: Optional[str] = None  # why a background step (TRL <= 1.10's) failed, for the next call
         self.announced: Optional[tuple] = None  # the TRL <= 1.10 step queued whose tensor (or trainer) is due
+        self.promised: dict = {}  # name -> bytes of TRL <= 1.10 tensors answered and not yet received
         self.announce_lock = threading.Lock()  # announce (the event loop) against _arrived (the relay's thread)
         self.last_packed: Optional[tuple] = None  # the announcement this update's last receive_packed completed
         self.finished: Optional[int] = None  # the version finish() committed, until the next update starts
         self.finish_error: Optional[str] = None  # why finish()'s commit failed, until the next update starts
+        self.update_failed: Optional[str] = None  # why this vLLM update cannot be committed, until the next starts
+        self.dropped: Optional[str] = None  # the last staged tensors dropped uncommitted, and why
+        self.gave_up: Optional[str] = None  # why the last communicator was given up (a step stuck)
+        self.waiting: Optional[Waiting] = None  # the blocking wait under way, for the runner's watchdog
+        self.progress_at = 0.0  # time.monotonic() when the last wait ended
+        self.given_up: set = set()  # threads whose step was given up (not idents: those are reused)
 
     # -- TRL <= 1.10 --------------------------------------------------------------------------
     @staticmethod
@@ -97,8 +135,25 @@ class WeightRelay:
 
     def _arrived(self, *step) -> None:
         with self.announce_lock:
-            if self.announced == step:  # not a later step's: that one is still due
+            if self.announced == step and self._mine():  # not a later step's: that one is still due
                 self.announced = None
+
+    def accept_param(self, name, dtype, shape, opening: bool) -> bool:
+        """/update_named_param/, before its answer (the trainer broadcasts after it, so a refusal
+        later reaches no one): its fields and bounds, an open group (or one `opening`: an init
+        queued before it), the update's bytes with the tensors answered before it, and an earlier
+        step's failure (answered once). True: queue receive_param; False: the one queued, retried."""
+        shape, torch_type = self.check_param(name, dtype, shape)
+        self._raise_error()
+        if not opening and (self.channel is None or self.protocol != "trl"):
+            raise self._none_open("trl")
+        with self.announce_lock:
+            self._check_update_bytes("shape", {name: nbytes_of(shape, torch_type)})
+        if not self.announce("receive_param", name, dtype, shape):
+            return False
+        with self.announce_lock:
+            self.promised[name] = nbytes_of(shape, torch_type)
+        return True
 
     def open_trl(self, host: str, port: int, world_size: int) -> None:
         try:
@@ -109,15 +164,29 @@ class WeightRelay:
 
     def receive_param(self, name: str, dtype: str, shape: list) -> Optional[int]:
         """One tensor from the trainer; commits (returning the version) once every checkpoint
-        tensor is here."""
+        tensor is here. Failing, it drops the update staged so far (its error is answered once,
+        by the next request: `error`, set by the runner)."""
         try:
-            self._expect("trl")
+            if self.error:  # not consumed here: the next request answers it, once
+                raise RelayError("update", f"an earlier step failed: {self.error}")
+            if self.channel is None or self.protocol != "trl":
+                raise self._none_open("trl")
             shape, torch_type = self.check_param(name, dtype, shape)
-            self._check_update_bytes("name", {name: nbytes_of(shape, torch_type)})
-            t = self.channel.receive(shape, torch_type)
+            with self.announce_lock:
+                self._check_update_bytes("shape", {name: nbytes_of(shape, torch_type)})
+            with self._waiting(f"tensor {name!r}", self.timeout_s):
+                t = self.channel.receive(shape, torch_type)
+                self.channel.barrier()
+        except GivenUp:
+            raise
+        except Exception as e:
+            self._drop(f"receiving {name!r} failed: {e}")
+            raise
         finally:  # arrived, or never will: a request like this one is new from now on
             self._arrived("receive_param", name, dtype, shape)
-        self.channel.barrier()
+            with self.announce_lock:
+                if self._mine():
+                    self.promised.pop(name, None)
         self.staged[name] = t
         if self.spec is not None and set(self.spec) <= set(self.staged):
             return self.commit()
@@ -130,17 +199,19 @@ class WeightRelay:
 
     # -- vLLM's weight-transfer API (TRL >= 1.11) ----------------------------------------------
     def open_vllm(self, info: dict) -> None:
-        size = check_init_info(info)
+        wire = check_init_info(info)
         self._open("vllm", info["master_address"], info["master_port"], rank=1, src=0)
-        self.buffer_bytes = size
+        self.buffer_bytes, self.packed = wire.buffer_bytes, wire.packed
 
     def start(self) -> None:
         self._expect("vllm")
-        self.staged, self.last_packed, self.finished, self.finish_error = {}, None, None, None
+        self._drop("a new update started before this one was finished")
+        self.last_packed, self.finished, self.finish_error, self.update_failed = None, None, None, None
 
     def receive_packed(self, info: dict) -> None:
         """/update_weights: the announced tensors, in packed chunks (or one at a time). A refused
-        announcement whose sizes are known is received all the same and dropped (`_drain`)."""
+        announcement whose sizes are known is received all the same and dropped (`_drain`); a
+        receive that fails leaves this update failed (`update_failed`), its tensors dropped."""
         self._expect("vllm")
         names, metas, packed = self._announcement(info)
         announced = (tuple(names), tuple((tuple(s), d) for s, d in metas), packed)
@@ -149,13 +220,20 @@ class WeightRelay:
         self.last_packed, self.finished, self.finish_error = None, None, None
         sizes = [nbytes_of(shape, dtype) for shape, dtype in metas]
         try:
-            for i, (name, (shape, _)) in enumerate(zip(names, metas)):
-                self.check_tensor(name, shape, f"update_info.names[{i}]")
+            for i, (name, (shape, dtype)) in enumerate(zip(names, metas)):
+                self.bounds.tensor(name, shape, dtype, f"update_info.names[{i}]", f"update_info.shapes[{i}]")
             self._check_update_bytes("update_info.names", dict(zip(names, sizes)))
         except RelayError as refusal:
             raise self._drain(metas, sizes, packed, refusal) from None
-        for i, tensor in self._receive(metas, sizes, packed):
-            self.staged[names[i]] = tensor
+        try:
+            for i, tensor in self._receive(metas, sizes, packed):
+                self.staged[names[i]] = tensor
+        except GivenUp:
+            raise
+        except Exception as e:
+            self.update_failed = f"/update_weights of {names[:3]}: {type(e).__name__}: {e}"
+            self._drop(f"this update failed: {self.update_failed}")
+            raise
         self.last_packed = announced
 
     def _announcement(self, info) -> tuple:
@@ -169,20 +247,26 @@ class WeightRelay:
             raise RelayError("update_info", "names, dtype_names and shapes must be lists of one length")
         metas = [(check_shape(s, f"update_info.shapes[{i}]"), torch_dtype(f"update_info.dtype_names[{i}]", d))
                  for i, (d, s) in enumerate(zip(dtypes, shapes))]
-        return names, metas, bool(info.get("packed", True))
+        # vLLM < 0.28 sends `packed` here; later ones at init (self.packed)
+        packed = check_bool("update_info.packed", info["packed"]) if "packed" in info else self.packed
+        return names, metas, packed
 
     def _receive(self, metas: list, sizes: list, packed: bool):
         """(index, tensor) of each announced tensor as it arrives."""
         if packed:
             import torch
 
-            for chunk in packed_chunks(sizes, self.buffer_bytes):
-                buf = self.channel.receive([sum(sizes[i] for i in chunk)], torch.uint8)
+            for n, chunk in enumerate(packed_chunks(sizes, self.buffer_bytes)):
+                with self._waiting(f"packed chunk {n} (tensors {chunk[0]}..{chunk[-1]} of the announcement)",
+                                   self.timeout_s):
+                    buf = self.channel.receive([sum(sizes[i] for i in chunk)], torch.uint8)
                 for i, part in zip(chunk, buf.split([sizes[i] for i in chunk])):
-                    yield i, part.view(metas[i][1]).reshape(metas[i][0])
+                    yield i, unpacked(part, metas[i][0], metas[i][1])
         else:
             for i, (shape, dtype) in enumerate(metas):
-                yield i, self.channel.receive(shape, dtype)
+                with self._waiting(f"tensor {i} of the announcement", self.timeout_s):
+                    t = self.channel.receive(shape, dtype)
+                yield i, t
 
     def _drain(self, metas: list, sizes: list, packed: bool, refusal: RelayError) -> RelayError:
         """The error to answer a refused announcement with, once its tensors are taken and dropped.
@@ -200,26 +284,30 @@ class WeightRelay:
         try:
             for _ in self._receive(metas, sizes, packed):
                 pass
+        except GivenUp:
+            raise
         except Exception as e:  # the trainer sent something else, or nothing: the refusal still names the field
             return RelayError(refusal.field, f"{refusal.message} (receiving the refused tensors failed too: {e})")
         return refusal
 
     def drain_bound(self) -> int:
-        """The largest piece a refused announcement is received in: a packed chunk of the served
-        model (the chunk size plus its largest tensor at 8 bytes an element)."""
-        if self.spec:
-            largest = 8 * max(math.prod(shape) for shape in self.spec.values())
-        else:
-            largest = self.max_bytes or 0
-        return self.buffer_bytes + largest
+        return self.bounds.drain_bound(self.buffer_bytes)
 
     def finish(self) -> Optional[int]:
-        """Commits this update (its version); retried after that, answers the same version."""
+        """Commits this update (its version); retried after that, answers the same version. After
+        a failed /update_weights, commits nothing and answers that failure."""
         self._expect("vllm")
+        if self.update_failed is not None:
+            self._drop(f"this update failed: {self.update_failed}")
+            self.last_packed = None
+            raise RelayError("update", f"an earlier /update_weights of this update failed, so nothing was committed: "
+                                       f"{self.update_failed}; send the update again from /start_weight_update")
         if self.staged:
             self.last_packed = None
             try:
                 self.finished = self.commit()
+            except GivenUp:
+                raise
             except Exception as e:  # the staged tensors are gone: a retry must not answer success
                 self.finish_error = f"{type(e).__name__}: {e}"
                 raise
@@ -230,37 +318,102 @@ class WeightRelay:
     # -- both ----------------------------------------------------------------------------------
     def commit(self) -> int:
         staged, self.staged = self.staged, {}
-        self.version = self.commit_fn(list(staged.items()))
-        return self.version
+        with self._waiting(f"the fleet's commit of {len(staged)} tensors", self.commit_timeout_s):
+            version = self.commit_fn(list(staged.items()))
+        self.version = version
+        return version
 
     def close(self) -> Optional[int]:
         """Commits what TRL <= 1.10 left staged, and leaves the group."""
         try:
             return self.settle() if self.protocol == "trl" else None
         finally:
-            if self.channel is not None:
-                self.channel.close()
-            self.channel, self.protocol, self.staged = None, None, {}
-            self.last_packed, self.finished, self.finish_error = None, None, None
+            if self._mine():  # a given-up step's group is gone already; the one open now is another's
+                self._leave("the communicator closed")
 
     def describe(self) -> dict:
         return {"backend": self.backend, "protocol": self.protocol, "staged_tensors": len(self.staged),
-                "version": self.version, "error": self.error}
+                "version": self.version, "error": self.error, "update_failed": self.update_failed,
+                "dropped": self.dropped, "given_up": self.gave_up}
+
+    def give_up(self, thread: threading.Thread, reason: str):
+        """The runner's watchdog found the step on `thread` stuck (`reason`): its group is
+        forgotten, what it staged is dropped, and whatever that thread does if its wait ever ends
+        is discarded (`GivenUp`). The next init opens a new group. Returns the forgotten channel,
+        for the caller to abort (`abort()` may block a while: not under the caller's lock)."""
+        channel = self.channel
+        self.given_up.add(thread)
+        self._drop(f"the communicator was given up: {reason}")
+        self.channel, self.protocol, self.waiting, self.gave_up = None, None, None, reason
+        self.last_packed, self.finished, self.finish_error, self.update_failed = None, None, None, None
+        with self.announce_lock:
+            self.announced, self.promised = None, {}
+        return channel
 
     def _open(self, protocol: str, host, port, rank: int, src: int) -> None:
         check_address(host, port)
-        if self.channel is not None:
-            self.close()  # a trainer that restarted joins again: the old group is gone
+        # a trainer that restarted joins again: the old group is gone, and the update it left half sent with it
+        self._drop("a new init came before this update was committed")
+        self._leave("a new init came")
         self.error = None
-        self.channel = open_channel(self.backend, host, port, rank, 2, src, self.timeout_s)
-        self.protocol, self.staged, self.last_packed, self.finished = protocol, {}, None, None
-        self.finish_error = None
+        channel = None
+        try:
+            with self._waiting(f"the trainer's rendezvous at {host}:{port}", 2 * self.timeout_s):
+                channel = open_channel(self.backend, host, port, rank, 2, src, self.timeout_s)
+        except GivenUp:
+            if channel is not None:
+                channel.close()
+            raise
+        self.channel, self.protocol, self.gave_up = channel, protocol, None
+
+    def _leave(self, reason: str) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self._drop(reason)
+        self.channel, self.protocol = None, None
+        self.last_packed, self.finished, self.finish_error, self.update_failed = None, None, None, None
+
+    def _drop(self, reason: str) -> None:
+        """Drops the staged tensors, uncommitted, and says so (the log, `dropped`)."""
+        if self.staged:
+            names = list(self.staged)
+            self.dropped = (f"{len(names)} staged tensors ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
+                            f"dropped, not committed: {reason}")
+            log.warning("weight relay: %s", self.dropped)
+        self.staged = {}
+
+    @contextmanager
+    def _waiting(self, what: str, bound_s: float):
+        """A blocking wait, told to the watchdog. Where its step was given up meanwhile, the wait
+        ends in GivenUp, however it ended, so that no handler of the step touches the relay."""
+        self._check_mine()
+        mine = self.waiting = Waiting(what, time.monotonic(), bound_s, threading.current_thread())
+        try:
+            yield
+        except Exception as e:
+            self._check_mine(e)
+            raise
+        finally:
+            if self.waiting is mine:
+                self.waiting, self.progress_at = None, time.monotonic()
+        self._check_mine()
+
+    def _mine(self) -> bool:
+        return threading.current_thread() not in self.given_up
+
+    def _check_mine(self, cause: Optional[BaseException] = None) -> None:
+        if not self._mine():
+            raise GivenUp("this step's communicator was given up while it waited") from cause
 
     def _expect(self, protocol: str) -> None:
         self._raise_error()
         if self.channel is None or self.protocol != protocol:
-            route = "/init_communicator/" if protocol == "trl" else "/init_weight_transfer_engine"
-            raise RelayError("communicator", f"none open for this protocol: call {route} first")
+            raise self._none_open(protocol)
+
+    def _none_open(self, protocol: str) -> RelayError:
+        route = "/init_communicator/" if protocol == "trl" else "/init_weight_transfer_engine"
+        why = f" (the last was given up: {self.gave_up})" if self.gave_up else ""
+        return RelayError("communicator", f"none open for this protocol{why}: call {route} first")
 
     def _raise_error(self) -> None:
         if self.error:
@@ -269,28 +422,11 @@ class WeightRelay:
 
     def check_param(self, name, dtype, shape) -> tuple:
         """What /update_named_param/ must carry, checked before its answer: (shape, torch dtype)."""
-        shape, dtype = self.check_tensor(name, shape, "name"), torch_dtype("dtype", dtype)
-        if self.max_bytes is not None and nbytes_of(shape, dtype) > self.max_bytes:
-            raise RelayError("shape", f"{shape} of {dtype} for {name!r}: {nbytes_of(shape, dtype)} bytes, more than "
-                                      f"the served model's bound of {self.max_bytes} (twice its size in float32)")
-        return shape, dtype
+        shape, torch_type = check_shape(shape, "shape"), torch_dtype("dtype", dtype)
+        self.bounds.tensor(name, shape, torch_type, "name", "shape")
+        return shape, torch_type
 
     def _check_update_bytes(self, field: str, sizes: dict) -> None:
-        """Without a spec: the update, with these tensors staged (replacing any of their names), fits max_bytes."""
-        if self.max_bytes is None:
-            return
-        total = sum(t.nbytes for n, t in self.staged.items() if n not in sizes) + sum(sizes.values())
-        if total > self.max_bytes:
-            raise RelayError(field, f"{list(sizes)[:3]}: this update would hold {total} bytes, more than the served "
-                                    f"model's bound of {self.max_bytes} (twice its size in float32)")
-
-    def check_tensor(self, name, shape, field: str) -> list:
-        if not isinstance(name, str) or not name:
-            raise RelayError(field, f"{name!r}: must be a tensor name")
-        shape = check_shape(shape, f"{field} shape")
-        if self.spec is not None:
-            if name not in self.spec:
-                raise RelayError(field, f"{name!r}: the served model has no such weight")
-            if tuple(shape) != tuple(self.spec[name]):
-                raise RelayError(field, f"{name!r}: shape {list(shape)}, the served model's is {list(self.spec[name])}")
-        return list(shape)
+        """The update, with these tensors staged besides those answered and not yet received, fits."""
+        held = {n: t.nbytes for n, t in dict(self.staged).items()}
+        self.bounds.update(field, {**held, **self.promised}, sizes)

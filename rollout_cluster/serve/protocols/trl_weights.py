@@ -13,7 +13,8 @@ the relay hands each update to the whole fleet as push_weights does.
   version), /shutdown_weight_transfer_engine; GET /weight_info.
 A refused field answers 422 naming it (FastAPI's form, as both servers answer); a fleet that
 cannot load the update answers 409 with each replica's error (TRL retries a 500, and its retry
-would find nothing left to commit).
+would find nothing left to commit); a step stuck past its bound (a trainer that died mid-broadcast)
+answers 504 naming what it waited for, and the relay takes a new init (relay_runner.py).
 
 Retries: TRL's client retries a POST whose answer was lost, with the same body, and the routes
 are idempotent where it does (transfer/relay.py, "Retries", says how each is recognized). A
@@ -24,41 +25,21 @@ trainer's must.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from ...transfer.relay import RelayError, WeightRelay
+from ...transfer.relay import RelayError, RelayTimeout, WeightRelay
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
+from .relay_runner import RelayRunner
 from .trl import parse_model, refusal, unprocessable
 
 log = logging.getLogger("ray.serve")
-
-
-class RelayRunner:
-    """The relay's blocking steps on one thread of their own, in the order the requests came."""
-
-    def __init__(self, relay: WeightRelay):
-        self.relay = relay
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-relay")
-
-    async def call(self, method: str, *args):
-        return await asyncio.wrap_future(self.pool.submit(getattr(self.relay, method), *args))
-
-    def background(self, method: str, *args) -> None:
-        """A step the client does not wait for (TRL <= 1.10's); its failure is raised by the next call."""
-        def done(f):
-            if f.exception() is not None:
-                self.relay.error = f"{method}: {f.exception()}"
-                log.warning("weight relay: %s failed: %s", method, f.exception())
-
-        self.pool.submit(getattr(self.relay, method), *args).add_done_callback(done)
+COMMIT_TIMEOUT_S = 600.0  # how long the relay's commit (a push to every replica) may take
 
 
 class FleetClient:
@@ -74,7 +55,7 @@ class FleetClient:
         return self.router.status.remote().result(timeout_s=self.call_timeout_s)
 
 
-def fleet_commit(router, call_timeout_s: float, timeout_s: float = 600.0):
+def fleet_commit(router, call_timeout_s: float, timeout_s: float = COMMIT_TIMEOUT_S):
     """The relay's commit: push_weights of what it received to every replica (running sequences
     end first, as TRL's server updates between generate calls); returns the version."""
     from ...client import fleet_ops
@@ -96,7 +77,7 @@ def relay_runner(router, model_root: str, call_timeout_s: float) -> RelayRunner:
     log.info("weight relay: a trainer's tensors are bounded by %s (%s names, cap %s bytes)", served.source,
              len(served.spec) if served.spec is not None else "any", served.max_bytes)
     return RelayRunner(WeightRelay(served.spec, fleet_commit(router, call_timeout_s), relay_backend(),
-                                   max_bytes=served.max_bytes))
+                                   max_bytes=served.max_bytes, commit_timeout_s=COMMIT_TIMEOUT_S))
 
 
 class InitCommunicator(BaseModel):
@@ -115,6 +96,8 @@ class NamedParam(BaseModel):
 
 
 def _refuse(e: Exception) -> JSONResponse:
+    if isinstance(e, RelayTimeout):  # 504, which TRL's client does not retry: the group is gone, init again
+        return JSONResponse({"detail": f"weight relay timed out: {e}"}, status_code=504)
     if isinstance(e, RelayError):
         return unprocessable(e.field, str(e))
     if isinstance(e, ProtocolError):
@@ -160,9 +143,9 @@ def trl_weight_routes(ctx: ProtocolContext, runner: RelayRunner) -> APIRouter:
     async def update_named_param(request: Request):
         try:
             req = await _body(ctx, request, NamedParam)
-            relay.check_param(req.name, req.dtype, req.shape)
-            if relay.announce("receive_param", req.name, req.dtype, req.shape):  # else a retry, queued already
-                runner.background("receive_param", req.name, req.dtype, req.shape)
+            # every check that needs no byte of the tensor, before the answer the trainer broadcasts after
+            if relay.accept_param(req.name, req.dtype, req.shape, opening=runner.pending["open_trl"] > 0):
+                runner.background("receive_param", req.name, req.dtype, req.shape)  # else a retry, queued already
             return {"message": "Request received, updating named parameter"}
         except Exception as e:
             return _refuse(e)
