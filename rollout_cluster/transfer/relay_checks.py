@@ -10,8 +10,8 @@ from typing import Optional
 
 DEFAULT_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 MAX_PACKED_BUFFER_BYTES = 4 << 30  # a packed chunk the relay allocates at once: 4x vLLM's default
-# Bounds that hold with or without the served model's names and shapes (a spec), so that no
-# announcement makes the relay allocate what a trainer chooses. The largest tensor of a 70B model
+# Bounds where the served model's names and shapes (a spec) are unknown, so that no announcement
+# makes the relay allocate what a trainer chooses (with a spec, its shapes bound every tensor). The largest tensor of a 70B model
 # (Llama 3's embedding, 128256 x 8192) is 4 GiB in float32, a 405B model's 7.8 GiB; 405B in
 # bfloat16 is 810 GB.
 MAX_TENSOR_BYTES = 8 << 30  # one tensor
@@ -114,17 +114,17 @@ class Bounds:
     max_tensor_bytes: int = MAX_TENSOR_BYTES  # without a spec, what one tensor may take at most
     max_update_bytes: int = MAX_UPDATE_BYTES  # without a spec, what one update's staged tensors may take at most
 
-    def tensor(self, name, shape: list, dtype, name_field: str, shape_field: str, spec_field: str = "") -> int:
+    def tensor(self, name, shape: list, dtype, name_field: str, shape_field: str) -> int:
         """One announced tensor's bytes; refused under `name_field` (a name the model lacks) or
-        `shape_field` (too many bytes; unlike the model's shape: `spec_field`, if given)."""
+        `shape_field` (unlike the model's shape, or too many bytes)."""
         if not isinstance(name, str) or not name:
             raise RelayError(name_field, f"{name!r}: must be a tensor name")
         if self.spec is not None:
             if name not in self.spec:
                 raise RelayError(name_field, f"{name!r}: the served model has no such weight")
             if tuple(shape) != tuple(self.spec[name]):
-                raise RelayError(spec_field or shape_field, f"{list(shape)} for {name!r}: the served model's is "
-                                                            f"{list(self.spec[name])}")
+                raise RelayError(shape_field, f"{list(shape)} for {name!r}: the served model's is "
+                                              f"{list(self.spec[name])}")
         size = math.prod(shape) * dtype.itemsize
         for bound, why in self._caps():
             if bound is not None and size > bound:
