@@ -359,11 +359,20 @@ class Answer:
         return self.value
 
 
-class AbortRouter:
-    """A router that logs the push's signed orders."""
+class Lost:
+    """An answer lost on its way: the call was taken, its result times out."""
 
-    def __init__(self, log):
+    def result(self, timeout_s=None):
+        raise TimeoutError("no answer in time")
+
+
+class AbortRouter:
+    """A router that logs the push's signed orders. `answers`: what each method answers instead
+    (an Answer's value, or Lost(); a list: one a call, in order)."""
+
+    def __init__(self, log, **answers):
         router = self
+        plain = {"push_weights": 7, "push_abort": {"aborted": 7, "version": 6}}
 
         class Method:
             def __init__(self, name):
@@ -371,7 +380,10 @@ class AbortRouter:
 
             def remote(self, order, refs=()):
                 log.append((self.name, dict(order.args)))
-                return Answer({"push_weights": 7, "push_abort": {"aborted": 7, "version": 6}}.get(self.name))
+                answer = answers.get(self.name, plain.get(self.name))
+                if isinstance(answer, list):
+                    answer = answer.pop(0)
+                return answer if isinstance(answer, Lost) else Answer(answer)
 
         router.push_weights, router.push_more, router.push_abort = (Method(n) for n in
                                                                     ("push_weights", "push_more", "push_abort"))
@@ -402,6 +414,30 @@ def test_a_trainer_that_fails_mid_stream_aborts_the_push_and_raises_its_own_erro
     assert order["objects"] == 8 and len(order["buckets"]) == 2  # the manifest and 7 buckets, 2 sent
     assert abort == {"source": order["source"],
                      "reason": "the trainer's push failed: MemoryError: pinned memory exhausted"}
+
+
+@pytest.mark.parametrize("fleet_at,stands", [(7, True), (6, False)])
+def test_a_push_whose_last_answer_was_lost_stands_where_the_router_holds_it_whole(monkeypatch, fleet_at, stands):
+    """The last push_more was taken but its answer lost: the router has nothing to abort (every
+    object came) and is at this push's version, so the push stands instead of raising (a trainer
+    would push again, as another version). At another version it raises as before."""
+    import ray
+
+    from router_support import SIGNER
+
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda obj: puts.append(obj) or FakeRef(len(puts) - 1))
+    monkeypatch.setenv(push_mod.STREAM_ENV, "1")
+    log = []
+    router = AbortRouter(log, push_more=[3, Lost()], push_abort={"aborted": None, "version": fleet_at})
+    named = [(f"w{i}", torch.full((4,), float(i))) for i in range(4)]  # pushed as 1 + 1 + 2 buckets
+    if stands:
+        v, _, refs = push_mod.push(router, SIGNER, named, None, 16, 5.0)
+        assert v == 7 and len(refs) == 5  # the manifest and 4 buckets
+    else:
+        with pytest.raises(TimeoutError, match="no answer in time"):
+            push_mod.push(router, SIGNER, named, None, 16, 5.0)
+    assert [what for what, _ in log] == ["push_weights", "push_more", "push_more", "push_abort"]
 
 
 def test_a_push_that_waits_for_every_bucket_names_them_all_and_has_nothing_to_abort(monkeypatch):

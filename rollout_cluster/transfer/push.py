@@ -129,6 +129,7 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
 
     refs, ready = list(refs), []
     sending = None  # the last push_more, answered while the next buckets are put
+    v = None  # the version the router numbered the push, once it answered the order
     try:
         v = until_numbered(send) if until_numbered is not None else send()
         mark("router_ack", version=v)
@@ -147,7 +148,15 @@ def push(router, signer, named_tensors: Iterable, version: Optional[int], bucket
             mark("push_more_ack", objects=len(refs))
     except BaseException as e:  # (interrupted too) the replicas may load a push that will not complete
         if later:  # (a push whose order named every object is whole, or was not taken)
-            abort(router, signer, source, e, call_timeout_s)
+            out = abort(router, signer, source, e, call_timeout_s)
+            if (isinstance(e, Exception) and v is not None and len(refs) == objects and out is not None
+                    and out.get("aborted") is None and out.get("version") == v):
+                # every object was sent and only an answer was lost (the last push_more's): the
+                # router had them all (nothing to abort) and is at this push, so it stands; raising
+                # would have the trainer push again, as another version
+                log.warning("push_weights: %s: %s, but the router holds every object of it as version %s: the push "
+                            "stands", source, e, v)
+                return v, source, refs
         raise
     return v, source, refs
 
@@ -159,10 +168,12 @@ def check_stream(stream) -> None:
                          f"{STREAM_ENV}=0)")
 
 
-def abort(router, signer, source: str, error: BaseException, call_timeout_s: float) -> None:
+def abort(router, signer, source: str, error: BaseException, call_timeout_s: float) -> Optional[dict]:
     """Tell the router the streamed push `source` ends here (push_abort): the fleet goes back to the
     weights it held before at once, instead of each replica waiting bucket_stream.STALL_S for the
-    next object and restarting. Best effort: the trainer's own error is what its caller gets."""
+    next object and restarting. Best effort: the trainer's own error is what its caller gets.
+    Returns the router's answer ({"aborted": version or None, "version": the fleet's}), None when
+    it gave none."""
     reason = f"the trainer's push failed: {type(error).__name__}: {error}"[:1000]
     try:
         order = signer.sign("push_abort", {"source": source, "reason": reason})
@@ -173,8 +184,10 @@ def abort(router, signer, source: str, error: BaseException, call_timeout_s: flo
         else:  # its order was not taken, or its last objects came after all (a reply lost): nothing to abort
             log.warning("push_weights: %s failed (%s); the router had nothing to abort (the fleet's weights are "
                         "version %s)", source, reason, out.get("version"))
+        return out
     except Exception as e:  # (the router is gone too: each replica's load fails after STALL_S)
         log.warning("push_weights: telling the router that %s was aborted failed: %s", source, e)
+        return None
 
 
 def _put(group: list, i: int, stage, bucket_bytes: int):
