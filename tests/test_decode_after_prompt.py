@@ -74,6 +74,19 @@ def test_the_answer_of_a_completion_route_is_decoded_after_its_prompt(metaspace_
     assert got.json()["choices"][0]["text"] == " world again"
 
 
+def test_a_prompt_whose_last_tokens_decode_to_nothing_is_decoded_after_the_text_before_them(wp_codec):  # noqa: F811
+    """Regression (found by the test below): decode() put only the prompt's last 8 tokens before the
+    output; where those decode to nothing (skipped special tokens, ids the vocabulary lacks), the
+    WordPiece decoder's space before the output's first token was lost: vLLM primes with the whole
+    prompt."""
+    cls = wp_codec.tokenizer.token_to_id("[CLS]")
+    first, second = SCRIPT.split()[:2]  # (words its vocabulary has)
+    word, out = (wp_codec.encode(w, add_special_tokens=False) for w in (first, second))
+    for prompt, skip in ((word + [cls] * 9, True), ([0] + [wp_codec.tokenizer.get_vocab_size() + 5] * 8, False)):
+        want = vllm_text(wp_codec.tokenizer, prompt, out, skip)
+        assert want.startswith(" ") and wp_codec.decode(out, skip, prompt) == want
+
+
 ids_of = st.lists(st.integers(0, 119), min_size=0, max_size=12)
 
 

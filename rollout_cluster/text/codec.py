@@ -79,13 +79,16 @@ class TextCodec:
         the prompt's continuation, so a tokenizer whose decoder drops the first token's space
         (SentencePiece's Metaspace) or puts one between tokens (WordPiece) gives " world", not "world".
         Decoded once with the prompt's last tokens before it, then cut after their text; where that
-        cannot match the streamed text (an unfinished character at either end), the stream's pieces."""
+        cannot match the streamed text (an unfinished character at either end, or last tokens that
+        decode to nothing, skipped special tokens say), the stream's pieces after the whole prompt."""
         ids = list(ids)
         if not prompt_ids:
             text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
             return text if not text.endswith(_UNFINISHED) else "".join(self.pieces(ids, skip_special_tokens))
         tail = list(prompt_ids[-PROMPT_CONTEXT:])
         head = self.tokenizer.decode(tail, skip_special_tokens=skip_special_tokens)
+        if not head and len(prompt_ids) > len(tail):  # (the tail decodes to nothing: the text before it decides)
+            return "".join(self.pieces(ids, skip_special_tokens, prompt_ids=prompt_ids))
         whole = self.tokenizer.decode(tail + ids, skip_special_tokens=skip_special_tokens)
         if whole.startswith(head) and not head.endswith(_UNFINISHED) and not whole.endswith(_UNFINISHED):
             return whole[len(head):]
