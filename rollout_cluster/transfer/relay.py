@@ -48,39 +48,25 @@ Failures. A half update is never committed: tensors staged when a step fails (a 
 broke, a communicator given up) or when a new init comes (a restarted trainer's) are dropped,
 and the log and `describe()` say so; /finish_weight_update after a failed /update_weights answers
 that failure until the next /start_weight_update. Every blocking wait says what it waits for
-and how long it may take (`waiting`): the runner's watchdog (serve/protocols/trl_weights.py)
-gives up a step stuck past that (an NCCL receive has no timeout of its own) with `give_up`.
+and how long it may take (`waiting`): the runner's watchdog (serve/protocols/relay_runner.py)
+gives up a step stuck past that (an NCCL receive has no timeout of its own) with `give_up`. The
+waits, and which steps were given up, are kept by relay_waits.py (`self.waits`).
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .channels import nbytes_of, open_channel
 from .relay_checks import (DEFAULT_PACKED_BUFFER_BYTES, MAX_TENSOR_BYTES, MAX_UPDATE_BYTES, Bounds, RelayError,
                            RelayTimeout, check_address, check_bool, check_init_info, check_integer, check_shape,
                            packed_chunks, torch_dtype, unpacked)
+from .relay_waits import GivenUp, RelayWaits, Waiting
 
 __all__ = ["GivenUp", "RelayError", "RelayTimeout", "Waiting", "WeightRelay", "packed_chunks", "torch_dtype"]
 
 log = logging.getLogger(__name__)
-
-
-class GivenUp(RuntimeError):
-    """Raised in a step whose communicator was given up while it waited: what it did is dropped."""
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """What a relay step is blocked on, read by the runner's watchdog."""
-    what: str  # for the error: "tensor 'a.weight'", "the fleet's commit", ...
-    since: float  # time.monotonic() when the wait began
-    bound_s: float  # how long it may take; past that (and the runner's grace) the step is stuck
-    thread: threading.Thread  # the waiting thread
 
 
 class WeightRelay:
@@ -109,9 +95,8 @@ class WeightRelay:
         self.update_failed: Optional[str] = None  # why this vLLM update cannot be committed, until the next starts
         self.dropped: Optional[str] = None  # the last staged tensors dropped uncommitted, and why
         self.gave_up: Optional[str] = None  # why the last communicator was given up (a step stuck)
-        self.waiting: Optional[Waiting] = None  # the blocking wait under way, for the runner's watchdog
-        self.progress_at = 0.0  # time.monotonic() when the last wait ended
-        self.given_up: set = set()  # threads whose step was given up (not idents: those are reused)
+        # the wait under way and the steps given up, read by the runner's watchdog (relay_waits.py)
+        self.waits = RelayWaits()
 
     # -- TRL <= 1.10 --------------------------------------------------------------------------
     @staticmethod
@@ -135,7 +120,7 @@ class WeightRelay:
 
     def _arrived(self, *step) -> None:
         with self.announce_lock:
-            if self.announced == step and self._mine():  # not a later step's: that one is still due
+            if self.announced == step and self.waits.mine():  # not a later step's: that one is still due
                 self.announced = None
 
     def accept_param(self, name, dtype, shape, opening: bool) -> bool:
@@ -174,7 +159,7 @@ class WeightRelay:
             shape, torch_type = self.check_param(name, dtype, shape)
             with self.announce_lock:
                 self._check_update_bytes("shape", {name: nbytes_of(shape, torch_type)})
-            with self._waiting(f"tensor {name!r}", self.timeout_s):
+            with self.waits.wait(f"tensor {name!r}", self.timeout_s):
                 t = self.channel.receive(shape, torch_type)
                 self.channel.barrier()
         except GivenUp:
@@ -185,7 +170,7 @@ class WeightRelay:
         finally:  # arrived, or never will: a request like this one is new from now on
             self._arrived("receive_param", name, dtype, shape)
             with self.announce_lock:
-                if self._mine():
+                if self.waits.mine():
                     self.promised.pop(name, None)
         self.staged[name] = t
         if self.spec is not None and set(self.spec) <= set(self.staged):
@@ -257,14 +242,14 @@ class WeightRelay:
             import torch
 
             for n, chunk in enumerate(packed_chunks(sizes, self.buffer_bytes)):
-                with self._waiting(f"packed chunk {n} (tensors {chunk[0]}..{chunk[-1]} of the announcement)",
-                                   self.timeout_s):
+                with self.waits.wait(f"packed chunk {n} (tensors {chunk[0]}..{chunk[-1]} of the announcement)",
+                                     self.timeout_s):
                     buf = self.channel.receive([sum(sizes[i] for i in chunk)], torch.uint8)
                 for i, part in zip(chunk, buf.split([sizes[i] for i in chunk])):
                     yield i, unpacked(part, metas[i][0], metas[i][1])
         else:
             for i, (shape, dtype) in enumerate(metas):
-                with self._waiting(f"tensor {i} of the announcement", self.timeout_s):
+                with self.waits.wait(f"tensor {i} of the announcement", self.timeout_s):
                     t = self.channel.receive(shape, dtype)
                 yield i, t
 
@@ -318,7 +303,7 @@ class WeightRelay:
     # -- both ----------------------------------------------------------------------------------
     def commit(self) -> int:
         staged, self.staged = self.staged, {}
-        with self._waiting(f"the fleet's commit of {len(staged)} tensors", self.commit_timeout_s):
+        with self.waits.wait(f"the fleet's commit of {len(staged)} tensors", self.commit_timeout_s):
             version = self.commit_fn(list(staged.items()))
         self.version = version
         return version
@@ -328,7 +313,7 @@ class WeightRelay:
         try:
             return self.settle() if self.protocol == "trl" else None
         finally:
-            if self._mine():  # a given-up step's group is gone already; the one open now is another's
+            if self.waits.mine():  # a given-up step's group is gone already; the one open now is another's
                 self._leave("the communicator closed")
 
     def describe(self) -> dict:
@@ -342,9 +327,9 @@ class WeightRelay:
         is discarded (`GivenUp`). The next init opens a new group. Returns the forgotten channel,
         for the caller to abort (`abort()` may block a while: not under the caller's lock)."""
         channel = self.channel
-        self.given_up.add(thread)
+        self.waits.give_up(thread)
         self._drop(f"the communicator was given up: {reason}")
-        self.channel, self.protocol, self.waiting, self.gave_up = None, None, None, reason
+        self.channel, self.protocol, self.gave_up = None, None, reason
         self.last_packed, self.finished, self.finish_error, self.update_failed = None, None, None, None
         with self.announce_lock:
             self.announced, self.promised = None, {}
@@ -358,7 +343,7 @@ class WeightRelay:
         self.error = None
         channel = None
         try:
-            with self._waiting(f"the trainer's rendezvous at {host}:{port}", 2 * self.timeout_s):
+            with self.waits.wait(f"the trainer's rendezvous at {host}:{port}", 2 * self.timeout_s):
                 channel = open_channel(self.backend, host, port, rank, 2, src, self.timeout_s)
         except GivenUp:
             if channel is not None:
@@ -381,29 +366,6 @@ class WeightRelay:
                             f"dropped, not committed: {reason}")
             log.warning("weight relay: %s", self.dropped)
         self.staged = {}
-
-    @contextmanager
-    def _waiting(self, what: str, bound_s: float):
-        """A blocking wait, told to the watchdog. Where its step was given up meanwhile, the wait
-        ends in GivenUp, however it ended, so that no handler of the step touches the relay."""
-        self._check_mine()
-        mine = self.waiting = Waiting(what, time.monotonic(), bound_s, threading.current_thread())
-        try:
-            yield
-        except Exception as e:
-            self._check_mine(e)
-            raise
-        finally:
-            if self.waiting is mine:
-                self.waiting, self.progress_at = None, time.monotonic()
-        self._check_mine()
-
-    def _mine(self) -> bool:
-        return threading.current_thread() not in self.given_up
-
-    def _check_mine(self, cause: Optional[BaseException] = None) -> None:
-        if not self._mine():
-            raise GivenUp("this step's communicator was given up while it waited") from cause
 
     def _expect(self, protocol: str) -> None:
         self._raise_error()

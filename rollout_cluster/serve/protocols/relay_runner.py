@@ -36,7 +36,7 @@ class RelayRunner:
 
     An NCCL receive has no timeout: a trainer that dies mid-broadcast leaves it waiting for ever,
     and behind it every later step (a restarted trainer's init, /reset_prefix_cache/). The
-    watchdog looks every `poll_s` at what the running step waits for (WeightRelay.waiting: a
+    watchdog looks every `poll_s` at what the running step waits for (WeightRelay.waits.waiting: a
     tensor or the rendezvous, `timeout_s`; the fleet's commit, `commit_timeout_s`) or, between
     waits, at the step itself (`timeout_s`); `grace_s` past that bound, the relay gives its
     communicator up (WeightRelay.give_up: what it staged dropped, nothing the stuck thread does
@@ -94,9 +94,9 @@ class RelayRunner:
             step = self.running
             if step is None:
                 return
-            waiting = relay.waiting
+            waiting = relay.waits.waiting
             if waiting is None or waiting.thread != step.thread:
-                waiting = Waiting(f"its own work ({step.method})", max(step.started, relay.progress_at),
+                waiting = Waiting(f"its own work ({step.method})", max(step.started, relay.waits.progress_at),
                                   relay.timeout_s, step.thread)
             if now - waiting.since <= waiting.bound_s + self.grace_s:
                 return
@@ -140,7 +140,7 @@ class RelayRunner:
                 if self.worker is not me:  # given up meanwhile: its future is answered, its outcome is no one's
                     log.warning("weight relay: the abandoned %s returned (%s), too late", step.method,
                                 error or "ok")
-                    self.relay.given_up.discard(me)  # it ends here: nothing more of it to discard
+                    self.relay.waits.ended(me)  # nothing more of it to discard
                     return
                 self.running = None
             if error is None:
