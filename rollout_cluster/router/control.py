@@ -47,6 +47,7 @@ class FleetControl:
         self.weights.update(path, version, buckets, keep, total)
         for rep in self.fleet.replicas.values():
             self.order_weights(rep)
+        self._rename_waiting_wakes()
         return version
 
     def abort_push(self, source: str, reason: str) -> Optional[int]:
@@ -86,6 +87,7 @@ class FleetControl:
         n = self.weights.extend(source, start, buckets)
         for rep in self.fleet.replicas.values():
             self.order_weights(rep)
+        self._rename_waiting_wakes()
         return n
 
     def checked(self, what: str, path: str, version: Optional[int], now: Optional[float] = None) -> int:
@@ -202,6 +204,14 @@ class FleetControl:
                 waiting[i] = order
                 return
         waiting.append(order)
+
+    def _rename_waiting_wakes(self) -> None:
+        """A Wake not yet pulled names the weights the fleet had when wake() was called: after a
+        change it names the new ones (or the push's objects so far), so that a level-2 sleeper
+        reloads the current version, once, not the old one and then the new."""
+        for rid in self.fleet.replicas:
+            if self.outbox.pending(rid, (Wake,)):
+                self.order_sleep(rid)
 
     def order_sleep(self, replica_id: str) -> None:
         """Replace any sleep or wake order still waiting for the replica with the fleet's level."""

@@ -264,6 +264,17 @@ class RouterCore:
     def weights_status(self) -> dict:
         return self.weights.status(self.fleet.replicas)
 
+    def weights_learned(self, weights_version: Optional[int], now: float) -> bool:
+        """Whether a batch (pinned to `weights_version`, or None) may be taken now on what this
+        router knows of the fleet's weights. A fresh (or restarted) router learns the version from
+        the replicas' reports until the first batch: taken before it heard every replica it
+        expects (weights_floor.py), a batch could fix the version of the first replica to report,
+        one whose last load failed, and send the fleet back to weights the others replaced. The
+        Serve router waits a few seconds for this, then takes the batch anyway."""
+        w = self.weights
+        return not w.learning_below(weights_version) and (
+            not w.learning or w.floor.hear(self.fleet.expected, now, self.fleet.replica_timeout_s))
+
     def sleep_status(self) -> dict:
         return self.sleep.status()
 

@@ -60,14 +60,9 @@ class VersionFloor:
         version the fleet holds: fewer than `expected` replicas reported since it started (one
         that died since counts: its version was heard), and less than `timeout_s` passed since
         then. `now` None: only the count says (no clock)."""
-        if self.heard:
+        if self.hear(expected, now, timeout_s):
             return
-        if now is not None:
-            self.began(now)
         heard = len(self.reporters)
-        if (heard and heard >= expected) or (now is not None and now - self.started_t >= timeout_s):
-            self.heard, self.reporters = True, set()
-            return
         waited = f" {now - self.started_t:.0f} s ago" if now is not None else ""
         raise WeightsNotLearned(
             f"{what}: this router is new (or restarted{waited}) and has heard the weights of {heard} of the "
@@ -75,6 +70,18 @@ class VersionFloor:
             f"holds or loads (the highest reported so far: {self.highest}), so it waits for the rest, at most "
             f"router.replica_timeout_s = {timeout_s:g} s after it started (a replica silent that long is dead). "
             "Nothing was changed: retry in a moment (RolloutClient does, within its timeout)")
+
+    def hear(self, expected: int, now: Optional[float], timeout_s: float) -> bool:
+        """Whether this router has heard the fleet: `expected` replicas reported since it started,
+        or `timeout_s` passed since then (check_heard's rule, without the refusal)."""
+        if self.heard:
+            return True
+        if now is not None:
+            self.began(now)
+        heard = len(self.reporters)
+        if (heard and heard >= expected) or (now is not None and now - self.started_t >= timeout_s):
+            self.heard, self.reporters = True, set()
+        return self.heard
 
     def passed(self, version: int, how: str) -> None:
         """`version` named weights the fleet went back from (an aborted push): never numbered again."""

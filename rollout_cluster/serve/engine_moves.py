@@ -26,6 +26,7 @@ from ..protocol import (ControlOrder, DigestWeights, LoadWeights, NoteWeights, R
                         StopPush, Wake, WeightsDigest, WeightsState)
 
 log = logging.getLogger("ray.serve")
+STOPPED_KEPT = 16  # aborted pushes a replica remembers (EngineMoves.stopped_reasons)
 
 
 class EngineMoves:
@@ -45,6 +46,9 @@ class EngineMoves:
         self.noted_buckets: Optional[BucketStream] = None  # a noted push's buckets (a restarted router has lost them)
         self.streams: dict[str, BucketStream] = {}  # push source -> its objects as they came (transfer/bucket_stream.py)
         self.stopped_push = ""  # the last push a StopPush ended here (WeightsState.stopped)
+        # the last STOPPED_KEPT pushes stopped here -> why: an order of one that comes after its
+        # StopPush (a wake's reload built once the engine woke, a late LoadWeights) fails at once
+        self.stopped_reasons: dict[str, str] = {}
         # vLLM sleep mode: the level the engine is at, the one the router last ordered, why reaching
         # it failed, and the move under way (it runs after any load or move before it)
         self.sleep_level, self.sleep_goal = 0, 0
@@ -143,6 +147,8 @@ class EngineMoves:
         stream = self.streams.get(path)
         if stream is None:
             stream = self.streams[path] = BucketStream(path)
+            if path in self.stopped_reasons:  # (its trainer aborted it before this order came)
+                stream.stop(self.stopped_reasons[path])
         stream.offer(buckets)
         self._forget_streams(also=path)
         return stream
@@ -159,9 +165,14 @@ class EngineMoves:
         """Its trainer aborted the push: a load of it fails at once (and reloads the weights held
         before, if it had begun replacing them: _load_weights), a note of it is dropped."""
         self.stopped_push = order.path
-        stream = self.streams.get(order.path)
-        if stream is not None and order.path != self.weights_path:  # (not one it holds whole)
-            stream.stop(order.reason if isinstance(order.reason, str) else repr(order.reason))
+        reason = order.reason if isinstance(order.reason, str) else repr(order.reason)
+        if order.path != self.weights_path:  # (not one it holds whole)
+            self.stopped_reasons[order.path] = reason
+            while len(self.stopped_reasons) > STOPPED_KEPT:
+                self.stopped_reasons.pop(next(iter(self.stopped_reasons)))
+            stream = self.streams.get(order.path)
+            if stream is not None:
+                stream.stop(reason)
         if self.noted[1] == order.path:
             self.noted, self.noted_buckets = (0, ""), None
         self._forget_streams()  # (a load of it keeps its stream until the load ends)

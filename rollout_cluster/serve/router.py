@@ -33,8 +33,8 @@ from ..security.secrets import read_keys
 from ..security.signing import OrderRefused, OrderVerifier
 
 log = logging.getLogger("ray.serve")
-# A batch that names a weights version newer than a new router knows waits this long after the
-# first replica reports, for the others: twice the longest report interval a fleet is told.
+# A new router's first batch (and one that names a weights version newer than it knows) waits this
+# long after the first replica reports, for the others: twice the longest report interval a fleet is told.
 WEIGHTS_LEARN_WAIT_S = 10.0
 
 
@@ -172,15 +172,16 @@ class Router:
     async def submit(self, requests: list, wait_for_replica_s: float | None = None,
                      weights_version: int | None = None, previous_ids: list | None = None) -> str:
         """Queue a batch; returns its id. Waits up to `wait_for_replica_s` for a replica that says
-        which model it runs and, with `weights_version`, for a restarted router to learn that
-        version from its replicas; a batch on other weights is refused (WeightsVersionError)."""
+        which model it runs and, for a fresh or restarted router, at most WEIGHTS_LEARN_WAIT_S
+        more to hear the fleet's weights from every replica it expects (and `weights_version`);
+        a batch on other weights is refused (WeightsVersionError)."""
         wait = self.cfg.router.submit_wait_for_replica_s if wait_for_replica_s is None else wait_for_replica_s
         deadline = time.monotonic() + wait
         core, learn_until = self.core, None
         while True:
             now = time.monotonic()
             ready = bool(core.fleet.replicas) and core.model is not None
-            if ready and not core.weights.learning_below(weights_version):
+            if ready and core.weights_learned(weights_version, now):
                 break
             if ready:  # replicas report their weights as they join: the rest join soon or hold the same
                 learn_until = learn_until or now + WEIGHTS_LEARN_WAIT_S
