@@ -269,7 +269,9 @@ def main(argv=None) -> int:
 
 def refusing(prog: str, fn, *args) -> int:
     """fn(*args), with a refusal of bad input (a config key, a request field, a limit: each names
-    itself and its value) printed as one line and exit code 2, as argparse's are, not a traceback."""
+    itself and its value) printed as one line and exit code 2, as argparse's are, not a traceback;
+    a fleet that did not get there in time (TimeoutError: what the fleet is at, what stays ordered)
+    one line and exit code 1."""
     from .bench.flags import FlagError
     from .config import ConfigError
     from .protocol import InputError, LimitExceeded
@@ -279,6 +281,9 @@ def refusing(prog: str, fn, *args) -> int:
     except (ConfigError, FlagError, InputError, LimitExceeded) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except TimeoutError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

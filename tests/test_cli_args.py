@@ -141,3 +141,24 @@ def test_a_bench_flag_is_refused_in_one_line_naming_it(capsys, tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("group,prompt_tokens,response_tokens\ng,4\n")
     refused(capsys, ["bench", "--trace", str(trace), "--out", out], "line 2: expected 3 fields")
+
+
+@pytest.mark.parametrize("argv, call", [(["scale", "3", "--timeout-s", "1"], "scale"),
+                                        (["update-weights", "ckpt", "--timeout-s", "1"], "update_weights"),
+                                        (["sleep", "--timeout-s", "1"], "sleep")], ids=lambda a: str(a))
+def test_a_fleet_command_out_of_time_says_what_the_fleet_is_at_in_one_line(capsys, monkeypatch, argv, call):
+    """A fleet that is not there in time (the driver's TimeoutError: where the fleet is, what stays
+    ordered) is one line and exit code 1, not a traceback."""
+    said = "scale: the fleet is not at 3 after 1 s: 2 replicas pull from the router. The target stays 3"
+
+    class Late:
+        def __getattr__(self, name):
+            def late(*args, **kw):
+                assert name == call
+                raise TimeoutError(said)
+            return late
+
+    monkeypatch.setattr(cli, "_attach", lambda a: Late())
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and err.strip() == f"rollout-cluster {argv[0]}: error: {said}" and "Traceback" not in err, err
