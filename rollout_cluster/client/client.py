@@ -17,7 +17,7 @@ import math
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from ..config import ClusterConfig
-from ..protocol import Completion, InputError, SamplingSpec, is_number
+from ..protocol import Completion, InputError, SamplingSpec, check_wait_s, is_number
 from . import batches, fleet_ops, lifecycle
 from .expand import expand
 from .follower import DEFAULT_TIMEOUT_S
@@ -205,6 +205,7 @@ class RolloutClient:
         retry of that fetch until a fetch from its end (cursor = its size, as run_requests sends)
         or router.finished_batch_keep_s. With `weights_version`, a fleet on other weights refuses
         the batch (WeightsVersionError, an InputError)."""
+        check_wait_s("wait_for_replica_s", wait_for_replica_s)
         wait = batches.router_wait_s(self) if wait_for_replica_s is None else wait_for_replica_s
         answer = self.router.submit_batch.remote(requests, wait_for_replica_s, weights_version).result(
             timeout_s=self.call_timeout_s + wait)  # the router's wait for a live replica, then the call's

@@ -24,10 +24,17 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
     if sessions is not None and (isinstance(sessions, str) or len(sessions) != len(prompts)):
         raise InputError("sessions", f"<{len(sessions)} sessions>" if not isinstance(sessions, str) else sessions,
                          f"needs one session id (or None) per prompt ({len(prompts)})")
+    if hidden_lengths is not None and (isinstance(hidden_lengths, (str, bytes)) or not hasattr(hidden_lengths, "__len__")
+                                       or not hasattr(hidden_lengths, "__getitem__")):
+        raise InputError("hidden_lengths", hidden_lengths, "must be a list of lengths, one per (prompt, sample) pair")
     out = []
     for i, (prompt, spec) in enumerate(zip(prompts, specs)):
         def hidden():
-            return None if hidden_lengths is None else hidden_lengths[len(out)]
+            if hidden_lengths is None:
+                return None
+            if len(out) >= len(hidden_lengths):
+                raise _hidden_refused(hidden_lengths, "is shorter than the (prompt, sample) pairs")
+            return hidden_lengths[len(out)]
 
         start = len(out)
         if isinstance(prompt, Partial):
@@ -41,7 +48,14 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
         if sessions is not None:
             for req in out[start:]:
                 req.session = sessions[i]
+    if hidden_lengths is not None and len(hidden_lengths) != len(out):
+        raise _hidden_refused(hidden_lengths, f"has more values than the {len(out)} (prompt, sample) pairs")
     return out
+
+
+def _hidden_refused(hidden_lengths, what: str) -> InputError:
+    return InputError("hidden_lengths", f"<{len(hidden_lengths)} values>",
+                      f"{what}: it needs one length per (prompt, sample) pair, in the order they expand")
 
 
 def _samples(first: SequenceRequest) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from ..config import RouterConfig
-from ..protocol import BatchLostError, InputError, WeightsVersionError, is_number
+from ..protocol import BatchLostError, InputError, WeightsVersionError, check_wait_s, is_number
 
 log = logging.getLogger(__name__)
 FINISH_BY = ("sample", "group")
@@ -129,6 +129,7 @@ class BatchFollower:
                  wait_for_replica_s: Optional[float] = None, router_wait_s: Optional[float] = None):
         if not (is_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
             raise InputError("timeout_s", timeout_s, "must be a finite number of seconds > 0")
+        check_wait_s("wait_for_replica_s", wait_for_replica_s)
         self.cutter = BatchCut(requests, finish_fraction, finish_by)
         self.requests = requests
         self.timeout_s, self.call_timeout_s, self.max_restarts = timeout_s, call_timeout_s, max_restarts

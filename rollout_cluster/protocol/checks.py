@@ -79,6 +79,15 @@ def is_int64(v) -> bool:
     return is_int(v) and -INT64 <= v < INT64
 
 
+def check_wait_s(field_name: str, v, allow_none: bool = True) -> None:
+    """A wait in seconds: a finite number >= 0 (None: the default, where `allow_none`), or InputError
+    naming the field. (NaN would never pass a deadline: a wait on it never ends.)"""
+    if v is None and allow_none:
+        return
+    if not (is_number(v) and v >= 0):
+        raise InputError(field_name, v, "must be a finite number of seconds >= 0" + (" (or None)" if allow_none else ""))
+
+
 def is_number(v) -> bool:
     """A finite int or float, and not a bool: JSON's NaN and Infinity, a literal beyond a double's
     range (1e999) and true are no values for a sampling parameter."""

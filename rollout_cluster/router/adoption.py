@@ -214,7 +214,8 @@ class OrphanAdoption:
                 continue
             out = self.orphan_outputs.pop(old, None)
             if out is None:
-                if self._may_still_run(old):  # wait for its output a little
+                # (one sequence waits for an old id at a time: another batch naming it again runs from its prompt)
+                if old not in self.awaiting_orphans and self._may_still_run(old):  # wait for its output a little
                     self.awaiting_orphans[old] = (seq.seq_id, now)
                     self.host.unqueue(seq)
             elif not self._adopt(seq, out, now):

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ..protocol import BatchLostError, Completion
+from ..protocol import BatchLostError, Completion, InputError, is_int
 from .state import GroupState
 
 DROPPED_KEPT = 1024  # abandoned batches remembered, to tell a late fetch why its batch is gone
@@ -126,9 +126,12 @@ class Batches:
         batch = self.live.get(batch_id)
         if batch is None:
             raise self._gone(batch_id)
+        if not is_int(cursor) or not 0 <= cursor <= len(batch.order):  # (-1 or None would hand completions out again)
+            raise InputError("cursor", cursor, f"must be an integer from 0 to {len(batch.order)} (the batch's "
+                             "completions so far): the cursor the last fetch returned")
         if now is not None:
             batch.fetched_t = now
-        if batch.done and isinstance(cursor, int) and cursor >= batch.size:
+        if batch.done and cursor >= batch.size:
             self.release(batch_id)
             return [], batch.size, True
         new = [batch.results[i].with_lists() for i in batch.order[cursor:]]

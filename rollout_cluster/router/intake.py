@@ -107,6 +107,11 @@ class BatchIntake:
         if previous_ids is not None and (not isinstance(previous_ids, list) or len(previous_ids) != len(requests)
                                          or not all(p is None or isinstance(p, str) for p in previous_ids)):
             raise InputError("previous_ids", previous_ids, f"must be a list of {len(requests)} ids (or None)")
+        named = [p for p in previous_ids or () if p is not None]
+        if len(set(named)) != len(named):
+            twice = next(p for p in named if named.count(p) > 1)
+            raise InputError("previous_ids", f"<{len(previous_ids)} ids>", f"names {twice!r} twice: each old id belongs "
+                             "to one sequence")
 
     def _validate(self, req: SequenceRequest) -> Optional[str]:
         past_limit = self.limits.n_error(getattr(req.sampling, "n", None))

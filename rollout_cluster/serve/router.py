@@ -28,7 +28,7 @@ from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
-from ..protocol import LimitExceeded, Orders, Report
+from ..protocol import LimitExceeded, Orders, Report, check_wait_s
 from ..security.secrets import read_keys
 from ..security.signing import OrderRefused, OrderVerifier
 
@@ -175,6 +175,7 @@ class Router:
         which model it runs and, for a fresh or restarted router, at most WEIGHTS_LEARN_WAIT_S
         more to hear the fleet's weights from every replica it expects (and `weights_version`);
         a batch on other weights is refused (WeightsVersionError)."""
+        check_wait_s("wait_for_replica_s", wait_for_replica_s)
         wait = self.cfg.router.submit_wait_for_replica_s if wait_for_replica_s is None else wait_for_replica_s
         deadline = time.monotonic() + wait
         core, learn_until = self.core, None
@@ -217,6 +218,7 @@ class Router:
 
     async def fetch(self, batch_id: str, cursor: int = 0, wait_s: float = 1.0) -> tuple:
         """(new completions, cursor, done). Waits up to `wait_s` for something new."""
+        check_wait_s("wait_s", wait_s, allow_none=False)
         done, new_cursor = False, cursor
         new, new_cursor, done = self.core.fetch(batch_id, cursor, time.monotonic())
         if not new and not done:
