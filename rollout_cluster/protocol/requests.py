@@ -3,6 +3,7 @@ against vLLM's own ranges) and SequenceRequest (one sample of one prompt).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -11,6 +12,7 @@ from .checks import MAX_N, InputError, is_int64, is_number
 # A cache salt's characters, at most: every sequence of a request carries it to the engine (and
 # through each migration); bounded as a session id is (validation.MAX_SESSION_CHARS)
 MAX_CACHE_SALT_CHARS = 256
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (a valid pair is one character in a str: any left is alone)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class SamplingSpec:
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
             raise InputError("cache_salt", salt,
                              f"must be null or a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+        if salt is not None and LONE_SURROGATE.search(salt):  # (vLLM's msgpack to its EngineCore cannot encode it)
+            raise InputError("cache_salt", salt, "must be valid Unicode text (it holds a lone UTF-16 surrogate)")
 
     @property
     def migratable(self) -> bool:

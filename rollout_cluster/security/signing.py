@@ -148,7 +148,9 @@ class OrderVerifier:
             raise OrderRefused("malformed", "args must be plain JSON") from None
         if self.keys or order.signature or order.key_id:
             key = self.keys.get(order.key_id)
-            good = hmac.compare_digest(_mac(key or _DUMMY_KEY, order), order.signature)
+            # (as bytes: compare_digest raises TypeError on a str with non-ASCII characters, a forgery's)
+            good = hmac.compare_digest(_mac(key or _DUMMY_KEY, order).encode(),
+                                       order.signature.encode("utf-8", "surrogatepass"))
             if key is None:
                 raise OrderRefused("unknown_key" if order.key_id else "unsigned",
                                    f"key_id={order.key_id[:64]!r} is not a configured key")

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 from ..client.follower import check_finish_fraction
 from ..client.jsonl import merge_results, read_requests, split_lines
 from ..niceness import set_niceness
+from ..parsing import shown
 from ..config import LimitsConfig, load_config
 from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionError
 from ..security.secrets import read_keys, read_token
@@ -187,7 +188,7 @@ def gateway_app(router, sampling_defaults: Optional[dict] = None, call_timeout_s
     async def bad_query(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
         name = first["loc"][-1]
-        return _error(f"{name}={first.get('input')!r}: {MUST_BE.get(name, first['msg'])}", 400)
+        return _error(f"{name}={shown(first.get('input'))}: {MUST_BE.get(name, first['msg'])}", 400)
 
     @app.exception_handler(HTTPException)
     async def wrong_method(request: Request, exc: HTTPException):
@@ -270,7 +271,8 @@ class Gateway:
         router = self.router if timeline is None else TimedRouter(self.router, timeline)
         protocols = ProtocolContext(router, TextCodec.load(cfg.model_path()), cfg.limits, cfg.router.call_timeout_s,
                                     model_name=cfg.engine.model, model_root=cfg.model_path(),
-                                    world_size=cfg.engine.tensor_parallel_size, logprobs_mode=cfg.engine.logprobs_mode)
+                                    world_size=cfg.engine.tensor_parallel_size, logprobs_mode=cfg.engine.logprobs_mode,
+                                    config_max_model_len=cfg.engine.max_model_len)
         relay = (relay_runner(self.router, cfg.model_path(), cfg.router.call_timeout_s)
                  if cfg.security.http_weight_updates else None)
         return gateway_app(router, cfg.sampling.spec_fields(), cfg.router.call_timeout_s, self.token, cfg.limits,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ...config import LimitsConfig
+from ...config import EngineConfig, LimitsConfig
 from ...protocol import ModelInfo
 from ...text.codec import TextCodec
 from ..router_reach import RouterAbsent, router_status
@@ -34,6 +34,8 @@ class ProtocolContext:
     batch_timeout_s: float = 3600.0  # a request's batch is cancelled past this
     world_size: int = 1  # GPUs (tensor-parallel ranks) per engine, for TRL's /get_world_size
     logprobs_mode: str = "raw_logprobs"  # the engines' (engine.logprobs_mode), for TRL's /server_info
+    # the config's engine.max_model_len: what bounds a text tokenized before any replica said its own
+    config_max_model_len: int = EngineConfig.model_fields["max_model_len"].default
     _model: Optional[ModelInfo] = field(default=None, repr=False)  # the engine's limits, once a replica said them
     # each token id's text on its own, as the tokenizer decoded it once (bounded by the vocabulary)
     _token_texts: dict = field(default_factory=dict, repr=False)
@@ -70,17 +72,19 @@ class ProtocolContext:
         only to refuse the prompt as longer than the context. `truncation` (truncation.Truncation):
         the ids cut as vLLM cuts them, and such a text first trimmed to the characters the kept side's
         max_model_len tokens could cover, as vLLM trims it for an explicit truncation_side (for the
-        tokenizer's own cut, side None, vLLM tokenizes the whole text; trimmed here too, from the left)."""
-        if self._model is not None:
+        tokenizer's own cut, side None, vLLM tokenizes the whole text; trimmed here too, from the left).
+        Before any replica said its max_model_len, the config's bounds the text."""
+        max_model_len = self._model.max_model_len if self._model is not None else self.config_max_model_len
+        if max_model_len:
             if not self._chars_per_token:  # byte-level BPE: a token's vocabulary string has a char per byte
                 # (at least 100: a WordPiece [UNK] stands for a whole word of up to 100 characters)
                 self._chars_per_token = max(100, max(map(len, self.codec.tokenizer.get_vocab()), default=0))
-            limit = self._model.max_model_len * self._chars_per_token
+            limit = max_model_len * self._chars_per_token
             if len(text) > limit and truncation is not None:
                 text = text[:limit] if truncation.side == "right" else text[-limit:]
             elif len(text) > limit:
                 raise ProtocolError(400, f"{param}: {len(text)} characters, more than the model's context could hold "
-                                         f"(max_model_len={self._model.max_model_len} tokens of at most "
+                                         f"(max_model_len={max_model_len} tokens of at most "
                                          f"{self._chars_per_token} characters)", param)
         if truncation is None:
             return self.codec.encode(text, add_special_tokens)

@@ -26,7 +26,7 @@ from .openai_answers import (chat_logprobs, completion_logprobs, error, role_chu
                              usage)
 from .openai_bodies import ChatBody, CompletionBody, answer_id, check_model, parse_body, session_of
 from .outputs import output_of, stop_list
-from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
+from .prompts import chat_prompt, check_count, checked_requests, prompt_ids, spec_of
 
 
 def openai_routes(ctx: ProtocolContext) -> APIRouter:
@@ -58,10 +58,11 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
                 raw = [raw]
             if not raw:
                 raise ProtocolError(400, "prompt: must not be empty", "prompt")
-            prompts = [prompt_ids(ctx, p, "prompt" if len(raw) == 1 else f"prompt[{i}]", body.add_special_tokens, cut)
-                       for i, p in enumerate(raw)]
             logprobs = sampled_logprobs(body.logprobs, "logprobs")
             spec = spec_of(body.spec_fields(body.max_tokens, logprobs))
+            check_count(ctx, len(raw), spec.n)  # (before any prompt is tokenized)
+            prompts = [prompt_ids(ctx, p, "prompt" if len(raw) == 1 else f"prompt[{i}]", body.add_special_tokens, cut)
+                       for i, p in enumerate(raw)]
             stops = stop_list(body.stop)
             requests = await checked_requests(ctx, prompts, spec, session_of(request, body))
         except ProtocolError as e:

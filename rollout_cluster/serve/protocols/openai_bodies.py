@@ -10,6 +10,7 @@ from typing import ClassVar, Literal, Mapping, Optional, Union
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ...parsing import shown
 from ...validation import MAX_SESSION_CHARS as MAX_ID_CHARS
 from .context import ProtocolContext, ProtocolError
 from .truncation import Truncation, truncation_of
@@ -234,10 +235,10 @@ def parse_body(model: type, body: dict):
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ProtocolError(400, f"body.{where}={first.get('input')!r}: {first['msg']}", f"body.{where}") from None
+        raise ProtocolError(400, f"body.{where}={shown(first.get('input'))}: {first['msg']}", f"body.{where}") from None
 
 
 def check_model(ctx: ProtocolContext, name) -> None:
     if not ctx.names_model(name):
-        raise ProtocolError(404, f"The model `{name}` does not exist. Valid: {ctx.model_name}", "model",
+        raise ProtocolError(404, f"The model {shown(name)} does not exist. Valid: {ctx.model_name}", "model",
                             "NotFoundError")

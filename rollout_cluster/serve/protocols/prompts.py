@@ -75,16 +75,24 @@ def spec_of(fields: dict) -> SamplingSpec:
     return spec
 
 
-async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSpec,
-                           session: Optional[str] = None) -> list:
-    """The batch's SequenceRequests (prompt-major), every one checked against the engine's limits.
-    `session`: the multi-turn session every prompt of the request is a turn of (session affinity)."""
+def check_count(ctx: ProtocolContext, prompts: int, n: int, field: str = "prompt") -> None:
+    """`prompts` prompts x `n` samples within the config's limits, or ProtocolError naming `field`
+    (the request's prompts). Before any prompt is tokenized: counting needs no tokenizer, and a
+    body of millions of short prompts would hold the event loop for minutes before the refusal."""
     limits = ctx.limits
-    if spec.n > limits.max_n:
-        raise ProtocolError(400, f"n={spec.n}: at most limits.max_n={limits.max_n} samples per prompt", "n")
-    if len(prompts) * spec.n > limits.max_batch_sequences:
-        raise ProtocolError(400, f"{len(prompts)} prompts x n={spec.n}: at most limits.max_batch_sequences="
-                                 f"{limits.max_batch_sequences} sequences a request", "prompt")
+    if n > limits.max_n:
+        raise ProtocolError(400, f"n={n}: at most limits.max_n={limits.max_n} samples per prompt", "n")
+    if prompts * n > limits.max_batch_sequences:
+        raise ProtocolError(400, f"{prompts} prompts x n={n}: at most limits.max_batch_sequences="
+                                 f"{limits.max_batch_sequences} sequences a request", field)
+
+
+async def checked_requests(ctx: ProtocolContext, prompts: list, spec: SamplingSpec,
+                           session: Optional[str] = None, field: str = "prompt") -> list:
+    """The batch's SequenceRequests (prompt-major), every one checked against the engine's limits.
+    `session`: the multi-turn session every prompt of the request is a turn of (session affinity).
+    `field`: the request's prompts (named by a refusal of their count)."""
+    check_count(ctx, len(prompts), spec.n, field)
     requests = expand(prompts, spec, sessions=None if session is None else [session] * len(prompts))
     model = await ctx.model_info()
     for req in requests[::spec.n]:

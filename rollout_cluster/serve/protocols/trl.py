@@ -23,13 +23,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ...parsing import shown
 from ..router_reach import RouterAbsent, router_call
 from .answers import answer
 from .batch import run_batch
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
 from .outputs import output_of, stop_list
-from .prompts import chat_prompt, checked_requests, prompt_ids, spec_of
+from .prompts import chat_prompt, check_count, checked_requests, prompt_ids, spec_of
 from .truncation import sampling_truncation_of
 
 # generation_kwargs keys (vLLM SamplingParams names) this cluster honours, beyond the request's fields
@@ -107,7 +108,7 @@ def _spec(req: TRLSampling) -> tuple:
         raise ProtocolError(400, f"generation_kwargs.include_stop_str_in_output={include!r}: must be true or false",
                             "generation_kwargs.include_stop_str_in_output")
     if fields.get("logprobs") not in (None, 0):
-        raise ProtocolError(400, f"logprobs={fields['logprobs']}: only the sampled token's logprob is available "
+        raise ProtocolError(400, f"logprobs={shown(fields['logprobs'])}: only the sampled token's logprob is available "
                                  "(logprobs=0)", "logprobs")
     if "stop_token_ids" in fields and isinstance(fields["stop_token_ids"], list):
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
@@ -123,8 +124,8 @@ async def _read(ctx: ProtocolContext, req) -> tuple:
     return spec, stops, include, cut
 
 
-async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool) -> JSONResponse:
-    requests = await checked_requests(ctx, prompts, spec)
+async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool, field: str) -> JSONResponse:
+    requests = await checked_requests(ctx, prompts, spec, field=field)
     outputs = [output_of(ctx, c, stops, include, prompt_ids=prompts[c.prompt_index])
                for c in await run_batch(ctx, requests)]
     with_logprobs = spec.logprobs is not None
@@ -178,10 +179,11 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
         try:
             req = parse_model(GenerateRequest, await read_json(request, ctx.limits))
             spec, stops, include, cut = await _read(ctx, req)
+            check_count(ctx, len(req.prompts), spec.n, "prompts")  # (before any is tokenized)
             prompts = [prompt_ids(ctx, p, f"prompts[{i}]", truncation=cut) for i, p in enumerate(req.prompts)]
             if not prompts:
                 raise ProtocolError(400, "prompts: must not be empty", "prompts")
-            return await _answer(ctx, prompts, spec, stops, include)
+            return await _answer(ctx, prompts, spec, stops, include, "prompts")
         except ProtocolError as e:
             return refusal(e)
 
@@ -193,11 +195,12 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
+            check_count(ctx, len(req.messages), spec.n, "messages")  # (before any is rendered)
             prompts = [chat_prompt(ctx, m, f"messages[{i}]", kwargs, truncation=cut)
                        for i, m in enumerate(req.messages)]
             if not prompts:
                 raise ProtocolError(400, "messages: must not be empty", "messages")
-            return await _answer(ctx, prompts, spec, stops, include)
+            return await _answer(ctx, prompts, spec, stops, include, "messages")
         except ProtocolError as e:
             return refusal(e)
 
