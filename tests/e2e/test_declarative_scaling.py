@@ -125,33 +125,36 @@ def test_engine_fleet_scales_in_place_through_the_serve_config(ray_head, cluster
         assert st["counters"]["replica_leaves"] == 2 and st["counters"]["replica_deaths"] == 0
         assert st["router_id"] == router_id
 
-        # A fleet that is not there in time raises with what Serve says, and leaves the target set;
-        # scaling back settles it.
+        # A fleet that is not there in time raises with what Serve says, and leaves the target set:
+        # Serve brings the fleet there by itself.
         with pytest.raises(TimeoutError, match=r"scale: the fleet is not at 2 after 1 s: 1 replicas pull from the "
                                                r"router, and Serve's EngineReplica replicas are \{.*'RUNNING': 1.*\}"
                                                r".*The target stays 2"):
             client.scale(2, timeout_s=1)
         assert client.status()["expected_replicas"] == 2  # the router kept the target
-        # back to 1 from the command line, attached to the running app (as a launcher would)
+        st = client.wait_ready(2, 600)
+        assert st["expected_replicas"] == 2 and st["router_id"] == router_id
+
+        # From outside Ray: Serve's REST route on the dashboard, with the cluster's token
+        # (k8s/README.md). The router learns the new size from the leave.
+        assert rest_scale(1) == 200
+        deadline = time.monotonic() + 300
+        while len(client.status()["replicas"]) != 1 or client.status()["expected_replicas"] != 1:
+            assert time.monotonic() < deadline, client.status()
+            time.sleep(0.5)
+        # and from the command line, attached to the running app (as a launcher would): at the size
+        # it has, it settles at once
         run = subprocess.run([str(VENV_BIN / "rollout-cluster"), "scale", "1", "--app-name", APP, "--timeout-s", "300"],
                              env=ray_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
         assert run.returncode == 0, run.stderr[-3000:]
         out = json.loads(next(line for line in reversed(run.stdout.splitlines()) if line.startswith("{")))
         assert len(out["replicas"]) == 1 and out["expected_replicas"] == 1
         st = client.status()
-        assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1
+        assert len(st["replicas"]) == 1 and st["expected_replicas"] == 1 and st["router_id"] == router_id
+        assert st["counters"]["replica_deaths"] == 0
         lengths = [50] * 16
         results = collect(client, client.submit(batch(500, lengths)), len(lengths))
         assert [len(c.token_ids) for c in results] == lengths
-
-        # From outside Ray: Serve's REST route on the dashboard, with the cluster's token
-        # (k8s/README.md). The router learns the new size from the join.
-        assert rest_scale(2) == 200
-        st = client.wait_ready(2, 600)
-        assert st["expected_replicas"] == 2 and st["router_id"] == router_id
-        lengths = [100] * 128
-        results = collect(client, client.submit(batch(600, lengths)), len(lengths))
-        assert [len(c.token_ids) for c in results] == lengths and len({c.replicas[0] for c in results}) == 2
     finally:
         serve.delete(APP)
 
