@@ -78,9 +78,21 @@ class EngineConfig(Section):
         "kind=sim: wall seconds per modelled second (>1: slower than modelled, less host CPU a second)"))
 
 
+_RAY_UNIT = "0 or >= 0.0001 (Ray's finest fraction of a resource)"
+
+
 class ReplicaResources(Section):
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per replica")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica (0 on the CPU build)")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per replica", **_also(_RAY_UNIT))
+    num_gpus: float = Field(0.0, ge=0, description=(
+        "Ray GPUs per replica (0 on the CPU build); a fraction shares a GPU (with a trainer) at "
+        "tensor_parallel_size 1, a tensor-parallel replica takes at least one per rank"), **_also(_RAY_UNIT))
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ReplicaResources":
+        for key in ("num_cpus", "num_gpus"):
+            value = getattr(self, key)
+            self._require(key, value == 0 or value >= 1e-4)
+        return self
 
 
 # A replica reports an urgent segment end (work queued for the slot, a give-up's partials) no

@@ -1,11 +1,13 @@
 """Batch job for `ray job submit`: deploy the app on the cluster, run a JSONL batch, write results.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --input $PWD/in.jsonl \\
-        --output $PWD/out.jsonl [--weights /checkpoints/step-7] [--finish-fraction 0.9]
+        python -m rollout_cluster.jobs.rollout --config configs/local-cpu.yaml --model $PWD/models/tiny-llama \\
+        --input $PWD/in.jsonl --output $PWD/out.jsonl [--weights /checkpoints/step-7] [--finish-fraction 0.9]
 
 The job runs in Ray's copy of the working dir: --input and --output are paths on the head node,
-best absolute (a relative --output lands in that copy).
+best absolute (a relative --output lands in that copy). The copy leaves out what .gitignore lists,
+models/ among them: a config's relative model path is not in it, so --model names the model where
+the nodes have it (an absolute path, or a hub id).
 """
 from __future__ import annotations
 
@@ -22,7 +24,11 @@ def main(argv=None) -> int:
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--keep-app", action="store_true", help="leave an app this job deployed running afterwards")
-    ap.add_argument("--redeploy", action="store_true", help="redeploy even if an app of that name is running")
+    ap.add_argument("--redeploy", action="store_true", help="deploy this config over a running app of that name "
+                    "(which stays afterwards: the service it replaced)")
+    ap.add_argument("--model", default=None, help="the engines' model, in place of the config's engine.model: a path "
+                    "on every node (absolute: Ray's copy of --working-dir leaves out what .gitignore lists, models/ "
+                    "among them) or a hub id")
     ap.add_argument("--timeout-s", type=seconds, default=None)
     ap.add_argument("--ready-timeout-s", type=seconds, default=600.0,
                     help="an app this job deploys must be running within this (replicas Ray cannot place fail it)")
@@ -49,9 +55,12 @@ def run(a) -> int:
 
     check_paths(a.input, a.output)  # before the app is deployed, not after its batch ran
     cfg = load_config(a.config)
+    if getattr(a, "model", None):
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"model": a.model})})
     ray.init(address="auto")
     running = _app_running(cfg.app_name)
     deployed = a.redeploy or not running
+    owned = deployed and not running  # an app this job brought up is its to remove; a service it redeployed is not
     if deployed:
         ensure_local_secrets(cfg)  # an app this job deploys gets its token and keys as RolloutClient.start's does
         deploy(build_app(cfg), cfg, a.ready_timeout_s)
@@ -66,7 +75,7 @@ def run(a) -> int:
         if version is not None:
             summary["weights_version"] = version
     finally:
-        if deployed and not a.keep_app:
+        if owned and not a.keep_app:
             serve.delete(cfg.app_name)
     print(json.dumps(summary))
     return 0

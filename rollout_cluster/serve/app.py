@@ -30,14 +30,15 @@ def replica_options(cfg: ClusterConfig) -> dict:
 
 
 def replica_gpus(cfg: ClusterConfig) -> float:
-    """A replica's Ray GPUs: resources.num_gpus, and at least one per tensor-parallel rank. The
+    """A replica's Ray GPUs: resources.num_gpus (a fraction at tensor_parallel_size 1: a GPU shared
+    with a trainer), and at least one per rank of a tensor-parallel engine. The
     replica's actor holds them all, so they sit on one node and its CUDA_VISIBLE_DEVICES names
     them; vLLM's multiprocessing executor runs one worker process per rank on them. (In a placement
     group of one-GPU bundles, vLLM picks its Ray executor, which starts in the engine's own
     process: that connects to Ray as a new driver, outside the group, and asks for GPUs the group
     already holds. Ray Serve LLM passes the group to vLLM explicitly for that reason.)"""
-    gpus = cfg.resources.num_gpus
-    return max(gpus, float(cfg.engine.tensor_parallel_size)) if gpus > 0 else 0.0
+    gpus, tp = cfg.resources.num_gpus, cfg.engine.tensor_parallel_size
+    return max(gpus, float(tp)) if gpus > 0 and tp > 1 else gpus
 
 
 def build_app(cfg: ClusterConfig):

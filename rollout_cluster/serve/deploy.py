@@ -15,7 +15,9 @@ def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
     replica constructed: engines loaded). A replica that no node can host (more GPUs than any node
     has, say) would leave serve.run waiting forever; here it raises TimeoutError, and a constructor
     that keeps failing raises RuntimeError, each naming what Serve reports and what a replica asks
-    for. The application is then removed."""
+    for. The application is then removed, as it is when the wait is interrupted (Ctrl-C, or the
+    SIGTERM of `ray job stop`, which Ray turns into SystemExit): engines half loaded would hold
+    their GPUs with nobody to use or remove them."""
     from ray.serve.api import _run
     from ray.serve.schema import ApplicationStatus
 
@@ -24,15 +26,19 @@ def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
     # external scaling API); without it Serve refuses that call.
     _run(app, _blocking=False, name=name, route_prefix=f"/{name}", external_scaler_enabled=True)
     deadline = time.monotonic() + timeout_s
-    while True:
-        status = serve.status().applications.get(name)
-        state = status.status if status else None
-        if state == ApplicationStatus.RUNNING:
-            return
-        failed = state == ApplicationStatus.DEPLOY_FAILED
-        if failed or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    try:
+        while True:
+            status = serve.status().applications.get(name)
+            state = status.status if status else None
+            if state == ApplicationStatus.RUNNING:
+                return
+            failed = state == ApplicationStatus.DEPLOY_FAILED
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    except BaseException:
+        serve.delete(name)
+        raise
     reports = [f"{d}: {getattr(ds.status, 'value', ds.status)} {ds.message}".strip()
                for d, ds in (status.deployments.items() if status else ()) if ds.status != "HEALTHY" or ds.message]
     asks = replica_options(cfg)["ray_actor_options"]
