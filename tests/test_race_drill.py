@@ -331,7 +331,7 @@ def test_the_drill_catches_a_resent_delta_counted_twice(monkeypatch):
 
 
 def test_the_drill_catches_lost_work_never_sent_again(monkeypatch):
-    monkeypatch.setattr(ReportApplier, "reconcile", lambda self, rep, held, aborting, now: None)
+    monkeypatch.setattr(ReportApplier, "reconcile", lambda self, rep, held, aborting, now, fresh=True: None)
     assert run_drill(400)["lost"] > 0
 
 

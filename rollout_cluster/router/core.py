@@ -130,6 +130,8 @@ class RouterCore:
             return Applied(None, stalled=self.fleet.was_stalled(report))
         finished, requeues = self.moves.finished_count, self.moves.requeues
         rep = self.membership.register(report, now)
+        # (a report the router processed late, after a newer one: what it lists is older than what was sent since)
+        fresh = not report.number or report.number > rep.last_report_number
         self.reports.engine_state(rep, report, now)
         if report.digest is not None:
             self.digests.record(rep.replica_id, report.digest)
@@ -141,7 +143,7 @@ class RouterCore:
             self.membership.remove(rep.replica_id, now, stalled=True)
             stalled = True
         elif report.listing is not None:
-            self.reports.reconcile(rep, report.listing.held, report.listing.aborting, now)
+            self.reports.reconcile(rep, report.listing.held, report.listing.aborting, now, fresh)
         return Applied(rep.replica_id, self.moves.finished_count != finished, self.moves.requeues != requeues,
                        report.leaving, stalled)
 

@@ -35,8 +35,8 @@ class Fleet:
         self.surplus_joins = 0  # joins that raised `expected` since the last death or leave
         self.unfilled_leaves = 0  # leaves no join has refilled yet (Serve replaced, or scaled down then up)
         self.last_change_t: Optional[float] = None  # the latest join or death (the shrink rule's clock)
-        # (replica_id, incarnation) of replicas that said goodbye, in order (bounded): a late pull
-        # of one is not a new replica
+        # (replica_id, incarnation) of replicas that said goodbye or were replaced by a new
+        # incarnation, in order (bounded): a late pull of one is not a new replica
         self.departed: dict[tuple[str, str], None] = {}
         # Of those, the ones the router declared stalled (bounded, in order): a late pull of one is
         # answered with an order to stop, its reports are not applied.
@@ -47,7 +47,7 @@ class Fleet:
 
     def gone(self, report: Report) -> bool:
         """A pull to ignore: a goodbye of a replica already declared dead (its work was requeued
-        then), or any pull of one that said goodbye."""
+        then), or any pull of one that said goodbye or was replaced by a new incarnation."""
         known = self.replicas.get(report.replica_id)
         if report.leaving and (known is None or known.incarnation != report.incarnation):
             return True
@@ -84,6 +84,10 @@ class Fleet:
     def pop(self, replica_id: str) -> Optional[ReplicaState]:
         """Take a replica out of the live fleet; returns its state (None: not live). Then `removed`."""
         return self.replicas.pop(replica_id, None)
+
+    def superseded(self, replica_id: str, incarnation: str) -> None:
+        """The replica restarted: its old incarnation's pulls, processed late, are ignored (gone)."""
+        _remember(self.departed, (replica_id, incarnation))
 
     def removed(self, rep: ReplicaState, now: float, leaving: bool, goodbye: bool, stalled: bool = False) -> None:
         """Count a replica taken out. `leaving`: Serve stopped it on purpose. `goodbye`: it said so

@@ -41,7 +41,9 @@ class Membership:
     def register(self, report: Report, now: float) -> ReplicaState:
         """The replica that sent `report`, joined if new; a restarted one's old work is requeued first."""
         if self.fleet.restarted(report):
+            old = self.fleet.replicas[report.replica_id].incarnation
             self.remove(report.replica_id, now)  # restarted: its old work is gone
+            self.fleet.superseded(report.replica_id, old)  # a late pull of the old incarnation is not a restart back
         rep = self.fleet.join(report, now)
         if report.model is not None and self.model is None:
             self.model = report.model

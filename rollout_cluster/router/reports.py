@@ -157,14 +157,16 @@ class ReportApplier:
         return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
                 and (hidden is None or seq.generated < hidden))
 
-    def reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float) -> None:
+    def reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float, fresh: bool = True) -> None:
         """Work sent in the reply to an earlier pull that the replica does not hold never arrived
         (the reply was lost: the replica applies a reply's orders before it pulls again). It runs
         again from its last reported tokens, like the work of a dead replica. A give-up sent in such
-        a reply is sent again: the replica holds the attempt and does not list it as aborting."""
+        a reply is sent again: the replica holds the attempt and does not list it as aborting.
+        Not from a listing that is not `fresh` (its report was processed after a newer one): it
+        was taken before the replies sent since, whose work and give-ups it cannot show."""
         have = {(sid, attempt) for sid, attempt in held}
         lost = [s for s in rep.seqs.values()
-                if 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
+                if fresh and 0 <= s.delivered_pull < rep.pulls and (s.seq_id, s.attempt) not in have]
         for seq in lost:
             del rep.seqs[seq.seq_id]
             self.counters.lost_orders += 1
@@ -187,7 +189,7 @@ class ReportApplier:
             orders.report_whole.extend(orphans)  # the driver may submit them again: continue them then
         for seq in rep.seqs.values():
             key = (seq.seq_id, seq.attempt)
-            if (seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
+            if (fresh and seq.status is SeqStatus.GIVING_UP and 0 <= seq.give_up_pull < rep.pulls
                     and key in have and key not in aborting):
                 self.counters.lost_orders += 1
                 seq.give_up_pull = -1
