@@ -99,6 +99,8 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
 
     check_transport(transport, running)
     check_stream(stream)
+    if version is not None and not (is_int(version) and version >= 0):  # (before the fleet is waited for and the model put)
+        raise InputError("version", version, "must be None (the next version) or an integer >= 0")
     hold = None
     if transport == "ipc":
         level = client.status()["sleep"]["level"]

@@ -26,6 +26,14 @@ def checkpoint_spec(path: str) -> dict | None:
     if not os.path.isdir(path):
         return None
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # only the files it names, as vLLM loads them (Mistral's repos ship a consolidated copy beside)
+        try:
+            with open(index) as fh:
+                named = set(json.load(fh).get("weight_map", {}).values())
+            files = [f for f in files if f in named]
+        except (OSError, ValueError, AttributeError) as e:  # (vLLM's own load reports a broken index)
+            log.warning("checkpoint %s: its model.safetensors.index.json is unreadable (%s): every file counted", path, e)
     if not files:
         return None
     spec = {}

@@ -15,8 +15,12 @@ first bucket, since a refusal after that would leave a mix of two models.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterable, Iterator
+
+from ..protocol import is_int
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -25,7 +29,7 @@ def checked(named_tensors: Iterable, bucket_bytes: int) -> Iterator[tuple]:
     """The (name, tensor) pairs, each checked: a pair, a str name given once, a torch.Tensor."""
     import torch
 
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be an integer >= 1")
     seen = set()
     for item in named_tensors:
@@ -52,9 +56,21 @@ def _packable(name: str, tensor) -> None:
                         "(tensor.full_tensor(), called on every rank) from one rank")
     if tensor.is_meta:
         raise ValueError(f"named_tensors[{name!r}]: a meta tensor has no data (shape {list(tensor.shape)})")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"named_tensors[{name!r}]: layout {tensor.layout}: only dense (strided) tensors can be "
-                         "pushed; push tensor.to_dense()")
+    if tensor.layout != torch.strided or tensor.is_nested:
+        what = "a nested tensor" if tensor.is_nested else f"layout {tensor.layout}"
+        raise ValueError(f"named_tensors[{name!r}]: {what}: only dense (strided) tensors can be pushed; push "
+                         "tensor.to_dense()")
+    if _is_fake(tensor):
+        raise TypeError(f"named_tensors[{name!r}]: a FakeTensor (torch.compile's tracing) has no data: push the "
+                        "real tensor")
+
+
+def _is_fake(tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # (a torch without it has none)
+        return False
+    return isinstance(tensor, FakeTensor)
 
 
 def _is_dtensor(tensor) -> bool:
@@ -90,10 +106,15 @@ def _packed(group: list, staging, reserve: int = 0) -> dict:
     from .staging import bucket_span, needs_copy
 
     bucket = _empty()
+    # (a lazily conjugated or negated view's bytes are not its values: resolved first)
+    group = [(name, t.resolve_conj().resolve_neg()) for name, t in group]
     copied = [t for _, t in group if needs_copy(t)] if staging is not None else []
     if copied:
-        staging.start(bucket_span([t.numel() * t.element_size() for t in copied]), cuda=any(t.is_cuda for t in copied),
-                      reserve=reserve)
+        nbytes = bucket_span([t.numel() * t.element_size() for t in copied])
+        # (the buffer grows once to a bucket of the push; never past what this bucket holds: a push
+        # of a few small tensors with a huge bucket_bytes would reserve all of it)
+        whole = sum(t.numel() * t.element_size() for _, t in group)
+        staging.start(nbytes, cuda=any(t.is_cuda for t in copied), reserve=min(reserve, whole))
     try:
         for name, tensor in group:
             if copied and needs_copy(tensor):
@@ -149,6 +170,10 @@ def unpack(bucket: dict) -> list:
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        expected = math.prod(shape) * torch_dtype.itemsize if all(is_int(d) and d >= 0 for d in shape) else -1
+        if getattr(data, "nbytes", -1) != expected:  # (an empty one would load as uninitialised memory)
+            raise ValueError(f"tensor {name!r}: {getattr(data, 'nbytes', '?')} bytes where its header says {dtype} "
+                             f"{list(shape)} ({expected if expected >= 0 else 'no'} bytes)")
         with warnings.catch_warnings():  # arrays from Ray's object store are read only; loaders copy them
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(data)
