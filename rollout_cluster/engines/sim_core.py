@@ -11,6 +11,7 @@ Pure: no clock, no asyncio.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -132,7 +133,7 @@ class SimEngineCore:
         return dt
 
     def _tokens(self, s: _Seq, start: int, end: int) -> list:
-        base = hash(s.work.seq_id) % self.vocab_size
+        base = zlib.crc32(s.work.seq_id.encode()) % self.vocab_size  # (stable across processes, as hash() is not)
         return [(base + s.work.prompt_len + i) % self.vocab_size for i in range(start, end)]
 
     def _final(self, s: _Seq, reason: str) -> None:

@@ -34,7 +34,7 @@ def take_for(view: ClusterView, replica_id: str, limit: int, homes: bool = True)
     skip = _skipped(view, replica_id, out) if homes else set()
     rep = view.replicas[replica_id]
     if q.fresh and rep.seqs:
-        for group in {s.group for s in rep.seqs.values()}:
+        for group in dict.fromkeys(s.group for s in rep.seqs.values()):  # (in order: a set's follows PYTHONHASHSEED)
             for seq in q.fresh_by_group.get(group, {}).values():
                 if seq.seq_id not in skip:
                     out.append(seq)

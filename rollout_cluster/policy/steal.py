@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import Field
 
 from ..engines.cost_model import CostModel
-from ..router.state import ClusterView, ReplicaState
+from ..router.state import ClusterView, ReplicaState, SeqStatus
 from .base import Assign, Decision, GiveUp, Policy, PolicySettings
 from .estimate import TYPICAL_LENGTH_FLOOR, expected_remaining_array, own_costs
 from .pull import fair_take, take_for, take_spread
@@ -79,8 +79,11 @@ class StealPolicy(Policy):
         self.finish_at: dict = {}
         self.last_attempt: dict = {}
         self.moves = 0
-        self.pending_reprefill = 0.0  # ordered but not yet counted by the router (decays as it counts)
-        self._counted = 0
+        # thief -> {seq_id: its context when ordered}: the give-ups ordered to it whose sequence is
+        # still on its victim (GIVING_UP). They hold a slot of the thief (its next attempt must not
+        # book it again) and re-prefill the router has not counted yet; once handed back (reserved
+        # for the thief, running there) or ended where it was (a natural finish won the race), not.
+        self.inbound: dict[str, dict[str, float]] = {}
         self._typical_t, self._typical_value = float("-inf"), float(TYPICAL_LENGTH_FLOOR)
 
     # --- estimates -------------------------------------------------------------------
@@ -149,27 +152,26 @@ class StealPolicy(Policy):
             starts = take_for(view, replica_id, limit)
         decision = Decision(assign=[Assign(s, replica_id) for s in starts])
         now = view.now
-        # Orders become the router's count once partials arrive; stop counting them twice.
-        self.pending_reprefill = max(0.0, self.pending_reprefill - (view.reprefill_tokens - self._counted))
-        self._counted = view.reprefill_tokens
+        coming = self._coming(view)
+        mine_coming = [view.seqs[sid] for sid in self.inbound.get(replica_id, ())]
         last = self.last_attempt.get(replica_id, float("-inf"))
-        full = rep.capacity - rep.load - len(starts) <= 0
+        full = rep.capacity - rep.load - len(starts) - len(mine_coming) <= 0
         # A full replica cannot take work: it only refreshes its own estimate (for thieves to
         # rank it as a victim), and less often; thieves re-estimate the victim they pick anyway.
         if now - last < (FULL_REFRESH_S if full else STEAL_INTERVAL_S):
             return decision
         self.last_attempt[replica_id] = now
         typical = self._typical(view)
-        mine = self._load(view, rep, typical, starts)
+        mine = self._load(view, rep, typical, list(starts) + mine_coming)
         scale_r = self._scale(rep)
         t_r = self._finish(mine, scale_r)
         self.finish_at[replica_id] = now + t_r
-        free = rep.capacity - rep.load - len(starts)
+        free = rep.capacity - rep.load - len(starts) - len(mine_coming)
         if len(view.queue) > len(starts) or free <= 0 or self.cfg.max_moves_per_seq == 0:
             return decision
         budget = min(free, self.cfg.max_moves_per_decision)
         # Migrations are an investment paid in re-prefill: keep it within a fraction of the work done.
-        allowance = self.cfg.max_reprefill_frac * view.generated_tokens - view.reprefill_tokens - self.pending_reprefill
+        allowance = self.cfg.max_reprefill_frac * view.generated_tokens - view.reprefill_tokens - coming
         if allowance <= 0:
             return decision
         # One victim per attempt: the replica expected to finish last.
@@ -198,12 +200,27 @@ class StealPolicy(Policy):
         if k == 0 or t_after + self._min_gain(t_v) >= t_v:
             return decision
         decision.give_up += [GiveUp(theirs.seqs[i], destination=replica_id) for i in moved]
-        cost = float(theirs.ctx[moved].sum())
-        self.pending_reprefill += cost
+        self.inbound.setdefault(replica_id, {}).update((theirs.seqs[i].seq_id, float(theirs.ctx[i])) for i in moved)
         self.finish_at[vid] = now + t_v_after
         self.finish_at[replica_id] = now + t_r_after  # R's own finish: t_after is the later of the two
         self.moves += k
         return decision
+
+    def _coming(self, view: ClusterView) -> float:
+        """Forget the give-ups no longer on their way (handed back, ended, requeued: see `inbound`);
+        returns the re-prefill of those still coming, which the router has not counted yet.
+        O(give-ups in flight)."""
+        seqs, total = view.seqs, 0.0
+        for rid in list(self.inbound):
+            coming = self.inbound[rid]
+            for sid in [sid for sid in coming
+                        if (s := seqs.get(sid)) is None or s.status is not SeqStatus.GIVING_UP]:
+                del coming[sid]
+            if coming:
+                total += sum(coming.values())
+            else:
+                del self.inbound[rid]
+        return total
 
     def _within(self, movable: list, load: Load, allowance: float) -> list:
         """The prefix of `movable` whose re-prefill fits the allowance."""
@@ -267,3 +284,4 @@ class StealPolicy(Policy):
     def on_replica_removed(self, replica_id: str) -> None:
         self.finish_at.pop(replica_id, None)
         self.last_attempt.pop(replica_id, None)
+        self.inbound.pop(replica_id, None)

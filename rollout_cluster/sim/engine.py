@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import zlib
 from collections import deque
 from itertools import count
 
@@ -187,7 +188,7 @@ class FastEngineCore:
             self._final(s, reason)
 
     def _tokens(self, s: _Seq, start: int, end: int) -> list:
-        base = hash(s.seq_id) % self.vocab_size
+        base = zlib.crc32(s.seq_id.encode()) % self.vocab_size  # (stable across processes, as hash() is not)
         return [(base + s.work.prompt_len + i) % self.vocab_size for i in range(start, end)]
 
     def _final(self, s: _Seq, reason: str) -> None:
