@@ -1503,6 +1503,7 @@ def check_fleet_converged(chaos: Chaos) -> None:
     assert aborted is None if not chaos.seen["push aborted"] else aborted["back_to"] <= v, aborted
     assert status == {"version": v, "path": path or None,
                       "replicas": {rid: live[rid].weights[0] if rid in failed else v for rid in live},
+                      "held": sorted(rid for rid in live if rid not in failed or live[rid].weights == (v, path)),
                       "handed": {rid: {} for rid in live},  # (these replicas count no bucket)
                       "errors": {rid: status["errors"][rid] for rid in failed}}
     assert core.sleep_status() == {"level": 0, "replicas": {rid: 0 for rid in live}, "moving": [], "errors": {}}

@@ -31,7 +31,7 @@ def test_status_reports_the_fleet_batches_weights_and_counters():
     assert st["queued"] == 1 and st["live_sequences"] == 1 and st["batches"] == 1
     assert list(st["batch_ids"]) == [bid] and st["batch_ids"][bid]["size"] == 1
     assert st["expected_replicas"] == 2 and st["policy"] == "pull"
-    assert st["weights"] == {"version": 0, "path": None, "replicas": {"a": 0}, "handed": {"a": {}}, "errors": {},
+    assert st["weights"] == {"version": 0, "path": None, "replicas": {"a": 0}, "held": ["a"], "handed": {"a": {}}, "errors": {},
                            "broken": [], "streaming": False, "aborted": None}
     assert st["sleep"]["level"] == 0 and st["counters"]["generated_tokens"] == 0
     assert st["model"] == {"vocab_size": 100, "max_model_len": 64, "model": "", "max_logprobs": 20,

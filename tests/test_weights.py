@@ -67,7 +67,7 @@ def test_every_replica_gets_one_load_order_and_no_work_until_it_holds_the_weight
         finish(core, "a", w, 0.8, 1)
     done, _, finished = core.fetch(bid, 0)
     assert finished and [c.weights_version for c in done] == [1, 1]
-    assert core.weights_status() == {"version": 1, "path": "/ckpt/step1", "replicas": {"a": 1, "b": 1},
+    assert core.weights_status() == {"version": 1, "path": "/ckpt/step1", "replicas": {"a": 1, "b": 1}, "held": ["a", "b"],
                                      "handed": {"a": {}, "b": {}}, "errors": {}, "broken": [],
                                      "streaming": False, "aborted": None}
 

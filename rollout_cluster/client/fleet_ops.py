@@ -88,7 +88,7 @@ def update_weights(client, path: str, version: Optional[int], timeout_s: float, 
     path = os.path.abspath(path) if isinstance(path, str) and path else path
     v = numbered(lambda: client.router.update_weights.remote(path, version, running).result(
         timeout_s=client.call_timeout_s), deadline)
-    return wait_for_version(client, v, repr(path), "update_weights", timeout_s)
+    return wait_for_version(client, v, repr(path), "update_weights", timeout_s, deadline)
 
 
 def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: int, timeout_s: float,
@@ -114,21 +114,31 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
         v, source, _ = push(client.router.handle, client.router.signer, named_tensors, version, bucket_bytes,
                             client.call_timeout_s, running, hold, until_numbered=lambda send: numbered(send, deadline),
                             lease=lease_of_this_process, stream=stream)
-        return wait_for_version(client, v, source, "push_weights", timeout_s)
+        return wait_for_version(client, v, source, "push_weights", timeout_s, deadline)
     finally:  # every replica loaded or failed (or the wait gave up): the handles close
         if hold is not None and not hold.release(timeout_s):
             log.warning("push_weights: a replica still loads over CUDA IPC after %.0f s; its tensors are kept "
                         "(never freed) so that it reads no freed memory", timeout_s)
 
 
-def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> int:
-    """Wait until every replica holds version `v` or failed loading it (update_weights, push_weights)."""
+def wait_for_version(client, v: int, path: str, op: str, timeout_s: float, deadline: Optional[float] = None) -> int:
+    """Wait until every replica holds version `v` or failed loading it (update_weights, push_weights),
+    until `deadline` (the call's, whose `timeout_s` it is; default: timeout_s from now)."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     if client.status()["sleep"]["level"]:
         return v  # asleep: the engines load it when they wake (wake() waits for it)
-    expected = client.status().get("expected_replicas") or (client.config.replicas if client.config else 1)
+    configured = client.config.replicas if client.config else 1
+
+    def expected(st: dict) -> int:  # (read from every status: a replica that died and was not replaced lowers it)
+        return max(st.get("expected_replicas") or configured, len(st["weights"]["replicas"]))
 
     def held(st: dict) -> list:
-        return [rid for rid, rv in st["weights"]["replicas"].items() if rv == v]
+        """Replicas that hold `v` as the router numbered it: its number and its source (a replica
+        cut off from a restarted router may hold the same number of other weights)."""
+        w = st["weights"]
+        if "held" in w:
+            return list(w["held"]) if w["version"] == v else []
+        return [rid for rid, rv in w["replicas"].items() if rv == v]
 
     def failed(st: dict) -> dict:
         """replica -> why it will not load `v` now: its load failed, or its engine did not wake
@@ -142,7 +152,7 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
         if w["version"] != v:
             raise RuntimeError(f"{op}: version {v} was replaced by {w['version']} meanwhile")
         bad = failed(st)
-        if len(held(st)) + len(bad) < max(expected, len(w["replicas"])):
+        if len(held(st)) + len(bad) < expected(st):
             return None
         if bad:
             raise RuntimeError(f"{op} to version {v} ({path}) failed on {len(bad)} "
@@ -151,12 +161,11 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float) -> in
 
     def timed_out(st: dict) -> TimeoutError:
         lacking = sorted(rid for rid in st["weights"]["replicas"] if rid not in held(st) and rid not in failed(st))
-        return TimeoutError(f"{op}: {len(held(st))} of {max(expected, len(st['weights']['replicas']))} replicas hold "
+        return TimeoutError(f"{op}: {len(held(st))} of {expected(st)} replicas hold "
                             f"version {v} after {timeout_s:.0f} s; still without it: {', '.join(lacking) or 'none'}"
                             + (f" (sleep level of each: {st['sleep'].get('replicas')})" if lacking else ""))
 
-    return wait_until(client.status, settled, time.monotonic() + timeout_s, 0.1, timed_out,
-                      first_interval_s=VERSION_FIRST_POLL_S)
+    return wait_until(client.status, settled, deadline, 0.1, timed_out, first_interval_s=VERSION_FIRST_POLL_S)
 
 
 def weights_digest(client, detail: bool, timeout_s: float) -> dict:
@@ -175,12 +184,16 @@ def weights_digest(client, detail: bool, timeout_s: float) -> dict:
                   **({"params": a["params"]} if detail else {})} for rid, a in got["replicas"].items()}
 
 
+def _holds(w: dict, rid: str) -> bool:
+    """Replica `rid` holds the fleet's current weights, per status()['weights'] (number and source)."""
+    return rid in w["held"] if "held" in w else w["replicas"].get(rid) == w["version"]
+
+
 def _loads_settled(st: dict):
     """Every awake replica holds the current weights or failed loading them (or failed to wake: it
     loads them at its next wake, and no update waits for it)."""
     w, woke_not = st["weights"], st["sleep"].get("errors", {})
-    if st["sleep"]["level"] or all(v == w["version"] or rid in w["errors"] or rid in woke_not
-                                   for rid, v in w["replicas"].items()):
+    if st["sleep"]["level"] or all(_holds(w, rid) or rid in w["errors"] or rid in woke_not for rid in w["replicas"]):
         return st
     return None
 
@@ -197,7 +210,7 @@ def wake(client, timeout_s: float) -> dict:
 
     def behind(st: dict) -> list:
         w = st["weights"]
-        return [rid for rid, rv in w["replicas"].items() if rv != w["version"] and rid not in w["errors"]]
+        return [rid for rid in w["replicas"] if not _holds(w, rid) and rid not in w["errors"]]
 
     return wait_until(client.status, lambda st: None if behind(st) else st, deadline, 0.1, lambda st: TimeoutError(
         f"wake: {len(behind(st))} replica(s) still load weights version {st['weights']['version']} "

@@ -368,6 +368,9 @@ class FleetWeights:
     def status(self, replicas: dict) -> dict:
         return {"version": self.version, "path": self.path,
                 "replicas": {rid: r.weights_version for rid, r in replicas.items()},
+                # those that hold the current weights, number and source (a replica cut off from a
+                # restarted router may hold the same number of other weights: not these)
+                "held": sorted(rid for rid, r in replicas.items() if self.holds(r)),
                 # how each replica's engine had the buckets of its weights' load handed to vLLM's worker
                 "handed": {rid: dict(r.weights_handed) for rid, r in replicas.items()},
                 "errors": dict(self.errors), "broken": [asdict(b) for b in self.broken.values()],

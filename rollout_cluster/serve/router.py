@@ -28,7 +28,7 @@ from ..niceness import set_niceness
 from ..policy import make_policy
 from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
-from ..protocol import LimitExceeded, Orders, Report, check_wait_s
+from ..protocol import InputError, LimitExceeded, Orders, Report, check_wait_s, is_int
 from ..security.secrets import read_keys
 from ..security.signing import OrderRefused, OrderVerifier
 
@@ -84,34 +84,40 @@ class Router:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            dead = self.core.expire(now)
-            if dead:
-                log.warning("replicas %s stopped pulling; their sequences were requeued", dead)
-                for rid in dead:
-                    self.work_ready.pop(rid, None)
-                self._wake_all()
             try:
-                died = self.push_watch.tick()
-                if died:
-                    self._abort_push(*died, now)
-            except Exception:  # (never the reaper's end)
-                log.exception("the push watch failed; a streamed push whose trainer died waits out the replicas' stall limit")
-            stalled = self.stalls.tick(now)
-            if stalled:
-                self._wake_all()  # their work is queued: the others take it now (a held pull of theirs ends)
-                for rid in stalled:
-                    self.work_ready.pop(rid, None)
-            dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
-            for bid in dropped:
-                log.warning("batch %s: %s", bid, self.core.batches.dropped[bid])
-                self.batch_progress.pop(bid, None)
-                self.submit_t.pop(bid, None)
-            if dropped:
-                self._wake_all()  # give-up orders for the replicas that ran them
-            for bid in self.core.drop_finished(now, self.cfg.router.finished_batch_keep_s):
-                self.submit_t.pop(bid, None)  # (fetched whole; its driver never fetched from its end)
-            self.metrics.gauges(self.core)
+                self._reap_once(time.monotonic())
+            except Exception:  # (never the reaper's end: it expires dead replicas and stalls)
+                log.exception("the router's once-a-second check failed; it runs again in a second")
+
+    def _reap_once(self, now: float) -> None:
+        """Replicas that stopped pulling, the push watch, stalled replicas, abandoned and finished batches."""
+        dead = self.core.expire(now)
+        if dead:
+            log.warning("replicas %s stopped pulling; their sequences were requeued", dead)
+            for rid in dead:
+                self.work_ready.pop(rid, None)
+            self._wake_all()
+        try:
+            died = self.push_watch.tick()
+            if died:
+                self._abort_push(*died, now)
+        except Exception:  # (the rest of the check still runs)
+            log.exception("the push watch failed; a streamed push whose trainer died waits out the replicas' stall limit")
+        stalled = self.stalls.tick(now)
+        if stalled:
+            self._wake_all()  # their work is queued: the others take it now (a held pull of theirs ends)
+            for rid in stalled:
+                self.work_ready.pop(rid, None)
+        dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
+        for bid in dropped:  # (the reasons kept are the latest DROPPED_KEPT: a larger tick outruns them)
+            log.warning("batch %s: %s", bid, self.core.batches.dropped.get(bid, "dropped as abandoned"))
+            self.batch_progress.pop(bid, None)
+            self.submit_t.pop(bid, None)
+        if dropped:
+            self._wake_all()  # give-up orders for the replicas that ran them
+        for bid in self.core.drop_finished(now, self.cfg.router.finished_batch_keep_s):
+            self.submit_t.pop(bid, None)  # (fetched whole; its driver never fetched from its end)
+        self.metrics.gauges(self.core)
 
     def _wake_all(self) -> None:
         for ev in self.work_ready.values():
@@ -326,7 +332,10 @@ class Router:
 
     async def set_fleet_target(self, order) -> int:
         """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
-        self.core.set_fleet_target(self._order(order, "set_fleet_target").get("replicas"), time.monotonic())
+        replicas = self._order(order, "set_fleet_target").get("replicas")
+        if not is_int(replicas) or replicas < 1:  # (RolloutClient checks it first; another signer may not)
+            raise InputError("replicas", replicas, "must be an integer >= 1")
+        self.core.set_fleet_target(replicas, time.monotonic())
         return self.core.fleet.expected
 
     async def status(self) -> dict:
