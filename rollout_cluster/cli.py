@@ -115,7 +115,7 @@ def cmd_update_weights(a) -> int:
 
 def cmd_scale(a) -> int:
     """scale N: the engine fleet of a running app, in place (live batches continue)."""
-    from .client.fleet_ops import check_replicas
+    from .protocol import check_replicas
     from .protocol import InputError
 
     try:

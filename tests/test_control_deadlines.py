@@ -39,7 +39,8 @@ class Client:
 
     def status(self) -> dict:
         version = 7 if self.router.numbered else 6
-        return {"weights": {"version": version, "path": "/ckpt/x", "replicas": {"a": 6, "b": 6}, "errors": {}},
+        return {"weights": {"version": version, "path": "/ckpt/x", "replicas": {"a": 6, "b": 6},
+                            "held": ["a", "b"] if version == 6 else [], "errors": {}},
                 "sleep": {"level": 0, "replicas": {"a": 0, "b": 0}, "errors": {}}, "expected_replicas": 2,
                 "live_sequences": 0}
 

@@ -94,7 +94,7 @@ def test_the_driver_asks_again_while_a_new_router_refuses_within_its_timeout(mon
             def remote(*args):
                 calls.append(name)
                 if name == "status":
-                    value = {"weights": {"version": 7, "path": "/ckpt/new", "replicas": {"a": 7}, "errors": {}},
+                    value = {"weights": {"version": 7, "path": "/ckpt/new", "replicas": {"a": 7}, "held": ["a"], "errors": {}},
                              "sleep": {"level": 0}, "expected_replicas": 1, "live_sequences": 0}
                 else:
                     value = answers.pop(0)

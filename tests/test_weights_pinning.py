@@ -150,7 +150,8 @@ def test_update_weights_waits_for_a_load_in_progress_before_it_orders_another():
     calls = []
 
     def status(held: dict, version: int = 1) -> dict:
-        return {"weights": {"version": version, "path": f"/ckpt/{version}", "replicas": held, "errors": {}},
+        return {"weights": {"version": version, "path": f"/ckpt/{version}", "replicas": held,
+                            "held": [rid for rid, v in held.items() if v == version], "errors": {}},
                 "sleep": {"level": 0}, "expected_replicas": 2, "live_sequences": 0}
 
     statuses = [status({"a": 1, "b": 0})] * 3 + [status({"a": 1, "b": 1})] * 2 + [status({"a": 2, "b": 2}, 2)] * 5

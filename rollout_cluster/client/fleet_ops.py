@@ -13,7 +13,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from ..protocol import InputError, WeightsNotLearned, is_int
+from ..protocol import InputError, WeightsNotLearned, check_replicas, is_int
 from ..serve.fleet_target import REPLICA_DEPLOYMENT
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,6 @@ def wait_until(probe: Callable[[], object], settled: Callable[[object], object],
             raise error
         sleep(gap)
         gap = min(2 * gap, interval_s)
-
-
-def check_replicas(replicas) -> None:
-    """RolloutClient.scale's size: an integer >= 1."""
-    if not is_int(replicas) or replicas < 1:
-        raise InputError("replicas", replicas, "must be an integer >= 1")
 
 
 def wait_ready(client, replicas: int, timeout_s: float) -> dict:
@@ -136,9 +130,7 @@ def wait_for_version(client, v: int, path: str, op: str, timeout_s: float, deadl
         """Replicas that hold `v` as the router numbered it: its number and its source (a replica
         cut off from a restarted router may hold the same number of other weights)."""
         w = st["weights"]
-        if "held" in w:
-            return list(w["held"]) if w["version"] == v else []
-        return [rid for rid, rv in w["replicas"].items() if rv == v]
+        return list(w["held"]) if w["version"] == v else []
 
     def failed(st: dict) -> dict:
         """replica -> why it will not load `v` now: its load failed, or its engine did not wake
@@ -186,7 +178,7 @@ def weights_digest(client, detail: bool, timeout_s: float) -> dict:
 
 def _holds(w: dict, rid: str) -> bool:
     """Replica `rid` holds the fleet's current weights, per status()['weights'] (number and source)."""
-    return rid in w["held"] if "held" in w else w["replicas"].get(rid) == w["version"]
+    return rid in w["held"]
 
 
 def _loads_settled(st: dict):

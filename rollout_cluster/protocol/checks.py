@@ -88,6 +88,12 @@ def check_wait_s(field_name: str, v, allow_none: bool = True) -> None:
         raise InputError(field_name, v, "must be a finite number of seconds >= 0" + (" (or None)" if allow_none else ""))
 
 
+def check_replicas(replicas) -> None:
+    """A fleet's size (RolloutClient.scale, the router's set_fleet_target): an integer >= 1."""
+    if not is_int(replicas) or replicas < 1:
+        raise InputError("replicas", replicas, "must be an integer >= 1")
+
+
 def is_number(v) -> bool:
     """A finite int or float, and not a bool: JSON's NaN and Infinity, a literal beyond a double's
     range (1e999) and true are no values for a sampling parameter."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..protocol import Report
+from ..protocol import Report, check_replicas
 from .state import ReplicaState
 
 DEPARTED_KEPT = 4096  # replicas remembered as gone after their goodbye
@@ -143,8 +143,10 @@ class Fleet:
         on, before the replicas join or leave, and the corrections inferred so far are void. The
         leaves and joins that follow then change nothing (a leave lowers the count only below
         the live fleet, a join raises it only above); replicas that never come are dropped from
-        it after a replica timeout, as at startup (`settle`)."""
-        self.expected = max(1, int(replicas))
+        it after a replica timeout, as at startup (`settle`). A count that is no integer >= 1 is
+        refused, naming it (a signer other than RolloutClient's may send one)."""
+        check_replicas(replicas)
+        self.expected = replicas
         self.surplus_joins = self.unfilled_leaves = 0
         self.last_change_t = now
 
