@@ -28,6 +28,8 @@ class Lease:
 def made(monkeypatch):
     leases = []
     monkeypatch.setattr(lease_mod, "_leases", {})
+    monkeypatch.setattr(lease_mod, "CHECK_S", 0.3)
+    monkeypatch.setattr(lease_mod, "RETRY_S", 0.01)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Ctx())
     monkeypatch.setattr(lease_mod, "_make", lambda ctx: leases.append(Lease()) or leases[-1])
     return leases
@@ -48,3 +50,19 @@ def test_a_lease_is_replaced_only_once_ray_says_it_died(made, monkeypatch, answe
     monkeypatch.setattr(ray, "get", get)
     again = lease_mod.lease_of_this_process()
     assert (again is not first) == replaced and len(made) == 1 + replaced
+
+
+def test_a_lease_unreachable_then_dead_is_replaced_and_one_unreachable_throughout_is_kept(made, monkeypatch):
+    """A killed lease is first unreachable, then dead (what CI saw: the kept dead lease would abort the
+    live trainer's push): the ping is asked again until Ray decides, or kept when it never does."""
+    first = lease_mod.lease_of_this_process()
+    answers = [ActorUnavailableError("the actor is being killed", b"\0" * 16)] * 3 + [ActorDiedError()]
+
+    def get(ref, timeout=None):
+        raise answers.pop(0) if len(answers) > 1 else answers[0]
+
+    monkeypatch.setattr(ray, "get", get)
+    second = lease_mod.lease_of_this_process()
+    assert second is not first and len(made) == 2
+    answers[:] = [ActorUnavailableError("the node is busy", b"\0" * 16)]
+    assert lease_mod.lease_of_this_process() is second and len(made) == 2

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 CHECK_S = 10.0  # a lease made before answers its ping within this, or it is used unchecked (not replaced)
+RETRY_S = 0.1  # between pings of a lease Ray calls unreachable (a killed actor is that before it is dead)
 
 _leases: dict = {}  # (session, GCS address, job id, worker id) -> the lease's actor handle
 _lock = threading.Lock()
@@ -55,13 +57,8 @@ def lease_of_this_process():
             del _leases[stale]
         lease = _leases.get(key)
         if lease is not None:
-            try:
-                ray.get(lease.alive.remote(), timeout=CHECK_S)
+            if _answers(lease, ray, GetTimeoutError, ActorUnavailableError, RayActorError):
                 return lease
-            except (GetTimeoutError, ActorUnavailableError):
-                return lease  # (slow to start, or a busy node: unreachable a while is not dead, as the watch takes it)
-            except RayActorError as e:
-                log.warning("push_weights: this trainer's lease died (%s); a new one is made", type(e).__name__)
         try:
             lease = _leases[key] = _make(ctx)
         except Exception as e:
@@ -70,6 +67,26 @@ def lease_of_this_process():
             _leases.pop(key, None)
             return None
         return lease
+
+
+def _answers(lease, ray, GetTimeoutError, ActorUnavailableError, RayActorError) -> bool:
+    """False once Ray says the lease died. Unreachable (ActorUnavailableError) is asked again until
+    CHECK_S: a lease just killed is first unreachable, then dead, and a kept dead lease would abort the
+    live trainer's next push. Unreachable or silent all that while: kept (a busy node is not dead)."""
+    deadline = time.monotonic() + CHECK_S
+    while True:
+        try:
+            ray.get(lease.alive.remote(), timeout=max(0.01, deadline - time.monotonic()))
+            return True
+        except GetTimeoutError:
+            return True  # (slow to start, or a busy node: as the watch takes it)
+        except ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(RETRY_S)
+        except RayActorError as e:
+            log.warning("push_weights: this trainer's lease died (%s); a new one is made", type(e).__name__)
+            return False
 
 
 def _make(ctx):
