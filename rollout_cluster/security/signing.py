@@ -18,7 +18,7 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 # Each operation and the names of its arguments, in the order the Router's methods take them.
 CONTROL_OPS: dict[str, tuple[str, ...]] = {
@@ -117,6 +117,9 @@ class OrderVerifier:
     refusals: Counter = field(default_factory=Counter)  # reason -> orders refused
     accepted: int = 0  # orders that passed
     _nonces: dict = field(default_factory=dict)  # nonce -> issued_ms, while within the skew window
+    # Called with (nonce, issued_ms) of each order that passed, before it runs: the router writes it
+    # where the router Serve starts after it reads it back (nonce_journal.py; remember()).
+    on_accept: Optional[Callable[[str, int], None]] = None
 
     def __post_init__(self):
         if not self.keys and not self.allow_unsigned:
@@ -164,7 +167,14 @@ class OrderVerifier:
         if order.nonce in self._nonces:
             raise OrderRefused("replay", "this nonce was used already")
         self._nonces[order.nonce] = order.issued_ms
+        if self.on_accept is not None:
+            self.on_accept(order.nonce, order.issued_ms)
         return dict(order.args)
+
+    def remember(self, nonces: dict) -> None:
+        """Nonces (-> issued_ms) a predecessor accepted: refused as replays here too."""
+        self._nonces.update(nonces)
+        self._nonces = dict(sorted(self._nonces.items(), key=lambda kv: kv[1]))  # (oldest first: _forget_old)
 
     def _forget_old(self, now_s: float) -> None:
         """Drop nonces whose orders fall outside the window (those are refused for skew anyway)."""

@@ -30,12 +30,22 @@ from ..router.core import STALLED, NoLiveReplicaError, RouterCore
 from ..router.limits import BatchLimits
 from ..protocol import LimitExceeded, Orders, Report, check_wait_s
 from ..security.secrets import read_keys
+from ..security.nonce_journal import GcsKV
+from ..security.nonce_journal import attach as attach_journal
 from ..security.signing import OrderRefused, OrderVerifier
 
 log = logging.getLogger("ray.serve")
 # A new router's first batch (and one that names a weights version newer than it knows) waits this
 # long after the first replica reports, for the others: twice the longest report interval a fleet is told.
 WEIGHTS_LEARN_WAIT_S = 10.0
+
+
+def _app_name():
+    """The Serve app this router serves; None outside a Serve replica (the class built directly)."""
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 (RayServeException: no replica context)
+        return None
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -64,6 +74,10 @@ class Router:
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
         self.verifier = OrderVerifier(read_keys(sec), sec.max_clock_skew_s, sec.allow_unsigned_control)
+        # ... and remembers the nonces its predecessors accepted (a restart is no replay window)
+        app = _app_name()
+        if app is not None:
+            attach_journal(self.verifier, GcsKV(f"rollout_cluster.nonces.{app}"), int(time.time() * 1000), log.warning)
         self.creds = ReplicaCredentials(self.verifier, self.metrics)
         self.credentials = self.creds.issued  # replica_id -> the credential it reports with
         self._reaper = asyncio.get_running_loop().create_task(self._reap())

@@ -191,12 +191,17 @@ def test_an_update_right_after_a_router_restart_is_numbered_above_the_fleets_ver
     """Regression (review): a restarted router that had not heard its replicas yet numbered an
     update 1 while they held a higher version, so that one version named two sets of weights. It
     refuses weights orders (WeightsNotLearned) until every replica reported, and the driver's
-    update_weights asks again within its timeout."""
+    update_weights asks again within its timeout. An order captured before the restart is refused
+    by the new router as a replay."""
     original = str(ROOT / "models" / "tiny-llama")
     v = client.update_weights(original)
     if v < 2:  # (so that the router's first number, 1, would be a number the fleet knows)
         v = client.update_weights(original)
     old_id = client.status()["router_id"]
+    # An order seen on the wire before the restart (security/nonce_journal.py): replayed to the new
+    # router below, it is refused, as it was by the old one
+    captured = client.router.signer.sign("set_trace", {"on": False})
+    client.router.handle.set_trace.remote(captured).result(timeout_s=60)
     kill_router()
     deadline = time.monotonic() + 300
     while True:  # the driver's call as soon as any router answers, before the replicas pull from it
@@ -208,6 +213,9 @@ def test_an_update_right_after_a_router_restart_is_numbered_above_the_fleets_ver
             time.sleep(0.1)
     st = client.status()
     assert st["router_id"] != old_id and again > v, (again, v)
+    with pytest.raises(Exception, match="replay"):
+        client.router.handle.set_trace.remote(captured).result(timeout_s=60)
+    assert client.status()["control"]["refused"].get("replay") == 1
     assert st["weights"]["version"] == again and set(st["weights"]["replicas"].values()) == {again}
 
 
