@@ -254,3 +254,17 @@ def test_sleep_again_retries_only_the_replicas_that_failed():
     assert sleeps(pull(core, "b", 0.3, level=0, goal=1, error=error)) == [Sleep(1)]
     assert core.sleep_status()["errors"] == {}
     assert sleeps(pull(core, "a", 0.3, level=1)) == []
+
+
+def test_wake_on_a_restarted_router_before_the_sleepers_report_is_not_lost():
+    """A restarted router keeps a sleeping fleet asleep "until a driver calls wake()" (docs/
+    architecture.md, Sleep mode). A driver whose wake() reaches the new router before the sleepers'
+    first reports must still get an awake fleet: the wake is the driver's order, as a submitted
+    batch is (FleetSleep.settle)."""
+    core = RouterCore(make_policy(PolicyConfig(name="pull"), COST), expected_replicas=2)  # fresh: level 0
+    core.wake_fleet()  # the trainer: wake() after its sleep, the router restarted in between
+    for rid in ("a", "b"):
+        out = pull(core, rid, 0.1, level=1, model=ModelInfo(100, 64))  # they were told level 1
+        assert sleeps(out) == [Wake(None, 0)], f"replica {rid} was left asleep after wake()"
+    assert core.sleep_status()["level"] == 0
+    assert batch(core, now=0.2)  # not refused with "the engines are asleep ... call wake()"

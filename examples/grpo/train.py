@@ -59,7 +59,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer")
     p.add_argument("--time-limit-s", type=float, default=None, help="stop stepping once the run is this old")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Values that would run without learning or crash later, refused by name now (GRPO's advantage
+    # is relative to the prompt's group: a group of one gives every sample 0, so the loss is 0)
+    rules = [("--n", args.n >= 2, "at least 2 samples a prompt (the GRPO group)"),
+             ("--steps", args.steps >= 1, "at least 1"), ("--prompts", args.prompts >= 1, "at least 1"),
+             ("--updates", args.updates >= 1, "at least 1"), ("--threads", args.threads >= 1, "at least 1"),
+             ("--finish-fraction", 0 < args.finish_fraction <= 1, "in (0, 1]"),
+             ("--lr", args.lr > 0, "above 0"), ("--warm-lr", args.warm_lr > 0, "above 0"),
+             ("--clip", args.clip > 0, "above 0"), ("--warm-steps", args.warm_steps >= 0, "0 or more"),
+             ("--compare-sync", args.compare_sync >= 0, "0 or more"),
+             ("--min-digits", 1 <= args.min_digits <= args.max_digits, "at least 1 and at most --max-digits")]
+    for flag, ok, rule in rules:
+        if not ok:
+            p.error(f"{flag}={getattr(args, flag[2:].replace('-', '_'))}: must be {rule}")
+    return args
 
 
 def connect(args, cfg):

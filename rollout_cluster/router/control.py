@@ -120,8 +120,8 @@ class FleetControl:
 
     def wake_fleet(self) -> None:
         """Wake every engine (a level-2 sleeper reloads the current weights first)."""
-        if self.sleep.level == 0 and not self.sleep.errors:
-            return
+        if self.sleep.level == 0 and not self.sleep.errors and self.sleep.ordered:
+            return  # (not ordered: a restarted router whose sleepers have not reported; the driver's wake holds)
         self.sleep.set(0)
         for rid in self.fleet.replicas:
             self.order_sleep(rid)
