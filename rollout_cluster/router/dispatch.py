@@ -56,13 +56,14 @@ class Dispatcher:
             self.apply_decision(decision, now)
         orders = self.outbox.take(replica_id)
         orders.work_waiting = len(self.queue) > 0
+        # (each stamp only for the attempt the order names: one of an earlier attempt says nothing of the current)
         for work in orders.start:
             seq = self.seqs.get(work.seq_id)
-            if seq is not None:
+            if seq is not None and seq.attempt == work.attempt:
                 seq.delivered_pull = rep.pulls
-        for seq_id, _ in orders.give_up:
+        for seq_id, attempt in orders.give_up:
             seq = self.seqs.get(seq_id)
-            if seq is not None:
+            if seq is not None and seq.attempt == attempt:
                 seq.give_up_pull = rep.pulls
         return orders
 
