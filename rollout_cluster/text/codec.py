@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from .chat_jinja import chat_environment
+
 # The prompt's last tokens decode() puts before an output (vLLM primes its DecodeStream with the
 # whole prompt; a decoder's choice for the first output token depends on the tokens just before it)
 PROMPT_CONTEXT = 8
@@ -177,12 +179,7 @@ class TextCodec:
         source = self.template_source(chat_template, kwargs.get("tools") is not None)
         template = self._compiled.get(source)
         if template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.globals["raise_exception"] = _raise
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-            template = self._compiled[source] = env.from_string(source)
+            template = self._compiled[source] = chat_environment().from_string(source)
         special = {k: v for k, v in self.special.items() if v is not None}
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                **{"tools": None, "documents": None, **special, **kwargs})
@@ -208,9 +205,3 @@ def _token_text(value) -> Optional[str]:
     if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _raise(message: str):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)

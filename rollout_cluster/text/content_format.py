@@ -14,6 +14,8 @@ from collections import deque
 from functools import lru_cache
 from typing import Iterator, Literal
 
+from .chat_jinja import chat_environment
+
 ContentFormat = Literal["string", "openai"]
 
 
@@ -27,7 +29,7 @@ def content_format(template: str) -> ContentFormat:
     from jinja2 import nodes
 
     try:
-        ast = _environment().parse(template)
+        ast = chat_environment().parse(template)
     except Exception:  # vLLM logs it and keeps the default
         return "string"
     try:
@@ -37,25 +39,6 @@ def content_format(template: str) -> ContentFormat:
     except (_Unreadable, RecursionError):
         return "string"
     return "openai"
-
-
-@lru_cache(maxsize=1)
-def _environment():
-    """Jinja as transformers compiles a chat template (loop controls, and its `{% generation %}`
-    block, whose body is parsed as any other)."""
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body).set_lineno(lineno)
-
-    return ImmutableSandboxedEnvironment(extensions=[Generation, "jinja2.ext.loopcontrols"])
 
 
 def _reads(node, var: str, key, nodes) -> bool:

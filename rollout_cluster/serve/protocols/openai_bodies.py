@@ -161,9 +161,9 @@ class Sampling(BaseModel):
         return truncation_of(self.truncate_prompt_tokens, self.truncation_side, max_model_len, max_output_tokens)
 
     def decoding(self) -> dict:
-        """output_of's decoding flags."""
+        """output_of's decoding flags (and min_tokens, within which no stop string ends a sample)."""
         return {"skip_special_tokens": self.skip_special_tokens,
-                "spaces_between_special_tokens": self.spaces_between_special_tokens}
+                "spaces_between_special_tokens": self.spaces_between_special_tokens, "min_tokens": self.min_tokens}
 
 
 def session_of(request: Request, body: Sampling) -> Optional[str]:

@@ -23,26 +23,31 @@ class Output:
 
 def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bool = False,
               skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-              prompt_ids: Sequence[int] = ()) -> Output:
+              prompt_ids: Sequence[int] = (), min_tokens: int = 0) -> Output:
     """A completion as text, cut at the first stop string (the engines run without detokenizer,
     so stop strings are applied here, on the whole output). `skip_special_tokens` and
     `spaces_between_special_tokens`: vLLM's, as its detokenizer applies them (codec.pieces).
-    `prompt_ids`: the prompt it continues; its text is decoded after the prompt's, as vLLM's is."""
+    `prompt_ids`: the prompt it continues; its text is decoded after the prompt's, as vLLM's is.
+    `min_tokens`: a stop string counts only where it ends past the first min_tokens tokens' text."""
     ids, logprobs = list(c.token_ids), (list(c.logprobs) if c.logprobs is not None else None)
     if ctx.codec is None:
         return Output(ids, logprobs, "", c.finish_reason)
     # vLLM's flag only tells when special tokens are kept: then two in a row join bare
     bare_specials = not skip_special_tokens and not spaces_between_special_tokens
     if stops or bare_specials:
-        # The text a token at a time, then each stop searched once in the whole of it: the first
-        # token whose text completes a stop's first occurrence cuts (ties: the earlier, then the
-        # lesser stop). Searching the text so far after every token cost tokens^2 x stops.
+        # The text a token at a time, then each stop searched once in the whole of it, as vLLM's
+        # detokenizer (check_stop_strings) decides: the first token whose text completes a stop
+        # cuts; of the stops it completes, the one that ends first in the text, then the first in
+        # the request's list. Text that ends within the first min_tokens tokens is not searched
+        # (vLLM's too). Searching the text so far after every token cost tokens^2 x stops.
         pieces = ctx.codec.pieces(ids, skip_special_tokens, spaces_between_special_tokens, prompt_ids)
         ends, text = list(accumulate(map(len, pieces))), "".join(pieces)
-        hits = ((bisect_left(ends, at + len(s)), at, s) for s in stops if s for at in (text.find(s),) if at >= 0)
+        floor = ends[min_tokens - 1] if 0 < min_tokens <= len(ends) else (len(text) + 1 if min_tokens else 0)
+        hits = ((bisect_left(ends, at + len(s)), at + len(s), i, at, s) for i, s in enumerate(stops) if s
+                for at in (text.find(s, max(0, floor - len(s) + 1)),) if at >= 0)
         hit = min(hits, default=None)
         if hit is not None:
-            k, at, s = hit
+            k, _, _, at, s = hit
             return Output(ids[:k + 1], logprobs[:k + 1] if logprobs is not None else None,
                           text[:at + len(s)] if include_stop else text[:at], "stop", s)
         if bare_specials:

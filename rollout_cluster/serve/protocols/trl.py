@@ -126,7 +126,7 @@ async def _read(ctx: ProtocolContext, req) -> tuple:
 
 async def _answer(ctx: ProtocolContext, prompts: list, spec, stops: list, include: bool, field: str) -> JSONResponse:
     requests = await checked_requests(ctx, prompts, spec, field=field)
-    outputs = [output_of(ctx, c, stops, include, prompt_ids=prompts[c.prompt_index])
+    outputs = [output_of(ctx, c, stops, include, prompt_ids=prompts[c.prompt_index], min_tokens=spec.min_tokens)
                for c in await run_batch(ctx, requests)]
     with_logprobs = spec.logprobs is not None
     return answer({"prompt_ids": prompts, "completion_ids": [o.token_ids for o in outputs],
