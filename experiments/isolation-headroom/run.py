@@ -109,7 +109,7 @@ def informed_bound(requests: list, cost, replicas: int, marks: list) -> dict:
             start = iv.steps
         for g in marks:
             if start is not None and iv.steps < start + g <= iv.steps + iv.k:
-                reach[g] = iv.t + fluid_steps_s(cost, replicas, iv.active, iv.context, iv.cmax, start + g - iv.steps)
+                reach[g] = iv.t + fluid_steps_s(cost, replicas, iv.active, iv.context, start + g - iv.steps)
     work = sum(work_s(cost, p, n, not f) for (p, n), f in zip(shape, first)) / replicas
     return {g: max(work, reach[g] + decode_alone_s(cost, prompt + g, length - g)) for g in marks if g in reach}
 

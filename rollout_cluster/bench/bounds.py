@@ -33,8 +33,10 @@ from ..engines.cost_model import CostModel
 
 
 def request_shapes(requests) -> list:
-    """(prompt tokens, true length) per sequence, in submission order."""
-    return [(r.prompt_len, min(r.hidden_length or r.sampling.max_tokens, r.sampling.max_tokens)) for r in requests]
+    """(prompt tokens, true length) per sequence, in submission order: its hidden length (none:
+    max_tokens), at least the one token every sequence makes, as the router runs it."""
+    return [(r.prompt_len, max(1, min(r.sampling.max_tokens if r.hidden_length is None else r.hidden_length,
+                                      r.sampling.max_tokens))) for r in requests]
 
 
 def decode_alone_s(cost: CostModel, prompt: int, length: int) -> float:
@@ -75,24 +77,31 @@ def lower_bound(requests, cost: CostModel, replicas: int) -> dict:
 
 
 def balance_bound(requests, cost: CostModel, replicas: int) -> float:
-    """The fluid, perfectly balanced schedule's makespan.
+    """The fluid, perfectly balanced schedule's makespan, at least each sequence's own floor.
 
     All active sequences decode in lock step. With A active sequences holding C context tokens,
-    each replica runs a batch of A/R holding C/R context, and a step costs
-    a + e*max(1, A/R) + c*max(C/R, Cmax) where Cmax is the largest context of one active sequence:
-    a sequence is indivisible, so the replica of the longest holds at least that sequence. Over an
-    interval of k steps (until the next sequence ends) C grows by A a step and Cmax by one, so
-    the interval costs k*(a + e*max(1, A/R)) + c*max((k*C + A*k(k-1)/2)/R, k*Cmax + k(k-1)/2)
-    (the max of the two sums, which never exceeds the sum of the per-step maxima).
-    At most R*max_num_seqs sequences are active; the rest queue in submission order and start as
-    others end. Admitting a set of sequences costs max(sum of their prompts / R, largest prompt)
-    / rate, counting only the first sequence of each group (a perfect prefix cache: siblings
-    admitted later find the prompt cached). KV capacity is not modelled. The result is at least
-    the lower bound.
+    each replica runs a batch of A/R holding C/R context: a step costs a + e*max(1, A/R) + c*C/R.
+    Over an interval of k steps (until the next sequence ends) C grows by A a step, so the
+    interval costs k*(a + e*max(1, A/R)) + c*(k*C + A*k(k-1)/2)/R. At most R*max_num_seqs
+    sequences are active; the rest queue in submission order and start as others end. Admitting
+    a set of sequences costs the sum of their prompts / R / rate, counting only the first sequence
+    of each group (a perfect prefix cache: siblings admitted later find the prompt cached).
+    A sequence is indivisible: it ends no sooner than its admission plus its time alone (prefill
+    and decode at batch 1), so the makespan is the larger of the fluid schedule's end and every
+    sequence's admission + alone_s. (Charging every replica the largest sequence's context or
+    prompt instead, in lock step, put the bound above placements that only balance: one sequence
+    a replica.) KV capacity is not modelled. The result is at least the lower bound's longest alone.
+    It is a reference for fleets of many sequences a replica, not a bound for a handful: an
+    admission's prefill is charged to everything it admits, in lock step, so one short prompt
+    beside a long one on another replica starts decoding later here than it does alone.
     """
     t = 0.0
+    shape, first = request_shapes(requests), first_of_group(requests)
     for interval in fluid_schedule(requests, cost, replicas):
-        t = interval.t + interval.seconds
+        admitted_t = interval.t - interval.prefill_s
+        t = max(t, interval.t + interval.seconds,
+                *(admitted_t + (cost.prefill_s(shape[i][0]) if first[i] else 0.0) + decode_alone_s(cost, *shape[i])
+                  for i in interval.admitted))
     return t
 
 
@@ -105,19 +114,16 @@ class FluidInterval:
     k: int  # its steps: until the next active sequence ends
     active: int  # sequences decoding through it
     context: int  # their context tokens at its start
-    cmax: int  # the largest context of one of them at its start
-    seconds: float  # its duration: fluid_steps_s(cost, replicas, active, context, cmax, k)
+    seconds: float  # its duration: fluid_steps_s(cost, replicas, active, context, k)
     admitted: tuple  # indices (submission order) of the sequences admitted at its start
+    prefill_s: float = 0.0  # the admission's prefill, just before t (t - prefill_s: when they were admitted)
 
 
-def fluid_steps_s(cost: CostModel, replicas: int, active: int, context: int, cmax: int, k: int) -> float:
+def fluid_steps_s(cost: CostModel, replicas: int, active: int, context: int, k: int) -> float:
     """Seconds of the first k steps of a fluid interval: `active` sequences holding `context`
-    tokens (the largest `cmax`) at its start, spread evenly over the replicas (see `balance_bound`)."""
+    tokens at its start, spread evenly over the replicas (see `balance_bound`)."""
     r = float(replicas)
-    tri = k * (k - 1) / 2
-    even = (k * context + active * tri) / r
-    own = k * cmax + tri
-    return k * (cost.a + cost.e * max(1.0, active / r)) + cost.c * max(even, own)
+    return k * (cost.a + cost.e * max(1.0, active / r)) + cost.c * (k * context + active * k * (k - 1) / 2) / r
 
 
 def fluid_schedule(requests, cost: CostModel, replicas: int):
@@ -132,42 +138,34 @@ def fluid_schedule(requests, cost: CostModel, replicas: int):
     slots = replicas * cost.max_num_seqs
     queue = deque(range(len(shape)))
     ends: list = []  # (end step, index) of active sequences
-    ctx_keys: list = []  # (-(prompt - start step), index): the largest active context is steps - key
-    done = [False] * len(shape)
     t, steps, active, context = 0.0, 0, 0, 0
 
     def admit() -> tuple:
         """Queued sequences into free slots: (their indices, the seconds to prefill them)."""
         nonlocal active, context
-        admitted, tokens, biggest = [], 0, 0
+        admitted, tokens = [], 0
         while queue and active < slots:
             i = queue.popleft()
             p, n = shape[i]
             heapq.heappush(ends, (steps + n, i))
-            heapq.heappush(ctx_keys, (-(p - steps), i))
             admitted.append(i)
             active += 1
             context += p
             if first[i]:
                 tokens += p
-                biggest = max(biggest, p)
-        return tuple(admitted), max(tokens / r, biggest) / cost.prefill_tokens_per_s
+        return tuple(admitted), tokens / r / cost.prefill_tokens_per_s
 
     admitted, prefill = admit()
     t += prefill
     while active:
-        while done[ctx_keys[0][1]]:
-            heapq.heappop(ctx_keys)
-        cmax = steps - ctx_keys[0][0]
         k = ends[0][0] - steps
-        seconds = fluid_steps_s(cost, replicas, active, context, cmax, k)
-        yield FluidInterval(t, steps, k, active, context, cmax, seconds, admitted)
+        seconds = fluid_steps_s(cost, replicas, active, context, k)
+        yield FluidInterval(t, steps, k, active, context, seconds, admitted, prefill)
         t += seconds
         steps += k
         context += active * k
         while ends and ends[0][0] == steps:
             _, i = heapq.heappop(ends)
-            done[i] = True
             active -= 1
             context -= shape[i][0] + shape[i][1]
         admitted, prefill = admit()

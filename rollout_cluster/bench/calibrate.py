@@ -26,6 +26,7 @@ from pathlib import Path
 from ..engines.cost_model import CostModel
 from ..protocol import SamplingSpec, Work
 from .flags import FlagError
+from .repeats import median
 
 
 def parse_ints(text: str, flag: str) -> list:
@@ -117,7 +118,7 @@ def profile_from_samples(samples: list, base: CostModel, name: str) -> tuple:
     (a, c, e), rel = fit_step(rows, steps)
     model = replace(base, name=name, a=max(a, 1e-6), c=c, e=e,
                     source=f"fit of {len(rows)} step-time reports of a live cluster; prefill and KV from {base.name}")
-    return model, {"samples": len(rows), "median_rel_error": float(sorted(rel)[len(rel) // 2]),
+    return model, {"samples": len(rows), "median_rel_error": float(median(list(rel))),
                    "mean_rel_error": float(rel.mean())}
 
 
@@ -240,6 +241,9 @@ def calibrate(args) -> CostModel:
     if need > cfg.engine.max_model_len:
         raise FlagError(f"--contexts up to {max(contexts)} + {args.decode_tokens} tokens exceed "
                         f"engine.max_model_len={cfg.engine.max_model_len}")
+    for flag, value in (("--decode-tokens", args.decode_tokens), ("--repeats", getattr(args, "repeats", 1))):
+        if value < 1:  # (else a division by zero or an empty min, after the engines started)
+            raise FlagError(f"{flag}={value}: must be >= 1")
     if getattr(args, "engines", 1) < 1:
         raise FlagError(f"--engines={args.engines}: must be >= 1")
     if max(batches) > cfg.engine.max_num_seqs:

@@ -75,6 +75,11 @@ def cluster_config(args):
 
 def sim_setup(args) -> tuple:
     """(config or None, cost model) for a simulator run; --replicas defaults to the config's, else 32."""
+    pull, slow = getattr(args, "pull_interval", 0.5), getattr(args, "host_slowdown", 0.0)
+    if not 0 < pull < float("inf"):  # (0 never advances the simulator's clock: it would spin)
+        raise FlagError(f"--pull-interval={pull!r}: must be > 0 seconds of virtual time")
+    if not 0 <= slow < float("inf"):
+        raise FlagError(f"--host-slowdown={slow!r}: must be >= 0")
     cfg = cluster_config(args)
     if args.replicas is None:
         args.replicas = cfg.replicas if cfg else SIM_REPLICAS

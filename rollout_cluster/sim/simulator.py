@@ -65,8 +65,11 @@ class Simulation:
         # each other: a replica's steps take (1 + host_slowdown * share of the others busy) as long.
         # 0 for replicas on separate GPUs. Replicas advance a pull interval at a time, so a change
         # of the others' state takes effect within one interval.
-        if host_slowdown < 0:
+        if not host_slowdown >= 0:
             raise ValueError(f"host_slowdown={host_slowdown!r}: must be >= 0")
+        # (an idle replica pulls again a pull interval later: 0 would never advance virtual time)
+        if not 0 < pull_interval_s < float("inf"):
+            raise ValueError(f"pull_interval_s={pull_interval_s!r}: must be > 0 and finite")
         self.host_slowdown = host_slowdown
         self.slowdown = {rid: 1.0 for rid in self.engines}
         self.last_pull = {rid: 0.0 for rid in self.engines}
