@@ -18,6 +18,10 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
     say) yields one request carrying the error, so it comes back as one error completion.
     A `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens.
     `sessions`: one multi-turn session id (or None) per prompt, for session affinity."""
+    if not isinstance(sampling, SamplingSpec) and (isinstance(sampling, (str, bytes)) or not hasattr(sampling, "__len__")):
+        raise InputError("sampling", sampling, "must be a SamplingSpec, or a list of them, one per prompt")
+    if sessions is not None and not isinstance(sessions, str) and not hasattr(sessions, "__len__"):
+        raise InputError("sessions", sessions, "must be a list of session ids (or None), one per prompt")
     specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
     if len(specs) != len(prompts):
         raise InputError("sampling", f"<{len(specs)} specs>", f"needs one spec per prompt ({len(prompts)})")

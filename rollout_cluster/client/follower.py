@@ -98,7 +98,8 @@ class BatchCut:
         check_finish_fraction(fraction, by)
         self.left = Counter(r.prompt_index for r in requests) if by == "group" else None  # prompt -> samples due
         units = len(requests) if self.left is None else len(self.left)
-        self.at = None if fraction is None else max(1, math.ceil(fraction * units))
+        # (rounded first: 0.55 * 100 is 55.00000000000001 in floating point, and ceil made it 56)
+        self.at = None if fraction is None else max(1, math.ceil(round(fraction * units, 9)))
         self.done = 0  # samples, or groups, received whole
 
     def received(self, request) -> None:
@@ -189,6 +190,7 @@ class BatchFollower:
             self.t0 = now
         self.offset_s = now - self.t0 if self.batch_id else 0.0
         self.batch_id, self.cursor, self.lost = answer["batch_id"], 0, None
+        self.gone_since = None  # (a router answered: a later death is timed from its own start)
         self.cut = False  # a resubmission past the cut is cut again after its first fetch
         if self.weights_version is None:
             self.weights_version = answer["weights_version"]
@@ -226,6 +228,7 @@ class BatchFollower:
         if self.done:
             return
         if isinstance(error, BatchLostError):
+            self.gone_since = None  # (a new router answered)
             self.pending = self._resubmission(error)
         elif not router_gone:
             self.pending = Fail(error)

@@ -70,6 +70,9 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     spec = SamplingSpec(**kw)
     spec.validate()
     extra = {k: obj.get(k) for k in RESUME_FIELDS}
+    if extra["output_token_ids"] == [] and extra["output_logprobs"] in ([], None):
+        # an "abort" line cut before its first token: it starts afresh (as a Partial of none does)
+        extra["output_token_ids"] = extra["output_logprobs"] = None
     extra["session"] = obj.get("session")
     if extra["output_token_ids"] is not None and spec.n != 1:
         raise InputError("n", spec.n, "must be 1 on a line that resumes output_token_ids: it is one sample")
