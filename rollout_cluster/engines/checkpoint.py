@@ -194,8 +194,12 @@ def _safetensors_short(f: Path) -> Optional[str]:
             header = json.loads(fh.read(n))
     except (OSError, ValueError) as e:
         return f"unreadable safetensors header ({e})"
+    if not isinstance(header, dict):
+        return f"unreadable safetensors header (a JSON {type(header).__name__}, not an object)"
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
             and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+    if not all(type(e) is int and e >= 0 for e in ends):
+        return "unreadable safetensors header (a tensor's data_offsets are not byte counts)"
     expected = 8 + n + max(ends, default=0)
     if size != expected:
         return f"{'truncated' if size < expected else 'too long'}: its header declares {expected} bytes, found {size}"

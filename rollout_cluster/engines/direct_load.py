@@ -152,7 +152,9 @@ class DirectLoad:
         Returns the layers that got no element (their old weights stay)."""
         from vllm.model_executor.model_loader.reload.sanitize import sanitize_layer_refs
 
-        for tensor, had, original in self.wrapped:
+        # in reverse: a tensor two layers share (tied embeddings) was wrapped twice, the second
+        # wrapper around the first; forwards, the first wrapper stayed on it and nested at every load
+        for tensor, had, original in reversed(self.wrapped):
             if had:
                 tensor.weight_loader = original
             else:

@@ -18,6 +18,7 @@ The swap costs one more copy of the weights in the worker's memory until it is a
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 from ..transfer.buckets import is_manifest
@@ -95,7 +96,7 @@ async def swap_into(engine, buckets, spec: dict | None, fence=None, handed: dict
                     raise ValueError("running='keep' cannot take a push by CUDA IPC (the swap stages copies while "
                                      "the engine runs on): push with running='finish' or transport='object_store'")
                 check.bucket(bucket)
-                header, path = await asyncio.to_thread(write_bucket, bucket)
+                header, path = await _write_in_thread(bucket)
                 try:
                     await engine.collective_rpc("rc_swap_stage", args=(header, path))
                     handed["file"] += 1
@@ -141,3 +142,21 @@ def checkpoint_buckets(path: str, bucket_bytes: int = 256 << 20):
                 size += t.numel() * t.element_size()
     if bucket:
         yield bucket
+
+
+async def _write_in_thread(bucket) -> tuple:
+    """write_bucket in a thread; a swap cancelled meanwhile deletes the file the thread still
+    makes (else up to a bucket of RAM stayed in /dev/shm)."""
+    job = asyncio.ensure_future(asyncio.to_thread(write_bucket, bucket))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(lambda j: j.cancelled() or j.exception() or _unlink(j.result()[1]))
+        raise
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -277,7 +277,11 @@ async def _send(engine, staged: tuple, handed: dict, slots=None, views=None) -> 
 
 
 async def _end(engine, broken, slots=None, views=None) -> list:
-    """rc_tensors_end on every worker: the parameters that got no tensor (any worker's)."""
+    """rc_tensors_end on every worker: the parameters that got no tensor (any worker's). The
+    workers keep the maps of the engine's pooled slots: a load by bytes or file used none (`slots`
+    None), and unmapping them all broke the next load by shm."""
+    if slots is None:
+        slots = _SLOTS.get(engine)
     try:
         per_worker = await engine.collective_rpc("rc_tensors_end", args=(slots.ids() if slots else [],
                                                                          views.end_load() if views else None))
