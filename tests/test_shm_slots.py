@@ -161,3 +161,46 @@ def test_a_slot_the_worker_never_mapped_leaves_no_file_when_the_load_fails():
     assert not slot_files()  # the process may end now (a broken engine restarts): nothing left behind
     slots = weight_loader._SLOTS[eng]
     assert not slots.used and all(s.shared for s in slots.free)
+
+
+def test_the_pool_stays_whole_while_staging_threads_take_and_the_loop_gives(tmp_path):
+    """take() runs in staging threads while give() runs on the event loop (and two takes overlap
+    when a bucket falls back to a slot while the next is staged): under one lock no slot is handed
+    out twice, none lost, and the pool keeps its bound."""
+    import random
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (thread switches as often as CPython allows: races show)
+    try:
+        slots = shm_slots.Slots(str(tmp_path))
+        held, errors, lock = [], [], threading.Lock()
+
+        def worker(seed):
+            rng = random.Random(seed)
+            try:
+                for _ in range(300):
+                    slot = slots.take(rng.choice((64, 128, 256, 512)))
+                    slot.worker_has_it()
+                    with lock:
+                        assert slot not in held, "a slot handed out twice"
+                        held.append(slot)
+                    with lock:
+                        held.remove(slot)
+                    slots.give(slot, ok=rng.random() > 0.05)
+            except Exception as e:  # noqa: BLE001 (the test reports it)
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert not slots.used and len(slots.free) <= shm_slots.MAX_FREE
+    assert len({s.id for s in slots.free}) == len(slots.free) and all(s.buf is not None for s in slots.free)
+    slots.close()
+    assert os.listdir(tmp_path) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import uuid
 
 MAX_FREE = 2  # slots kept beyond the ones in use (a bucket larger than each makes a new one)
@@ -71,34 +72,43 @@ class Slots:
         self.directory = directory
         self.free: list[Slot] = []  # slots no load uses now
         self.used: dict[str, Slot] = {}  # id -> slot being written or loaded
+        # take() runs in staging threads, give() on the event loop: the pool changes under one lock
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> Slot:
-        fits = sorted((s for s in self.free if s.nbytes >= nbytes), key=lambda s: s.nbytes)
-        if fits:
-            slot = fits[0]
-            self.free.remove(slot)
-        else:
-            slot = Slot(max(nbytes, 1), self.directory)
-        self.used[slot.id] = slot
+        with self._lock:
+            fits = sorted((s for s in self.free if s.nbytes >= nbytes), key=lambda s: s.nbytes)
+            slot = fits[0] if fits else None
+            if slot is not None:
+                self.free.remove(slot)
+        if slot is None:
+            slot = Slot(max(nbytes, 1), self.directory)  # (a new file: made outside the lock)
+        with self._lock:
+            self.used[slot.id] = slot
         return slot
 
     def give(self, slot: Slot, ok: bool) -> None:
         """Back to the pool after the worker loaded it; after a failure it is dropped, and so is
         one the worker never mapped (a load that failed before sending it): its file is still in
         /dev/shm, and a pool nobody closes (a broken engine's replica restarts) would leave it."""
-        self.used.pop(slot.id, None)
-        if not ok or not slot.shared:
-            slot.close()
-            return
-        self.free.append(slot)
-        while len(self.free) > MAX_FREE:
-            small = min(self.free, key=lambda s: s.nbytes)
-            self.free.remove(small)
-            small.close()
+        evicted = []
+        with self._lock:
+            self.used.pop(slot.id, None)
+            if ok and slot.shared:
+                self.free.append(slot)
+                while len(self.free) > MAX_FREE:
+                    small = min(self.free, key=lambda s: s.nbytes)
+                    self.free.remove(small)
+                    evicted.append(small)
+            else:
+                evicted.append(slot)
+        for s in evicted:
+            s.close()
 
     def ids(self) -> list:
         """The slots the worker may keep mapped."""
-        return [s.id for s in self.free] + list(self.used)
+        with self._lock:
+            return [s.id for s in self.free] + list(self.used)
 
     def close(self) -> None:
         for s in self.free + list(self.used.values()):
