@@ -208,7 +208,8 @@ class SecurityConfig(Section):
     process reads them there (security/secrets.py)."""
 
     token_file: str = Field("", description=(
-        "file holding the bearer token every HTTP route but /healthz asks for (a mounted Secret)"))
+        "file holding the bearer token every HTTP route but the liveness ones (/healthz, /health, /health/) asks "
+        "for (a mounted Secret)"))
     token_env: str = Field("ROLLOUT_TOKEN", description="environment variable holding the token when token_file is empty")
     allow_unauthenticated: bool = Field(False, description=(
         "true: serve HTTP without a token when none is configured (else the app refuses to start)"))
