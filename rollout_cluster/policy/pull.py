@@ -27,11 +27,13 @@ def take_for(view: ClusterView, replica_id: str, limit: int, homes: bool = True)
         take_homed(view, replica_id, out)
     if limit <= len(out):
         return out
-    for seq in q.continuations.values():
-        out.append(seq)
-        if len(out) >= limit:
-            return out
     skip = _skipped(view, replica_id, out) if homes else set()
+    for seq in q.continuations.values():
+        if seq.seq_id not in skip:
+            out.append(seq)
+            skip.add(seq.seq_id)
+            if len(out) >= limit:
+                return out
     rep = view.replicas[replica_id]
     if q.fresh and rep.seqs:
         for group in dict.fromkeys(s.group for s in rep.seqs.values()):  # (in order: a set's follows PYTHONHASHSEED)
@@ -58,8 +60,8 @@ def take_homed(view: ClusterView, replica_id: str, out: list) -> None:
 
 
 def _skipped(view: ClusterView, replica_id: str, out: list) -> set:
-    """Fresh seq ids the puller must not take: its session turns already in `out`, and turns kept
-    for their session's home. (Empty without sessions: then no fresh work is skipped.)"""
+    """Queued seq ids the puller must not take: its session turns already in `out`, and turns kept
+    for their session's home. (Empty without sessions: then no work is skipped.)"""
     skip = {s.seq_id for s in out if s.home is not None}
     if view.queue.homed:
         skip |= view.queue.kept_for_homes(view.replicas, replica_id)
@@ -79,7 +81,8 @@ def take_spread(view: ClusterView, replica_id: str, limit: int, chunk: int = 1) 
     # batch that resumes partial rollouts starts with hundreds of them, all long, which the first
     # replica to pull would otherwise take; requeued work alone is taken up to the limit, as before.
     share = -(-limit * len(q.continuations) // max(1, len(q.continuations) + len(q.fresh)))
-    for seq in islice(q.continuations.values(), share):
+    skip = _skipped(view, replica_id, out)
+    for seq in islice((s for s in q.continuations.values() if s.seq_id not in skip), share):
         if len(out) >= limit:
             return out
         out.append(seq)

@@ -156,11 +156,12 @@ class Batches:
         cancelled_s = min(idle_s, CANCELLED_UNFETCHED_S)
         return [bid for bid, b in self.live.items() if now - b.fetched_t > (cancelled_s if b.cancelled else idle_s)]
 
-    def drop(self, batch_id: str, now: float) -> None:
-        """Forget an abandoned batch, remembering why for a late fetch (after its cancel)."""
+    def drop(self, batch_id: str, now: float, idle_s: float) -> None:
+        """Forget a batch abandoned after `idle_s` (router.abandoned_batch_s), remembering why for
+        a late fetch (after its cancel), with the wait that applied to it."""
         batch = self.live.pop(batch_id)
-        limit = (f"cancelled, and {CANCELLED_UNFETCHED_S:.0f} s is the wait for a cancelled batch" if batch.cancelled
-                 else "router.abandoned_batch_s")
+        limit = (f"cancelled, and {CANCELLED_UNFETCHED_S:.0f} s is the wait for a cancelled batch"
+                 if batch.cancelled and CANCELLED_UNFETCHED_S < idle_s else f"router.abandoned_batch_s={idle_s:g}")
         self.dropped[batch_id] = (f"dropped {now - batch.submitted_t:.0f} s after submission: no fetch for "
                                   f"{now - batch.fetched_t:.0f} s ({limit}); {len(batch.order)} of {batch.size} "
                                   "sequences had finished")

@@ -58,7 +58,7 @@ class BatchIntake:
         passes check_request is runnable: its state builds without another check)."""
         self._refuse_batch(weights_version)
         self._refuse_malformed(requests, batch_id, previous_ids)
-        self.limits.check_batch(len(requests), len(self.seqs))
+        self.limits.check_batch(len(requests), self._live(len(requests)))
         errors = [self._validate(req) for req in requests]
         self.weights.learning = False  # this batch runs on the version known now, and awake
         self.sleep.settle()
@@ -125,6 +125,15 @@ class BatchIntake:
             return f"invalid request: {type(e).__name__}: {shown(str(e))}"
         return None
 
+    def _live(self, size: int) -> int:
+        """The live sequences a new batch of `size` counts against limits.max_live_sequences: a
+        cancelled one no longer does, though its replica has not confirmed the give-up yet (counted
+        only when the limit is near: a pass over every live sequence)."""
+        live, cap = len(self.seqs), self.limits.max_live_sequences
+        if cap is not None and live + size > cap:
+            live -= sum(1 for s in self.seqs.values() if s.cancelled)
+        return live
+
     def cancel(self, batch_id: str, now: float) -> int:
         """Stop a batch (the driver timed out or gave up): queued sequences finish as "abort"
         at once, running ones when their replica confirms the give-up. Returns how many."""
@@ -146,7 +155,7 @@ class BatchIntake:
         start, and its tokens leave the router's memory. Returns the dropped ids."""
         gone = self.batches.abandoned(now, idle_s)
         for bid in gone:
-            self.batches.drop(bid, now)  # (its reason, from the state before the cancel)
+            self.batches.drop(bid, now, idle_s)  # (its reason, from the state before the cancel)
             self.cancel(bid, now)
             self.metrics.batches_abandoned(1)
         return gone

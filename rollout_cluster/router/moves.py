@@ -171,10 +171,14 @@ class SeqMoves:
                           seq.replicas, list(seq.migrations), seq.batch_id, seq.index,
                           now - seq.submitted_t, version, seq.resumed, list(seq.weight_versions))
         self.seqs.pop(seq.seq_id, None)
-        if reason != "error":
+        # A length is evidence for the policies only where the sequence ended by itself: one cut off
+        # ("abort": cancelled, a batch cut at its finish fraction) is shorter than it would have been
+        natural = reason in ("stop", "length")
+        if natural:
             append_bounded(self.finished_lengths, seq.generated, FINISHED_LENGTHS_KEPT)
+        if reason != "error":
             self.sessions.record(req.session, replica_id)  # its context is cached there now
-        self.batches.group_finished(seq.group, seq.generated, counts_length=reason != "error")
+        self.batches.group_finished(seq.group, seq.generated, counts_length=natural)
         self.metrics.finished(replica_id or "-", reason)
         self.finished_count += 1
         self.batches.record(seq.batch_id, seq.index, done)

@@ -150,7 +150,8 @@ class WorkQueue:
         self.continuations: "OrderedDict[str, SeqState]" = OrderedDict()
         self.reserved: "dict[str, OrderedDict[str, SeqState]]" = {}
         self.fresh_by_group: "dict[tuple, OrderedDict[str, SeqState]]" = {}
-        # fresh sequences by their session's home replica (sessions.py): it has first claim on them
+        # session turns by their home replica (sessions.py), which has first claim on them: fresh
+        # ones, and partial rollouts resumed in a new batch (continuations not yet run here)
         self.homed: "dict[str, OrderedDict[str, SeqState]]" = {}
         self._reserved_for: "dict[str, str]" = {}  # seq_id -> the replica whose lane holds it
 
@@ -164,6 +165,8 @@ class WorkQueue:
             self._reserved_for[seq.seq_id] = reserved_for
         elif seq.generated > 0 or seq.attempt > 0:
             self.continuations[seq.seq_id] = seq
+            if seq.home is not None and seq.attempt == 0:  # (a migrated one is not pulled back home)
+                self.homed.setdefault(seq.home, OrderedDict())[seq.seq_id] = seq
         else:
             self.fresh[seq.seq_id] = seq
             self.fresh_by_group.setdefault(seq.group, OrderedDict())[seq.seq_id] = seq
@@ -178,14 +181,10 @@ class WorkQueue:
                 g.pop(sid, None)
                 if not g:
                     del self.fresh_by_group[seq.group]
-            if seq.home is not None:
-                lane = self.homed.get(seq.home)
-                if lane is not None:
-                    lane.pop(sid, None)
-                    if not lane:
-                        del self.homed[seq.home]
+            self._unhome(seq)
             return
         if self.continuations.pop(sid, None) is not None:
+            self._unhome(seq)
             return
         rid = self._reserved_for.pop(sid, None)
         if rid is not None:
@@ -194,6 +193,14 @@ class WorkQueue:
             if not lane:
                 del self.reserved[rid]
 
+    def _unhome(self, seq: SeqState) -> None:
+        if seq.home is not None:
+            lane = self.homed.get(seq.home)
+            if lane is not None:
+                lane.pop(seq.seq_id, None)
+                if not lane:
+                    del self.homed[seq.home]
+
     def release_reserved(self, replica_id: str) -> None:
         """The destination is gone: its reserved continuations go back to the shared lane."""
         for seq in self.reserved.pop(replica_id, {}).values():
@@ -201,8 +208,8 @@ class WorkQueue:
             self.continuations[seq.seq_id] = seq
 
     def kept_for_homes(self, replicas: dict, puller: str) -> set:
-        """Seq ids of fresh work other replicas than `puller` leave to its home: as many of each
-        live home's sequences as it has free slots (it takes them at its next pull)."""
+        """Seq ids of session turns other replicas than `puller` leave to their home: as many of
+        each live home's turns as it has free slots (it takes them at its next pull)."""
         kept = set()
         for rid, lane in self.homed.items():
             rep = replicas.get(rid)
