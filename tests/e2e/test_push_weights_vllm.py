@@ -8,6 +8,7 @@ worker got the buckets: on Linux every push between batches is read where it lie
 store (no silent fallback to /dev/shm slots), a keep swap stages files."""
 import json
 import subprocess
+import time
 
 import pytest
 import torch
@@ -351,6 +352,27 @@ def test_a_streamed_push_whose_trainer_dies_is_aborted_by_the_router_within_seco
     assert greedy(client)[0] == held.base
 
 
+def killed(lease) -> None:
+    """ray.kill the lease and wait until Ray says it died: the kill is sent, not done, when ray.kill
+    returns, and a ping right after it may still be answered (what CI saw, under load). A lease
+    found dead is what the trainer meets after Ray's memory monitor killed it, seconds before."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    ray.kill(lease)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(lease.alive.remote(), timeout=10)
+        except GetTimeoutError:
+            pass
+        except RayActorError as e:
+            if "unavailable" not in type(e).__name__.lower():
+                return
+        assert time.monotonic() < deadline, "a killed lease still answers after 60 s"
+        time.sleep(0.1)
+
+
 def test_a_lease_killed_while_its_trainer_lives_is_replaced_and_the_push_goes_on(client):
     """The trainer's lease dies while the trainer lives (Ray's memory monitor, a ray.kill): the next
     push pings it first, makes a new one, and its streamed push is not aborted as a dead trainer's."""
@@ -362,10 +384,10 @@ def test_a_lease_killed_while_its_trainer_lives_is_replaced_and_the_push_goes_on
     lease = lease_of_this_process()
     assert ray.get(lease.alive.remote(), timeout=120) is True
     assert lease_of_this_process() is lease  # (alive: kept)
-    ray.kill(lease)
+    killed(lease)
     new = lease_of_this_process()
     assert new is not None and new is not lease and ray.get(new.alive.remote(), timeout=120) is True
-    ray.kill(new)  # (the push itself replaces it now)
+    killed(new)  # (the push itself replaces it now)
     before = client.status()["weights"]["aborted"]
     v = client.push_weights(state_dict(original).items(), bucket_bytes=1 << 19)  # 7 buckets, streamed
     st = client.status()["weights"]
