@@ -491,6 +491,10 @@ def test_a_refused_update_weights_takes_the_trainers_broadcast_so_the_trainer_he
     assert error is None  # the trainer's broadcast completed
     assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == ["body", "update_info.names[1]"]
     assert "model.lora_A.weight" in answer.json()["detail"][0]["msg"]
+    # the refused update is failed whole (TRL's weight_update() block finishes it all the same)
+    failed = http.post("/finish_weight_update", headers=AUTH, json={})
+    assert failed.status_code != 200 and "model.lora_A.weight" in failed.text, failed.text
+    assert http.post("/start_weight_update", headers=AUTH, json={}).status_code == 200
     new = {"w.weight": torch.randn(2, 3), "b.bias": torch.randn(4)}
     answer, error = update(new)  # the group still lines up: the next update arrives whole
     assert error is None and answer.status_code == 200, answer.text

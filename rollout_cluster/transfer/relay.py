@@ -196,9 +196,14 @@ class WeightRelay:
     def receive_packed(self, info: dict) -> None:
         """/update_weights: the announced tensors, in packed chunks (or one at a time). A refused
         announcement whose sizes are known is received all the same and dropped (`_drain`); a
-        receive that fails leaves this update failed (`update_failed`), its tensors dropped."""
+        receive that fails, or a refusal, leaves this update failed (`update_failed`), its tensors
+        dropped: /finish_weight_update answers the failure, and commits none of the update."""
         self._expect("vllm")
-        names, metas, packed = self._announcement(info)
+        try:
+            names, metas, packed = self._announcement(info)
+        except RelayError as refusal:
+            self._fail_update(refusal)
+            raise
         announced = (tuple(names), tuple((tuple(s), d) for s, d in metas), packed)
         if announced == self.last_packed and all(n in self.staged for n in names):
             return  # the last request of this update, retried: its tensors arrived already
@@ -209,7 +214,9 @@ class WeightRelay:
                 self.bounds.tensor(name, shape, dtype, f"update_info.names[{i}]", f"update_info.shapes[{i}]")
             self._check_update_bytes("update_info.names", dict(zip(names, sizes)))
         except RelayError as refusal:
-            raise self._drain(metas, sizes, packed, refusal) from None
+            drained = self._drain(metas, sizes, packed, refusal)
+            self._fail_update(refusal)
+            raise drained from None
         try:
             for i, tensor in self._receive(metas, sizes, packed):
                 self.staged[names[i]] = tensor
@@ -220,6 +227,12 @@ class WeightRelay:
             self._drop(f"this update failed: {self.update_failed}")
             raise
         self.last_packed = announced
+
+    def _fail_update(self, refusal: "RelayError") -> None:
+        """A refused /update_weights fails its whole update (TRL's weight_update() block finishes it
+        all the same): a half update is never committed."""
+        self.update_failed = f"/update_weights refused: {refusal}"
+        self._drop(f"this update failed: {self.update_failed}")
 
     def _announcement(self, info) -> tuple:
         """(names, [(shape, torch dtype)], packed) of an /update_weights body, checked for form

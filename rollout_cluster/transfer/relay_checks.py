@@ -68,11 +68,12 @@ def check_bool(field: str, value) -> bool:
     return value
 
 
-def check_address(host, port) -> None:
+def check_address(host, port, host_field: str = "host", port_field: str = "port") -> None:
+    """The trainer's rendezvous address, refused naming the request's own fields."""
     if not isinstance(host, str) or not host:
-        raise RelayError("host", f"{host!r}: must be a host name or address")
+        raise RelayError(host_field, f"{host!r}: must be a host name or address")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise RelayError("port", f"{port!r}: must be a TCP port")
+        raise RelayError(port_field, f"{port!r}: must be a TCP port")
 
 
 def check_init_info(info) -> Wire:
@@ -83,6 +84,7 @@ def check_init_info(info) -> Wire:
     for key in ("master_address", "master_port", "rank_offset", "world_size"):
         if key not in info:
             raise RelayError(f"init_info.{key}", "missing (the relay joins by TCP rendezvous)")
+    check_address(info["master_address"], info["master_port"], "init_info.master_address", "init_info.master_port")
     for key in ("rank_offset", "world_size"):
         check_integer(f"init_info.{key}", info[key])
     if info["world_size"] != 2 or info["rank_offset"] != 1:
