@@ -105,3 +105,16 @@ def test_sessions_that_are_no_list_are_refused_naming_the_field():
     for bad in (7, (s for s in ["agent-1"])):
         with pytest.raises(InputError, match=r"^sessions="):
             expand([[1, 2]], SamplingSpec(max_tokens=4), sessions=bad)
+
+
+def test_a_resumed_jsonl_line_is_seeded_as_the_sample_it_was():
+    """A seeded group's cut samples resumed from JSONL were all seeded seed + 0 (a line is one
+    sample, its index 0): the line takes the output's sample_index, as a Partial does."""
+    base = {"prompt_token_ids": [1, 2, 3], "max_tokens": 8, "seed": 100}
+    lines = [json.dumps({**base, "output_token_ids": [4, 5], "sample_index": j}) for j in (0, 3, 7)]
+    reqs, errors = read_requests(lines)[:2]
+    assert not errors and [r.sampling.seed for r in reqs] == [100, 103, 107]
+    bad = [json.dumps({**base, "sample_index": -1}), json.dumps({**base, "n": 2, "sample_index": 1}),
+           json.dumps({**base, "sample_index": True})]
+    _, errors = read_requests(bad)[:2]
+    assert len(errors) == 3 and all(e.startswith("sample_index=") for e in errors.values()), errors

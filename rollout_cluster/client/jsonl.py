@@ -9,7 +9,8 @@ logprobs are asked for) are the tokens an earlier batch cut off; such a line is 
 Output, one line per (line, sample) in input order: {"prompt_index",
 "sample_index", "token_ids", "logprobs", "finish_reason", "error", "replicas", "migrations",
 "finish_time_s", "weights_version", "resumed_tokens", "weight_versions"}; an output line with finish_reason "abort"
-(`--finish-fraction`) resumes as an input line with its token_ids and logprobs as the output_ fields. The app's HTTP route POST /<app>/generate takes and returns the same.
+(`--finish-fraction`) resumes as an input line with its token_ids and logprobs as the output_ fields,
+and its sample_index (so that a seeded sample keeps its own seed). The app's HTTP route POST /<app>/generate takes and returns the same.
 A bad line yields one output line with finish_reason "error" naming the field and the value
 (`temperature=-1: must be a finite number >= 0`, or `line 3=...` when it is no JSON object); the
 rest still run. Refused besides a wrong value: a field given twice, an unknown field, true or false
@@ -28,12 +29,13 @@ from typing import Optional
 
 from ..parsing import DuplicateKeyError, NestingError, load_json, shown
 from ..config.models import LimitsConfig
-from ..protocol import Completion, InputError, LimitExceeded, SamplingSpec, SequenceRequest
+from ..protocol import Completion, InputError, LimitExceeded, SamplingSpec, SequenceRequest, is_int64
 from ..validation import check_prompt, check_request
 
 SPEC_FIELDS = {f.name for f in fields(SamplingSpec)}
 RESUME_FIELDS = ("output_token_ids", "output_logprobs")
-LINE_FIELDS = {"prompt_token_ids", "session"} | SPEC_FIELDS | set(RESUME_FIELDS)
+# "sample_index" on a line of one sample (one that resumes, say): seeded as that sample (seed + index)
+LINE_FIELDS = {"prompt_token_ids", "session", "sample_index"} | SPEC_FIELDS | set(RESUME_FIELDS)
 
 
 def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
@@ -61,7 +63,7 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     check_prompt(ids)
     kw = dict(defaults or {})
     kw.update((k, v) for k, v in obj.items() if k in SPEC_FIELDS and v is not None or k in ("logprobs", "seed"))
-    for k in ("prompt_token_ids", "session") + RESUME_FIELDS:
+    for k in ("prompt_token_ids", "session", "sample_index") + RESUME_FIELDS:
         kw.pop(k, None)
     if "stop_token_ids" in kw:
         if not isinstance(kw["stop_token_ids"], list):
@@ -76,6 +78,13 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
     extra["session"] = obj.get("session")
     if extra["output_token_ids"] is not None and spec.n != 1:
         raise InputError("n", spec.n, "must be 1 on a line that resumes output_token_ids: it is one sample")
+    sample = obj.get("sample_index")
+    if sample is not None:
+        if not is_int64(sample) or sample < 0:
+            raise InputError("sample_index", sample, "must be an integer >= 0")
+        if spec.n != 1:
+            raise InputError("sample_index", sample, f"names one sample: the line's n must be 1, not {spec.n}")
+        spec = spec.for_sample(sample)  # seeded as the sample it resumes
     check_request(SequenceRequest(ids, spec, index, 0, **extra))  # the resumed output and session, before the router
     return ids, spec, extra
 
