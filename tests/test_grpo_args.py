@@ -16,18 +16,20 @@ def _grpo_train():
     return mod
 
 
-@pytest.mark.parametrize("flag,value", [("--n", "1"), ("--updates", "0"), ("--prompts", "0"), ("--steps", "0"),
-                                        ("--finish-fraction", "0"), ("--finish-fraction", "1.5"), ("--lr", "-1"),
-                                        ("--min-digits", "9")])
-def test_grpo_refuses_a_value_it_cannot_learn_with_by_name(capsys, tmp_path, flag, value):
+@pytest.mark.parametrize("flag,value,said", [
+    ("--n", "1", "--n=1"), ("--updates", "0", "--updates=0"), ("--prompts", "0", "--prompts=0"),
+    ("--steps", "0", "--steps=0"), ("--finish-fraction", "0", "--finish-fraction=0.0"),
+    ("--finish-fraction", "1.5", "--finish-fraction=1.5"), ("--lr", "-1", "--lr=-1.0"),
+    ("--min-digits", "9", "--min-digits=9")])
+def test_grpo_refuses_a_value_it_cannot_learn_with_by_name(capsys, tmp_path, flag, value, said):
     """GRPO's advantage is relative to the prompt's group: with --n 1 group_advantages gives 0 to
     every sample, so the loss is 0 and the policy never changes, for as many steps as asked, with
     no word said. The example must refuse it, naming the field and its value."""
     train = _grpo_train()
     with pytest.raises((SystemExit, ValueError)) as e:
         train.parse_args(["--out", str(tmp_path), flag, value])
-    said = str(e.value) + capsys.readouterr().err
-    assert f"{flag}={float(value) if '.' in value or flag.endswith(('lr', 'fraction')) else value}" in said, said
+    err = str(e.value) + capsys.readouterr().err
+    assert said in err, err
 
 
 def test_grpo_takes_its_defaults_and_a_group_of_two(tmp_path):

@@ -60,13 +60,6 @@ def test_an_order_captured_before_a_restart_is_refused_by_the_next_router():
             third.check(o, "set_trace", 1020.0)
 
 
-def test_without_the_journal_the_restarted_router_ran_the_replay():
-    """What the journal closes (the same steps with the verifier alone): a restarted router accepts."""
-    order = signed("sleep", {"level": 1}, 1000.0)
-    OrderVerifier(dict(KEYS), SKEW).check(order, "sleep", 1000.0)
-    assert OrderVerifier(dict(KEYS), SKEW).check(order, "sleep", 1005.0) == {"level": 1}
-
-
 def test_the_store_keeps_only_the_window_and_a_restart_cleans_what_it_left():
     kv = DictKV()
     v = router(kv, 1000.0)

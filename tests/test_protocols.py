@@ -326,6 +326,34 @@ def relay_http(router, codec):
     return TestClient(gateway_app(router, {}, 5.0, TOKEN, LimitsConfig(), ctx, runner)), commits
 
 
+def announced_while_broadcast(sender, named: dict, announce, shapes=None) -> tuple:
+    """As TRL >= 1.11's client: `announce(update_info)` (the /update_weights step) while the
+    trainer broadcasts `named` on another thread; (what announce returned, or the exception it
+    raised; the broadcast's error or None). The broadcast is bounded by a join timeout."""
+    import threading
+
+    out = {}
+
+    def broadcast():
+        try:
+            for x in named.values():
+                sender.send(x)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=broadcast, daemon=True)
+    t.start()
+    info = {"names": list(named), "dtype_names": ["float32"] * len(named),
+            "shapes": shapes or [list(x.shape) for x in named.values()], "packed": False}
+    try:
+        answer = announce(info)
+    except Exception as e:  # noqa: BLE001 - handed to the test
+        answer = e
+    t.join(20)
+    assert not t.is_alive(), "the trainer's broadcast never ended"
+    return answer, out.get("error")
+
+
 def vllm_group(http, timeout_s: float):
     """The trainer's side of vLLM's weight-transfer group (it hosts, as rank 0), joined by the
     relay through /init_weight_transfer_engine: the stand-in for TRL >= 1.11's NCCL sender."""
@@ -460,8 +488,6 @@ def test_a_refused_update_weights_takes_the_trainers_broadcast_so_the_trainer_he
     same time; a 422 answered before they arrived left the trainer blocked in its broadcast
     (until its group's timeout; NCCL's never ends). The relay now takes the refused tensors,
     drops them, then answers 422 naming the field, and the group stays usable."""
-    import threading
-
     import torch
 
     http, commits = relay_http
@@ -470,22 +496,8 @@ def test_a_refused_update_weights_takes_the_trainers_broadcast_so_the_trainer_he
 
     def update(named: dict) -> tuple:
         """As TRL's client: the POST and the broadcast at once; (answer, the trainer's error)."""
-        out = {}
-
-        def broadcast():
-            try:
-                for x in named.values():
-                    sender.send(x)
-            except Exception as e:  # noqa: BLE001 - handed to the test
-                out["error"] = e
-
-        t = threading.Thread(target=broadcast)
-        t.start()
-        info = {"names": list(named), "dtype_names": ["float32"] * len(named),
-                "shapes": [list(x.shape) for x in named.values()], "packed": False}
-        answer = http.post("/update_weights", headers=AUTH, json={"update_info": info})
-        t.join(20)
-        return answer, out.get("error")
+        return announced_while_broadcast(
+            sender, named, lambda info: http.post("/update_weights", headers=AUTH, json={"update_info": info}))
 
     answer, error = update({"w.weight": torch.randn(2, 3), "model.lora_A.weight": torch.randn(4, 4)})
     assert error is None  # the trainer's broadcast completed

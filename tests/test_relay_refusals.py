@@ -2,8 +2,6 @@
 docs/trainers.md, docs/architecture.md and TRL's VLLMClient: a refused /update_weights fails its
 whole update (finish commits none of it); a bad init_info address is refused naming
 init_info.master_address or init_info.master_port, the body's own fields."""
-import threading
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from rollout_cluster.transfer.channels import CpuSender
 from rollout_cluster.transfer.relay import RelayError, WeightRelay
 from ports import free_port
 from relay_commits import Recorder
-from test_protocols import AUTH, codec, relay_http, router  # noqa: F401 (fixtures)
+from test_protocols import AUTH, announced_while_broadcast, codec, relay_http, router  # noqa: F401 (fixtures)
 
 SPEC = {"a.weight": (4, 3), "b.bias": (5,), "c.weight": (2, 2, 2)}
 
@@ -28,28 +26,9 @@ def vllm_relay(commit, timeout_s=5):
 def update_weights(relay, sender, named: dict, shapes=None):
     """As TRL >= 1.11's update_named_params: the /update_weights step and the broadcast at once;
     returns the step's error (or None), the trainer's broadcast bounded by a join timeout."""
-    out = {}
-
-    def broadcast():
-        try:
-            for x in named.values():
-                sender.send(x)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=broadcast, daemon=True)
-    t.start()
-    info = {"names": list(named), "dtype_names": ["float32"] * len(named),
-            "shapes": shapes or [list(x.shape) for x in named.values()], "packed": False}
-    try:
-        relay.receive_packed(info)
-        error = None
-    except Exception as e:  # noqa: BLE001 - handed to the test
-        error = e
-    t.join(20)
-    assert not t.is_alive(), "the trainer's broadcast never ended"
-    assert "error" not in out, out
-    return error
+    answer, trainer_error = announced_while_broadcast(sender, named, relay.receive_packed, shapes)
+    assert trainer_error is None, trainer_error
+    return answer if isinstance(answer, Exception) else None
 
 
 def test_finish_after_a_refused_update_weights_commits_no_half_update():

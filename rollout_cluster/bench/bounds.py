@@ -100,8 +100,7 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
     for interval in fluid_schedule(requests, cost, replicas):
         admitted_t = interval.t - interval.prefill_s
         t = max(t, interval.t + interval.seconds,
-                *(admitted_t + (cost.prefill_s(shape[i][0]) if first[i] else 0.0) + decode_alone_s(cost, *shape[i])
-                  for i in interval.admitted))
+                *(admitted_t + (alone_s if first[i] else decode_alone_s)(cost, *shape[i]) for i in interval.admitted))
     return t
 
 

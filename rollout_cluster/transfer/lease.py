@@ -43,7 +43,6 @@ def lease_of_this_process():
     by this process (which owns it: it dies with it) on this node (it dies with the node). A lease
     made before that no longer answers is replaced. None: no lease can be made here (said)."""
     import ray
-    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
     try:
         ctx = ray.get_runtime_context()
@@ -57,7 +56,7 @@ def lease_of_this_process():
             del _leases[stale]
         lease = _leases.get(key)
         if lease is not None:
-            if _answers(lease, ray, GetTimeoutError, ActorUnavailableError, RayActorError):
+            if _answers(lease):
                 return lease
         try:
             lease = _leases[key] = _make(ctx)
@@ -69,10 +68,13 @@ def lease_of_this_process():
         return lease
 
 
-def _answers(lease, ray, GetTimeoutError, ActorUnavailableError, RayActorError) -> bool:
+def _answers(lease) -> bool:
     """False once Ray says the lease died. Unreachable (ActorUnavailableError) is asked again until
     CHECK_S: a lease just killed is first unreachable, then dead, and a kept dead lease would abort the
     live trainer's next push. Unreachable or silent all that while: kept (a busy node is not dead)."""
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
     deadline = time.monotonic() + CHECK_S
     while True:
         try:

@@ -42,8 +42,9 @@ def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bo
         # (vLLM's too). Searching the text so far after every token cost tokens^2 x stops.
         pieces = ctx.codec.pieces(ids, skip_special_tokens, spaces_between_special_tokens, prompt_ids)
         ends, text = list(accumulate(map(len, pieces))), "".join(pieces)
-        floor = ends[min_tokens - 1] if 0 < min_tokens <= len(ends) else (len(text) + 1 if min_tokens else 0)
-        hits = ((bisect_left(ends, at + len(s)), at + len(s), i, at, s) for i, s in enumerate(stops) if s
+        searched = stops if min_tokens <= len(ends) else ()  # (min_tokens or fewer tokens: none ends it)
+        floor = ends[min_tokens - 1] if 0 < min_tokens <= len(ends) else 0  # the first min_tokens' text
+        hits = ((bisect_left(ends, at + len(s)), at + len(s), i, at, s) for i, s in enumerate(searched) if s
                 for at in (text.find(s, max(0, floor - len(s) + 1)),) if at >= 0)
         hit = min(hits, default=None)
         if hit is not None:
