@@ -35,6 +35,7 @@ class Engine:
 
 class Moves:
     weights_version = 0
+    broken = None  # the engine's weights are whole
     digest = None  # no weights digest to send
 
     def digest_delivered(self, answer):

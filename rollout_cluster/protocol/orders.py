@@ -89,9 +89,10 @@ class Wake:
 @dataclass(frozen=True)
 class ResetPrefixCache:
     """Drop the engine's prefix cache (TRL's /reset_prefix_cache). Only speed changes: a cached
-    block is the same KV the engine would compute, so outputs do not. `number` tells two orders apart."""
+    block is the same KV the engine would compute, so outputs do not."""
 
-    number: int
+    number: int  # counts the orders of the router that made it (a resent one carries the same)
+    router: str = ""  # that router's id prefix: a restarted router counts from 1 again, and its orders are new
 
 
 @dataclass(frozen=True)

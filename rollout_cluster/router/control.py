@@ -23,8 +23,9 @@ from .weights import FleetWeights
 
 class FleetControl:
     def __init__(self, weights: FleetWeights, sleep: FleetSleep, fleet: Fleet, outbox: Outbox,
-                 unfinished: dict[str, SeqState]):
+                 unfinished: dict[str, SeqState], id_prefix: str = ""):
         self.weights, self.sleep, self.fleet, self.outbox = weights, sleep, fleet, outbox
+        self.id_prefix = id_prefix  # this router's (ResetPrefixCache.router)
         self.unfinished = unfinished  # the router's live sequences (read only): no change while they run
         self.cache_resets = 0  # reset_prefix_cache orders so far (numbers them)
 
@@ -131,7 +132,7 @@ class FleetControl:
         engine drops only the blocks no running sequence holds, as vLLM does). Returns how many
         replicas were ordered. A weights update resets the cache by itself."""
         self.cache_resets += 1
-        order = ResetPrefixCache(self.cache_resets)
+        order = ResetPrefixCache(self.cache_resets, self.id_prefix)
         for rid in self.fleet.replicas:
             self.outbox.replace_control(rid, (ResetPrefixCache,), order)
         return len(self.fleet.replicas)

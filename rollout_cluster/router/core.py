@@ -86,7 +86,7 @@ class RouterCore:
         # The parts, in the order they depend on each other.
         self.weights = FleetWeights()
         self.sleep = FleetSleep()
-        self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs)
+        self.control = FleetControl(self.weights, self.sleep, self.fleet, self.outbox, self.seqs, id_prefix)
         self.digests = FleetDigests(self.fleet, self.outbox, self.weights, self.sleep, id_prefix)  # weights_digest
         self.sessions = SessionHomes(max_sessions)  # multi-turn sessions' home replicas (affinity)
         self.moves = SeqMoves(self.seqs, self.queue, self.batches, self.fleet, self.outbox, self.weights,

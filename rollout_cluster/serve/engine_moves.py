@@ -7,8 +7,9 @@ Invariants:
   dead replica.
 - Moves run one after another, never beside each other: each waits for those ordered before it.
 - A resent order of what is done or under way starts nothing; a failed sleep move is tried again.
-- `broken` is set when a failure left the engine's weights or memory unknown: the replica's health
-  check then has Serve restart it.
+- `broken` is set when a failure left the engine's weights or memory unknown: no work starts, the
+  pull loop says goodbye (PullLoop.leave_broken_engine), and the replica's health check has Serve
+  restart it.
 """
 from __future__ import annotations
 
@@ -55,9 +56,10 @@ class EngineMoves:
         self.sleep_error: Optional[str] = None
         self.sleep_task: Optional[asyncio.Task] = None
         self.broken: Optional[Exception] = None
-        self.cache_reset = 0  # the number of the last ResetPrefixCache order taken (a resent one starts nothing)
+        self.cache_reset = ("", 0)  # (router, number) of the last ResetPrefixCache taken (a resent one starts nothing)
         self.digest_ask = ""  # the last DigestWeights taken (a resent one starts nothing)
         self.digest: Optional[WeightsDigest] = None  # its answer, until a report delivered it
+        self._chores: set = set()  # the cache drops and digests under way (asyncio keeps only weak references)
         self._handlers = {LoadWeights: self._load, NoteWeights: self._note, ResetPrefixCache: self._reset_cache,
                           DigestWeights: self._digest, StopPush: self._stop_push,
                           Sleep: lambda order: self._move(order.level, None), Wake: lambda order: self._move(0, order)}
@@ -82,10 +84,11 @@ class EngineMoves:
         its weights (a deep wake's reload failed, say), or when the load it waited for failed: work
         sent with a load (running="keep") is labelled with that load's version, and the engine
         still holds the old one. Then run nothing; the next listing lacks that work, and the router
-        sends it elsewhere. With no move under way, True."""
+        sends it elsewhere. With no move under way, True unless the engine is `broken` (its weights
+        are a mix: the pull loop says goodbye at its next step, PullLoop.leave_broken_engine)."""
         moves = self.in_progress()
         if not moves:
-            return True
+            return self.broken is None
         loading = (self.loading[0], self.loading[2]) if self.loading else None
         await asyncio.gather(*moves, return_exceptions=True)
         if loading is not None and (self.weights_version, self.weights_path) != loading:
@@ -186,16 +189,22 @@ class EngineMoves:
         self.sleep_task = asyncio.get_running_loop().create_task(self._move_sleep(goal, reload, before))
 
     def _reset_cache(self, order: ResetPrefixCache) -> None:
-        if order.number <= self.cache_reset:
-            return
-        self.cache_reset = order.number
-        asyncio.get_running_loop().create_task(self._drop_cache(self.in_progress()))
+        router, number = self.cache_reset
+        if order.router == router and order.number <= number:
+            return  # resent (another router's order is new whatever its number: a restarted one counts from 1)
+        self.cache_reset = (order.router, order.number)
+        self._chore(self._drop_cache(self.in_progress()))
 
     def _digest(self, order: DigestWeights) -> None:
         if order.ask == self.digest_ask:
             return
         self.digest_ask = order.ask
-        asyncio.get_running_loop().create_task(self._take_digest(order, self.in_progress()))
+        self._chore(self._take_digest(order, self.in_progress()))
+
+    def _chore(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     def digest_delivered(self, answer: Optional[WeightsDigest]) -> None:
         """A report carrying `answer` reached the router: not sent again."""
@@ -252,7 +261,8 @@ class EngineMoves:
         except Exception as e:
             what = f"sleep(level={goal})" if goal else "wake"
             log.exception("replica %s: %s failed", self.replica_id, what)
-            self.sleep_error = f"replica {self.replica_id}: {what}: {type(e).__name__}: {e}"
+            if self.sleep_task is asyncio.current_task():  # (a move ordered since runs next: its outcome counts)
+                self.sleep_error = f"replica {self.replica_id}: {what}: {type(e).__name__}: {e}"
 
     async def _sleep(self, level: int) -> None:
         if level == 2 and self.reload_source() is None:

@@ -8,7 +8,9 @@ Invariants:
   may have restarted) or when a router other than the one answering started its segment
   (router_adoption.py). The engine keeps a final's whole output until its answer is applied.
 - Work never starts beside a weights load or a sleep move (EngineMoves.ready_for_work).
-- An engine that died says goodbye at once (Report.engine_dead) and the loop ends.
+- An engine that died says goodbye at once (Report.engine_dead) and the loop ends; so does one
+  whose weights or memory a failed move left unknown (EngineMoves.broken), after giving up what it
+  ran: its work continues elsewhere at once, none of it on a mix of weights.
 - A replica the router declared stalled (Orders.stop: its sequences made no progress for
   router.stall_timeout_s) ends its loop at once and reports nothing more: the router continues
   its work elsewhere, so nothing it holds may be sent or handed back (`stalled`).
@@ -68,11 +70,15 @@ class PullLoop:
 
     async def step(self) -> bool:
         """One pull: report, pull, apply the orders, pace. False: the engine died, the loop is over."""
+        started = time.monotonic()  # (the timeline's clock)
         marks = [time.perf_counter()] if self.timeline is not None else None
         ended = self.engine.ended  # before the drain: a segment ending after it shows as a change
         self.unsent += self.engine.drain()
         if self.engine.dead is not None:  # (an engine that died idle shows in the drain)
             await self.leave_dead_engine()
+            return False
+        if self.moves.broken is not None and not self.moves.in_progress():
+            await self.leave_broken_engine()
             return False
         now = self.clock()
         report = self.build_report(now)
@@ -80,7 +86,11 @@ class PullLoop:
             marks.append(time.perf_counter())
         orders = await self.pull(report)
         if orders is None:
+            if marks is not None:
+                marks.append(time.perf_counter())
             await asyncio.sleep(RETRY_S)
+            if marks is not None:  # (no orders: nothing applied, the pause is the retry's)
+                self._record(started, report, Orders(), marks[:2] + [marks[2]] * 2 + [time.perf_counter()], failed=True)
             return True
         if orders.stop:
             self.declared_stalled(orders.stop)
@@ -93,15 +103,17 @@ class PullLoop:
             marks.append(time.perf_counter())
         await self.pace(now, ended, self._urgent(orders), orders.report_interval_s)
         if marks is not None:
-            self._record(report, orders, marks + [time.perf_counter()])
+            self._record(started, report, orders, marks + [time.perf_counter()])
         return True
 
-    def _record(self, report: Report, orders: Orders, marks: list) -> None:
-        """One line of the timeline (timeline.py): what the pull carried and where its time went."""
+    def _record(self, started: float, report: Report, orders: Orders, marks: list, failed: bool = False) -> None:
+        """One line of the timeline (timeline.py): when the step began, what its pull carried and
+        where its time went (a failed pull's line says so; its pace is the pause before the retry)."""
         ms = [round(1e3 * (b - a), 3) for a, b in zip(marks, marks[1:])]
-        self.timeline.record("pull", held=len(self.engine.held()), progress=len(report.progress),
+        fields = dict(failed=True) if failed else {}
+        self.timeline.record("pull", at=started, held=len(self.engine.held()), progress=len(report.progress),
                              tokens=sum(p.num_tokens for p in report.progress), start=len(orders.start),
-                             report_ms=ms[0], pull_ms=ms[1], apply_ms=ms[2], pace_ms=ms[3])
+                             report_ms=ms[0], pull_ms=ms[1], apply_ms=ms[2], pace_ms=ms[3], **fields)
 
     def build_report(self, now: float) -> Report:
         """Every undelivered delta (finals whole where another router may take them), the engine's
@@ -227,6 +239,32 @@ class PullLoop:
             self.unsent = []
         except Exception as e:  # the router requeues them after router.replica_timeout_s instead
             log.warning("replica %s: engine died and its goodbye failed (%r)", self.replica_id, e)
+
+    async def leave_broken_engine(self) -> None:
+        """A move left the engine's weights or memory unknown (EngineMoves.broken): give up what it
+        runs (a keep swap's sequences end at their fence, weight_keep.py), say goodbye with their
+        partials as a dead engine's replica does, and end the loop; check_health has Serve replace
+        the replica. (Before, the router gave it work on seeing the version it held.)"""
+        self.error = RuntimeError(f"restart needed: {self.moves.broken}")
+        log.error("replica %s: %s", self.replica_id, self.error)
+        partials = await self.give_up_all(HAND_BACK_S / 2)
+        try:
+            await asyncio.wait_for(self._pull(self.goodbye(partials, engine_dead=True)), HAND_BACK_S / 2)
+            self.unsent = []
+        except Exception as e:  # the router requeues them after router.replica_timeout_s instead
+            log.warning("replica %s: broken engine's goodbye failed (%r)", self.replica_id, e)
+
+    async def give_up_all(self, wait_s: float) -> list:
+        """Give up every sequence the engine holds and collect their partials (waiting up to
+        `wait_s` for the engine to end them)."""
+        held = self.engine.held()
+        if held:
+            await self.engine.give_up(held)
+        partials, deadline = [], time.monotonic() + wait_s
+        while self.engine.held() and time.monotonic() < deadline:
+            partials += self.engine.drain()
+            await asyncio.sleep(0.01)
+        return partials + self.engine.drain()
 
     # ---- finals ---------------------------------------------------------------------------------
     def _delivered(self, progress: list) -> None:

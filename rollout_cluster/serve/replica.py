@@ -96,14 +96,7 @@ class EngineReplica:
         except Exception:
             pass  # the loop's error is logged; what it held is still handed back
         held = self.engine.held()
-        if held:
-            await self.engine.give_up(held)
-        partials = []
-        while self.engine.held():
-            partials += self.engine.drain()
-            await asyncio.sleep(0.01)
-        partials += self.engine.drain()
-        report = self.pull_loop.goodbye(partials)
+        report = self.pull_loop.goodbye(await self.pull_loop.give_up_all(HAND_BACK_S))
         # With nothing to hand back the goodbye only saves the router a timeout; when the whole
         # application is being deleted the router may be gone already: do not wait long for it.
         try:

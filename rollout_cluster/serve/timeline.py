@@ -5,7 +5,7 @@ engine) writes `<dir>/<name>.jsonl`: one line per pull of the loop (when it star
 carried, how long each part took) and, every PROBE_EVERY_S, the event loop's lag: how late a
 timer that asked for PROBE_S woke. The engine's output handling (vLLM's AsyncLLM) shares that
 loop, so its lag is the delay every output of the engine waits before the replica sees it.
-`rollout-cluster timeline DIR` (bench/timeline.py) sums the files up.
+experiments/router-overhead/timeline_summary.py sums the files up.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class Timeline:
         os.makedirs(folder, exist_ok=True)
         return cls(os.path.join(folder, f"{name}.jsonl"))
 
-    def record(self, kind: str, **fields) -> None:
-        fields["kind"], fields["t"] = kind, round(time.monotonic() - self.t0, 5)
+    def record(self, kind: str, at: Optional[float] = None, **fields) -> None:
+        """A line of `kind`; its `t` is `at` (a time.monotonic() reading: when the thing began), else now."""
+        fields["kind"], fields["t"] = kind, round((time.monotonic() if at is None else at) - self.t0, 5)
         self.file.write(json.dumps(fields) + "\n")
 
     def start_probe(self) -> None:
