@@ -7,12 +7,16 @@ without importing transformers in the Gateway. The templates are found as transf
 them: chat_template.jinja (named "default") and additional_chat_templates/<name>.jinja, else
 tokenizer_config.json's `chat_template`, one template or a list of {name, template}; of several,
 a request's `chat_template` name picks one, else "tool_use" when tools are passed, else "default".
-A model without tokenizer.json has no codec: token-id prompts still work, and a text prompt is
-refused naming the field.
+A model named by its Hugging Face id (engine.model: "Qwen/Qwen2.5-7B-Instruct"), as vLLM's engines
+take it, has its tokenizer files from the Hugging Face cache (HF_HOME), downloaded there if missing
+(HF_HUB_OFFLINE=1: from the cache alone). A model without tokenizer.json has no codec: token-id
+prompts still work, and a text prompt is refused naming the field.
 """
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -22,6 +26,10 @@ from .chat_jinja import chat_environment
 # whole prompt; a decoder's choice for the first output token depends on the tokens just before it)
 PROMPT_CONTEXT = 8
 _UNFINISHED = "\ufffd"  # a character whose bytes are not all there yet: the stream holds it back
+# What a codec reads of a model (a hub model's download is these files alone, not its weights)
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/*.jinja"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "owner/name", as the Hub spells a model's id
+log = logging.getLogger("ray.serve")
 
 
 class NoTokenizer(ValueError):
@@ -49,12 +57,14 @@ class TextCodec:
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
 
     @classmethod
-    def load(cls, model_dir: str) -> Optional["TextCodec"]:
-        """The codec of a model folder, or None when it has no tokenizer.json."""
+    def load(cls, model: str) -> Optional["TextCodec"]:
+        """The codec of a model folder or Hugging Face id, or None when it has no tokenizer.json."""
         from tokenizers import Tokenizer
 
-        folder = Path(model_dir)
-        if not (folder / "tokenizer.json").is_file():
+        folder = Path(model)
+        if not folder.exists() and _HUB_ID.fullmatch(model):
+            folder = hub_folder(model)
+        if folder is None or not (folder / "tokenizer.json").is_file():
             return None
         config = {}
         if (folder / "tokenizer_config.json").is_file():
@@ -183,6 +193,20 @@ class TextCodec:
         special = {k: v for k, v in self.special.items() if v is not None}
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                **{"tools": None, "documents": None, **special, **kwargs})
+
+
+def hub_folder(repo_id: str) -> Optional[Path]:
+    """The Hugging Face cache's folder of `repo_id`'s tokenizer files, fetched into it if missing
+    (HF_HOME, HF_TOKEN and HF_HUB_OFFLINE apply, as to vLLM's engines); None where the Hub and the
+    cache have none (said in the log: text prompts are then refused naming the field)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES))
+    except Exception as e:
+        log.warning("no tokenizer for engine.model=%r from the Hugging Face cache or Hub (%s: %s): text prompts "
+                    "and chat are refused; token ids work", repo_id, type(e).__name__, e)
+        return None
 
 
 def _templates(folder: Path, config: dict) -> Union[str, dict, None]:
