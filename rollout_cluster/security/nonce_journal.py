@@ -12,6 +12,8 @@ them without reading values, and keys the window left behind are deleted as new 
 """
 from __future__ import annotations
 
+import re
+
 from typing import Protocol
 
 
@@ -58,9 +60,12 @@ class NonceJournal:
             del self.written[old]
 
 
+_KEY = re.compile(r"([0-9]{1,20}):(\S+)")  # "<issued_ms>:<nonce>", ASCII digits only ("²".isdigit() is True)
+
+
 def _parse(key: str):
-    issued, _, nonce = key.partition(":")
-    return (int(issued), nonce) if issued.isdigit() and nonce else (None, None)
+    m = _KEY.fullmatch(key)
+    return (int(m.group(1)), m.group(2)) if m else (None, None)
 
 
 class GcsKV:

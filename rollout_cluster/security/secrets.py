@@ -14,6 +14,7 @@ MIN_TOKEN_CHARS = 16  # a shorter token is refused: guessable
 MIN_KEY_CHARS = 32  # an HMAC key shorter than this is refused
 MAX_KEYS = 2  # the signing key and the one it replaces, while a rotation is under way
 KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+TOKEN_CHARS = re.compile(r"[!-~]+")  # printable ASCII, no space
 
 
 class SecretError(ValueError):
@@ -30,7 +31,7 @@ def _read(file: str, env: str, what: str) -> tuple[Optional[str], str]:
         except (OSError, UnicodeDecodeError) as e:
             raise SecretError(f"{what}: cannot read file {file!r}: {type(e).__name__}") from None
     if env and os.environ.get(env + "_FILE"):  # the variable names a file (as Docker's secrets do)
-        return _read(os.environ[env + "_FILE"], "", what)
+        return _read(os.environ[env + "_FILE"], "", f"${env}_FILE")
     text = os.environ.get(env) if env else None
     return (text, f"environment variable {env}") if text else (None, "")
 
@@ -43,21 +44,28 @@ def read_token(security) -> Optional[str]:
     token = text.strip()
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
         raise SecretError(f"the token in {where} must be one word of at least {MIN_TOKEN_CHARS} characters")
+    if not TOKEN_CHARS.fullmatch(token):  # (HTTP headers reach the Gateway decoded as latin-1: no other could match)
+        raise SecretError(f"the token in {where} must be printable ASCII (a byte-order mark or another character "
+                          "no `Authorization: Bearer` header can carry as it is)")
     return token
 
 
 def read_keys(security) -> dict[str, bytes]:
     """The control keys {key_id: key}, signing key first; {} when none is configured.
-    One `key_id secret` a line (or `;`-separated in the variable); '#' starts a comment."""
+    One `key_id secret` a line (or `;`-separated in the variable); '#' at a line's start or after
+    a space starts a comment (one inside a secret is refused: it would have cut the key short)."""
     text, where = _read(security.control_keys_file, security.control_keys_env, "security.control_keys_file")
     if text is None:
         return {}
     keys: dict[str, bytes] = {}
     for n, line in enumerate(re.split(r"[;\n]", text), 1):
-        line = line.split("#", 1)[0].strip()
+        line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
         if not line:
             continue
         parts = line.split()
+        if "#" in line:
+            raise SecretError(f"{where}, entry {n}: '#' inside a key id or secret (a comment starts at a line's "
+                              "start or after a space)")
         if len(parts) != 2 or not KEY_ID.fullmatch(parts[0]):
             raise SecretError(f"{where}, entry {n}: must be `key_id secret` (key_id: letters, digits, _ . -)")
         kid, secret = parts

@@ -139,16 +139,20 @@ class OrderVerifier:
     def _check(self, order, op: str, now_s: float) -> dict:
         if not isinstance(order, SignedOrder):
             raise OrderRefused("unsigned", f"{op} needs a SignedOrder (security/signing.py), got {type(order).__name__}")
-        if not (isinstance(order.op, str) and isinstance(order.args, dict) and type(order.issued_ms) is int
-                and isinstance(order.nonce, str) and NONCE.fullmatch(order.nonce)
-                and isinstance(order.key_id, str) and isinstance(order.signature, str)):
-            raise OrderRefused("malformed", "op, args, issued_ms, nonce (32 hex digits), key_id, signature")
+        bad = _malformed(order)
+        if bad:
+            raise OrderRefused("malformed", bad)
         if order.op != op:
             raise OrderRefused("wrong_op", f"signed for {order.op[:40]!r}, sent as {op!r}")
-        try:
+        for name, value in order.args.items():
+            try:
+                canonical(order.op, {name: value}, order.issued_ms, order.nonce, order.key_id)
+            except (TypeError, ValueError) as e:
+                raise OrderRefused("malformed", f"args[{_short(name)}]={_short(value)}: not plain JSON ({e})") from None
+        try:  # (the names together: sort_keys needs them of one type)
             canonical(order.op, order.args, order.issued_ms, order.nonce, order.key_id)
-        except (TypeError, ValueError):
-            raise OrderRefused("malformed", "args must be plain JSON") from None
+        except (TypeError, ValueError) as e:
+            raise OrderRefused("malformed", f"args={_short(order.args)}: not plain JSON ({e})") from None
         if self.keys or order.signature or order.key_id:
             key = self.keys.get(order.key_id)
             # (as bytes: compare_digest raises TypeError on a str with non-ASCII characters, a forgery's)
@@ -161,7 +165,7 @@ class OrderVerifier:
                 raise OrderRefused("bad_signature", "the signature does not match the order")
         skew = abs(now_s * 1000 - order.issued_ms) / 1000
         if skew > self.max_skew_s:
-            raise OrderRefused("skew", f"issued {skew:.0f} s from the router's clock (at most "
+            raise OrderRefused("skew", f"issued {skew:.3f} s from the router's clock (more than "
                                        f"security.max_clock_skew_s={self.max_skew_s:g})")
         self._forget_old(now_s)
         if order.nonce in self._nonces:
@@ -181,3 +185,22 @@ class OrderVerifier:
         floor = (now_s - 2 * self.max_skew_s) * 1000
         if self._nonces and next(iter(self._nonces.values())) < floor:
             self._nonces = {n: t for n, t in self._nonces.items() if t >= floor}
+
+
+def _short(value, limit: int = 64) -> str:
+    """repr(value), cut to `limit` characters (a refusal names what came, never a whole payload)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _malformed(order: "SignedOrder") -> str:
+    """The first field of `order` whose type or form is wrong, with its value ("" when none is)."""
+    checks = (("op", isinstance(order.op, str), "a string"), ("args", isinstance(order.args, dict), "a dict"),
+              ("issued_ms", type(order.issued_ms) is int, "an int (Unix milliseconds)"),
+              ("nonce", isinstance(order.nonce, str) and bool(NONCE.fullmatch(order.nonce)), "32 lowercase hex digits"),
+              ("key_id", isinstance(order.key_id, str), "a string"),
+              ("signature", isinstance(order.signature, str), "a string"))
+    for name, ok, want in checks:
+        if not ok:
+            return f"{name}={_short(getattr(order, name))}: must be {want}"
+    return ""

@@ -43,7 +43,7 @@ class ReplicaCredentials:
         if expected is None:
             return False
         given = report.credential if isinstance(report.credential, str) else ""
-        if hmac.compare_digest(expected.encode(), given.encode()):
+        if hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogatepass")):  # (a forgery's may not encode)
             return True
         self.verifier.refusals["report_credential"] += 1
         self.metrics.refused("report_credential")
