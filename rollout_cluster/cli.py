@@ -4,31 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
-
-def seconds(text: str) -> float:
-    """argparse type of a wait (--timeout-s): a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, not {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """argparse type of --finish-fraction: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:  # nan too
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}")
-    return value
+from .cli_types import at_least, fraction, seconds  # noqa: F401 (seconds, fraction: tests import them from here)
 
 
 def cmd_make_model(a) -> int:
@@ -158,20 +137,22 @@ def cmd_demo(a) -> int:
 
 
 def main(argv=None) -> int:
+    from .model_maker import ARCHITECTURES
+
     ap = argparse.ArgumentParser(prog="rollout-cluster")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("make-model", help="write a small random-weight Llama to DIR")
     p.add_argument("dir")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--hidden", type=at_least(1), default=128)
+    p.add_argument("--layers", type=at_least(1), default=2)
+    p.add_argument("--heads", type=at_least(1), default=2)
+    p.add_argument("--vocab", type=at_least(1), default=2048)
+    p.add_argument("--intermediate", type=at_least(1), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--arch", default=None, help="write only the config.json of a public architecture "
-                   "(qwen2.5-7b, qwen2.5-1.5b) for dummy weights")
+    p.add_argument("--arch", default=None, choices=sorted(ARCHITECTURES), help="write only the config.json of a public "
+                   "architecture for dummy weights")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("write-manifest", help="seal a finished checkpoint: write DIR/rollout-manifest.json last "
@@ -193,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--app-name", default=None,
                    help="use an app that already runs (with its own config) instead of starting one")
     p.add_argument("--timeout-s", type=seconds, default=None)
-    p.add_argument("--weights-version", type=int, default=None,
+    p.add_argument("--weights-version", type=at_least(0), default=None,
                    help="run only on this weights version (update-weights prints it); other weights refuse the batch")
     p.add_argument("--finish-fraction", type=fraction, default=None,
                    help="partial rollouts: cut the batch once this share of its sequences is done; the rest come back "
@@ -205,7 +186,7 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("update-weights", help="reload every replica of a running app from a checkpoint directory")
     p.add_argument("path", help="a save_pretrained() directory every replica's node can read")
-    p.add_argument("--version", type=int, default=None, help="default: the current version + 1")
+    p.add_argument("--version", type=at_least(0), default=None, help="default: the current version + 1")
     p.add_argument("--app-name", default="rollout")
     p.add_argument("--address", default="auto")
     p.add_argument("--timeout-s", type=seconds, default=600.0)
@@ -245,8 +226,8 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("demo", help="local CPU cluster, one mixed-length batch, a summary")
     p.add_argument("--config", default="configs/local-cpu.yaml")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--prompts", type=at_least(1), default=16)
+    p.add_argument("--samples", type=at_least(1), default=4)
     p.add_argument("--log-dir", default="logs", help="where the demo writes logs/demo-<time>.log (Ray, Serve, vLLM)")
     p.set_defaults(fn=cmd_demo)
 

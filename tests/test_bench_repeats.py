@@ -74,8 +74,10 @@ def test_repeats_refused_on_the_simulator(tmp_path, capsys):
 
     assert main(["bench", "--engine", "sim", "--repeats", "3", "--out", str(tmp_path)]) == 2
     assert "rollout-cluster bench: error: --repeats=3" in capsys.readouterr().err
-    assert main(["bench", "--engine", "vllm", "--repeats", "0", "--out", str(tmp_path)]) == 2
-    assert "rollout-cluster bench: error: --repeats=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal (cli_types.at_least)
+        main(["bench", "--engine", "vllm", "--repeats", "0", "--out", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "argument --repeats: must be an integer >= 1, not '0'" in capsys.readouterr().err
 
 
 def test_a_cluster_of_simulated_replicas_says_so_in_the_report():

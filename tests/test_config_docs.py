@@ -216,7 +216,7 @@ def test_every_policy_setting_is_documented_once():
 
 def test_rules_are_found():
     assert valid_of(ROWS["engine.max_num_seqs"].info) == [">= 1"]
-    assert valid_of(ROWS["router.pull_wait_s"].info) == ["in (0, 5]"]
+    assert valid_of(ROWS["router.pull_wait_s"].info) == ["in (0, 5]", "<= min(5, router.replica_timeout_s / 4)"]
     assert valid_of(ROWS["engine.niceness"].info) == ["null or in [-20, 19]"]
     assert len([p for p in FIELD_PATHS if valid_of(ROWS[p].info)]) >= 30
 

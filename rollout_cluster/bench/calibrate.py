@@ -211,7 +211,10 @@ def calibrate_from_samples(args) -> CostModel:
     if not keys:
         raise FlagError(f"--samples-of={args.samples_of!r}: no run in {args.from_samples} (runs: {', '.join(data)})")
     samples = [tuple(x) for k in keys for x in data[k]]
-    base = load_profile(args.base_profile)
+    try:
+        base = load_profile(args.base_profile)
+    except ValueError as e:
+        raise FlagError(f"--base-profile: {e}") from None
     try:
         model, info = profile_from_samples(samples, base, args.name or f"{base.name}-cluster")
     except ValueError as e:
@@ -233,7 +236,7 @@ def calibrate(args) -> CostModel:
     if getattr(args, "from_samples", None):
         return calibrate_from_samples(args)
     if not args.config:
-        raise ValueError("calibrate needs --config (the engine to measure) or --from-samples")
+        raise FlagError("calibrate needs --config (the engine to measure) or --from-samples")
     cfg = engine_config(args.config)
     batches = parse_ints(args.batches, "--batches")
     contexts = parse_ints(args.contexts, "--contexts")

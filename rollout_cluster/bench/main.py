@@ -20,7 +20,7 @@ def bench(args) -> dict:
 
     fill_defaults(args)
     policies = parse_policies(args.policies)
-    seeds = [int(s) for s in str(args.seeds).split(",")] if args.seeds is not None else [args.seed]
+    seeds = list(args.seeds) if args.seeds is not None else [args.seed]  # (--seeds: cli_types.int_list)
     repeats = getattr(args, "repeats", 1)
     if repeats < 1 or (repeats > 1 and args.engine != "vllm"):
         raise FlagError(f"--repeats={repeats}: must be >= 1, and above 1 only with --engine vllm "

@@ -41,7 +41,9 @@ def overhead(args) -> dict:
 
     args.engine = "vllm"
     fill_defaults(args)
-    replicas = args.replicas or 1
+    if args.config is None:
+        raise FlagError("overhead needs --config (the cluster whose engine is measured, alone and behind the router)")
+    replicas = 1 if args.replicas is None else args.replicas
     if replicas < 1:
         raise FlagError(f"--replicas {replicas}: must be at least 1")
     if args.control and replicas > 1:
@@ -53,7 +55,7 @@ def overhead(args) -> dict:
     if replicas == 1 and cfg.policy.name != "pull":
         cfg.policy = PolicyConfig(name="pull")  # one replica: the plainest dispatch
     cfg = cfg.validate()
-    seeds = [int(s) for s in str(args.seeds).split(",")]
+    seeds = list(args.seeds)  # (cli_types.int_list)
     only = only_pairs(getattr(args, "only", None), seeds, args.rounds)
     bare = BareEngines(cfg, replicas)  # first: its memory is taken before the replicas'
     client = RolloutClient.start(cfg)

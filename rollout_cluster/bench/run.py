@@ -89,7 +89,10 @@ def sim_setup(args) -> tuple:
 def cost_model(args, cfg) -> CostModel:
     """--profile (default: the config's sim_profile, else a100-80g-7b) with the engine's max_num_seqs."""
     name = args.profile or (cfg.profile_path() if cfg else "a100-80g-7b")
-    return load_profile(name, cfg.engine.max_num_seqs if cfg else None)
+    try:
+        return load_profile(name, cfg.engine.max_num_seqs if cfg else None)
+    except ValueError as e:  # (no such built-in profile or file, or a file that is no profile)
+        raise FlagError(f"--profile: {e}" if args.profile else str(e)) from None
 
 
 # ---- metrics --------------------------------------------------------------------------------

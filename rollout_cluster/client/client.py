@@ -17,7 +17,7 @@ import math
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from ..config import ClusterConfig
-from ..protocol import Completion, InputError, SamplingSpec, check_wait_s, is_number
+from ..protocol import Completion, InputError, SamplingSpec, check_replicas, check_wait_s, is_number
 from . import batches, fleet_ops, lifecycle
 from .expand import expand
 from .follower import DEFAULT_TIMEOUT_S
@@ -61,6 +61,7 @@ class RolloutClient:
         return lifecycle.connect(cls, app_name, address, wait_s, kw)
 
     def wait_ready(self, replicas: int, timeout_s: float = 600.0) -> dict:
+        check_replicas(replicas)
         return fleet_ops.wait_ready(self, replicas, checked_wait(timeout_s))
 
     def status(self) -> dict:

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from ..protocol import InputError, WeightsNotLearned, check_replicas, is_int
+from ..protocol import WeightsNotLearned, check_replicas, check_weights_order
 from ..serve.fleet_target import REPLICA_DEPLOYMENT
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ def numbered(order: Callable[[], int], deadline: float) -> int:
 
 
 def update_weights(client, path: str, version: Optional[int], timeout_s: float, running: str = "finish") -> int:
+    check_weights_order(version, running)  # (before the fleet is waited for)
     deadline = time.monotonic() + timeout_s
     before_update(client, running, deadline)
     # absolute: the router checks it against security.checkpoint_roots, the replicas load it
@@ -87,14 +88,15 @@ def update_weights(client, path: str, version: Optional[int], timeout_s: float, 
 
 def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: int, timeout_s: float,
                  running: str = "finish", transport: str = "object_store", stream: Optional[bool] = None) -> int:
+    from ..transfer.buckets import check_bucket_bytes
     from ..transfer.ipc import IpcHold, check_transport
     from ..transfer.lease import lease_of_this_process
     from ..transfer.push import check_stream, push
 
+    check_weights_order(version, running)  # (before the fleet is waited for and the model put)
     check_transport(transport, running)
     check_stream(stream)
-    if version is not None and not (is_int(version) and version >= 0):  # (before the fleet is waited for and the model put)
-        raise InputError("version", version, "must be None (the next version) or an integer >= 0")
+    check_bucket_bytes(bucket_bytes)
     hold = None
     if transport == "ipc":
         level = client.status()["sleep"]["level"]

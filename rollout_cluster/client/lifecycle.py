@@ -37,6 +37,8 @@ def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str], 
     from ..serve.deploy import deploy
 
     cfg = load_config(config)
+    if not (is_number(wait_ready_s) and wait_ready_s > 0):  # (NaN would never pass deploy's deadline)
+        raise InputError("wait_ready_s", wait_ready_s, "must be a finite number of seconds > 0")
     # a cluster this driver starts gets its token and control keys made (security/local.py)
     ensure_local_secrets(cfg)
     # Only a Ray that start connects is the client's to end: never one its caller started.

@@ -39,7 +39,8 @@ class EngineConfig(Section):
     kind: Literal["vllm", "sim"] = Field("vllm", description="vllm | sim")
     model: str = Field("models/tiny-llama", min_length=1, description="local path or HF id")
     load_format: str = Field("auto", description="auto | dummy | safetensors | ...")
-    dtype: str = Field("auto", description="vLLM dtype (auto, bfloat16, float16, float32)")
+    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = Field(
+        "auto", description="vLLM dtype (the names vLLM takes; half = float16, float = float32)")
     max_model_len: int = Field(4096, ge=2, description="context limit per sequence (prompt + output)")
     max_num_seqs: int = Field(256, ge=1, description="set always: AsyncLLM's defaults are smaller than LLM's")
     max_num_batched_tokens: int = Field(8192, ge=1, description=(
@@ -105,7 +106,7 @@ _WITHIN_TIMEOUT = "<= min(5, router.replica_timeout_s / 4)"  # a slower report w
 
 class RouterConfig(Section):
     pull_wait_s: float = Field(0.05, gt=0, le=5, description=(
-        "long-poll of a replica that runs sequences: orders at once, else after this"))
+        "long-poll of a replica that runs sequences: orders at once, else after this"), **_also(_WITHIN_TIMEOUT))
     idle_pull_wait_s: float = Field(1.0, gt=0, description=(
         "long-poll of a replica that holds nothing: new work wakes it at once"), **_also(_WITHIN_TIMEOUT))
     report_interval_s: float = Field(0.2, gt=0, description=(
@@ -130,7 +131,9 @@ class RouterConfig(Section):
     # (2-core CPU cluster, experiments/cpu-two-replicas: steal's decision p99 43 -> 2.2 ms, no makespan gain).
     niceness: Optional[int] = Field(None, ge=-20, le=19, description=(
         "the router's, the Gateway's and Serve's HTTP proxy's threads run at this niceness (null: keep Ray's 15)"))
-    call_timeout_s: float = Field(120.0, gt=0, description="bound on every driver -> router call")
+    # A driver's fetch long-polls the router for up to a second (client/follower.py FETCH_WAIT_S):
+    # a bound at or below that takes every quiet fetch for a dead router.
+    call_timeout_s: float = Field(120.0, ge=5, description="bound on every driver -> router call")
     abandoned_batch_s: float = Field(900.0, description=(
         "a batch no driver fetched from for this long (its driver died) is cancelled and dropped; 0: never"),
         **_also("0 (never) or >= 10: drivers fetch about once a second"))
@@ -146,6 +149,7 @@ class RouterConfig(Section):
     @model_validator(mode="after")
     def _rules(self) -> "RouterConfig":
         ceiling = min(5.0, self.replica_timeout_s / 4)
+        self._require("pull_wait_s", self.pull_wait_s <= ceiling, f" = {ceiling:g}")
         self._require("idle_pull_wait_s", self.idle_pull_wait_s <= ceiling, f" = {ceiling:g}")
         self._require("report_interval_s", self.report_interval_s <= ceiling, f" = {ceiling:g}")
         self._require("abandoned_batch_s", self.abandoned_batch_s == 0 or self.abandoned_batch_s >= 10)
@@ -221,8 +225,9 @@ class SecurityConfig(Section):
         "true: accept unsigned control orders when no key is configured (else the router refuses to start)"))
     max_clock_skew_s: float = Field(30.0, gt=0, le=300, description=(
         "a signed order issued further than this from the router's clock is refused; nonces are kept this long"))
-    checkpoint_roots: list[str] = Field(default_factory=list, description=(
-        "update_weights paths must resolve (realpath) under one of these folders; empty: every update is refused"))
+    checkpoint_roots: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, description=(
+        "update_weights paths must resolve (realpath) under one of these folders (each non-empty); empty list: every "
+        "update is refused"))
     http_weight_updates: bool = Field(False, description=(
         "true: the Gateway serves TRL's and vLLM's weight routes (/init_communicator/, /update_weights, ...): "
         "whoever holds the bearer token may replace the served weights (docs/trainers.md)"))
@@ -253,8 +258,9 @@ class LimitsConfig(Section):
 
 
 class ClusterConfig(Section):
-    app_name: str = Field("rollout", description=(
-        "Serve application name; drivers connect with `RolloutClient.connect(app_name=...)`"))
+    app_name: str = Field("rollout", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description=(
+        "Serve application name (letters, digits, _ . -; at most 64, a letter or digit first), also its route "
+        "prefix (/<app_name>); drivers connect with `RolloutClient.connect(app_name=...)`"))
     replicas: int = Field(2, ge=1, description="number of EngineReplica deployments, one vLLM engine each")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     resources: ReplicaResources = Field(default_factory=ReplicaResources)

@@ -88,6 +88,18 @@ def check_wait_s(field_name: str, v, allow_none: bool = True) -> None:
         raise InputError(field_name, v, "must be a finite number of seconds >= 0" + (" (or None)" if allow_none else ""))
 
 
+RUNNING_MODES = ("finish", "keep", "recompute", "abort")  # update_weights / push_weights(running=...)
+
+
+def check_weights_order(version, running) -> None:
+    """update_weights' and push_weights' `version` and `running`, refused before anything is
+    waited for or sent."""
+    if version is not None and not (is_int(version) and version >= 0):
+        raise InputError("version", version, "must be None (the next version) or an integer >= 0")
+    if not isinstance(running, str) or running not in RUNNING_MODES:
+        raise InputError("running", running, f"must be one of {', '.join(RUNNING_MODES)}")
+
+
 def check_replicas(replicas) -> None:
     """A fleet's size (RolloutClient.scale, the router's set_fleet_target): an integer >= 1."""
     if not is_int(replicas) or replicas < 1:

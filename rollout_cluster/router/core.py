@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..policy.base import Policy
-from ..protocol import InputError, ModelInfo, Orders, Report
+from ..protocol import RUNNING_MODES, InputError, ModelInfo, Orders, Report
 from .adoption import OrphanAdoption
 from .batches import Batches
 from .control import FleetControl
@@ -66,7 +66,6 @@ class Applied:
     stalled: bool = False  # the replica was declared stalled (now or before): answer with Orders.stop
 
 
-RUNNING_MODES = ("finish", "keep", "recompute", "abort")  # update_weights(running=...)
 
 
 class RouterCore:

@@ -6,7 +6,7 @@ whole graph. deploy.py deploys it from a driver.
 """
 from __future__ import annotations
 
-from ..config import ClusterConfig, load_config, to_dict
+from ..config import ConfigError, ClusterConfig, load_config, to_dict
 from .gateway import Gateway
 from .replica import EngineReplica
 from .router import Router
@@ -58,5 +58,11 @@ def build_app(cfg: ClusterConfig):
 def build(args: dict):
     """Entry point for `serve run` and KubeRay's serveConfigV2: args {config: path} or a config mapping."""
     args = dict(args or {})
-    source = args.pop("config", None) or args
+    if "config" not in args:
+        return build_app(load_config(args))
+    source = args.pop("config")
+    if not (isinstance(source, str) and source.strip()) or args:
+        # an empty path (config=$UNSET) would have deployed every default; keys beside it, ignored
+        raise ConfigError(f"config={source!r}" + (f" with {sorted(args)}" if args else "") + ": the app's args are "
+                          "either {config: <a YAML file's path>} or the config's keys themselves, not both")
     return build_app(load_config(source))

@@ -25,12 +25,16 @@ from ..protocol import is_int
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
+def check_bucket_bytes(bucket_bytes) -> None:
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be an integer >= 1")
+
+
 def checked(named_tensors: Iterable, bucket_bytes: int) -> Iterator[tuple]:
     """The (name, tensor) pairs, each checked: a pair, a str name given once, a torch.Tensor."""
     import torch
 
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be an integer >= 1")
+    check_bucket_bytes(bucket_bytes)
     seen = set()
     for item in named_tensors:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
