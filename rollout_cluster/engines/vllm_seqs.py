@@ -12,13 +12,16 @@ from __future__ import annotations
 from array import array
 
 import asyncio
+import json
 import logging
 import time
 
 from ..protocol import EngineStats, SeqProgress, Work
+from ..protocol.requests import MAX_CACHE_SALT_CHARS
 from .vllm_params import sampled_logprobs, sampling_params
 
 log = logging.getLogger(__name__)
+_SALT_PAD = "~" * (MAX_CACHE_SALT_CHARS + 1)  # (makes an engine-made salt longer than any a request may bring)
 
 
 class VllmSeqs:
@@ -220,7 +223,9 @@ class VllmSeqs:
             self._step_ema = sample if self._step_ema == 0 else 0.8 * self._step_ema + 0.2 * sample
         # Per-sequence decode rate over the interval, zero-token intervals included: with
         # stream_interval > 1 tokens arrive in chunks, and only a rate averages them without bias.
-        dt, running = now - self._last_drain, len(self.tasks)
+        # (divided by the attempts that made tokens or run now: one that ended inside the interval
+        # brought its tokens, so it counts too)
+        dt, running = now - self._last_drain, len(set(self.tasks) | {(p.seq_id, p.attempt) for p in out})
         if dt > 0 and running:
             rate = sum(per_seq.values()) / (running * dt)
             self._rate_ema = rate if self._rate_ema == 0 else 0.9 * self._rate_ema + 0.1 * rate
@@ -279,7 +284,10 @@ class VllmSeqs:
             log.exception("aborting %d requests whose weights broke failed", len(cut))
 
     def _salt(self, salt):
-        """The request's prefix-cache salt: its own, and the weights version after a keep swap."""
+        """The request's prefix-cache salt: its own, and after a keep swap one that names the weights
+        version too, in a form no request's salt can take (longer than MAX_CACHE_SALT_CHARS, and
+        one salt and version to one string): blocks cached on the old weights under a request's
+        salt "w2" are never reused after a swap to version 2."""
         if self.salt_version is None:
             return salt
-        return f"{salt}|w{self.salt_version}" if salt is not None else f"w{self.salt_version}"
+        return json.dumps([salt, self.salt_version]) + _SALT_PAD
