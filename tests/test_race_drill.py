@@ -323,8 +323,8 @@ def test_ten_thousand_forced_races_lose_and_duplicate_no_final():
 def test_the_drill_catches_a_resent_delta_counted_twice(monkeypatch):
     apply = ReportApplier.seq_progress
 
-    def without_offsets(self, rep, p, now, leaving=False):  # no duplicate check: p.offset "not tracked"
-        apply(self, rep, replace(p, offset=-1) if p.prompt_token_ids is None else p, now, leaving)
+    def without_offsets(self, rep, p, now, *args):  # no duplicate check: p.offset "not tracked"
+        apply(self, rep, replace(p, offset=-1) if p.prompt_token_ids is None else p, now, *args)
 
     monkeypatch.setattr(ReportApplier, "seq_progress", without_offsets)
     assert run_drill(400)["races_with_wrong_tokens"] > 0

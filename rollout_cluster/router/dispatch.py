@@ -46,7 +46,10 @@ class Dispatcher:
             return Orders()
         # A replica without the current weights gets no work (its load order is in its outbox), nor
         # one that sleeps or is on its way to or from sleep.
-        if (len(self.queue) or self.seqs) and self.control.usable(rep):
+        usable = self.control.usable(rep)
+        if not usable:  # a continuation a give-up kept for it waits for no replica that cannot take it
+            self.queue.release_reserved(replica_id)
+        if (len(self.queue) or self.seqs) and usable:
             t0 = timer() if timer else None
             decision = self.policy.decide(self.view(now), replica_id)
             if timer:

@@ -165,6 +165,9 @@ class SeqMoves:
         wants_logprobs = isinstance(req.sampling, SamplingSpec) and req.sampling.logprobs is not None
         # (an invalid request may have no spec; one that asked but ended before its first token gets [])
         logprobs = (array("d") if seq.logprobs is None else seq.logprobs) if wants_logprobs else None
+        wv = seq.weight_versions
+        while len(wv) > 1 and wv[-1][0] >= seq.generated:  # a keep swap's mark past the tokens kept labels none
+            wv.pop()
         version = (seq.weight_versions[-1][1] if seq.weight_versions
                    else batch.weights_version if batch else self.weights.version)
         done = Completion(req.prompt_index, req.sample_index, seq.token_ids, logprobs, reason, seq.error,

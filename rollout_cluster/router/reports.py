@@ -60,10 +60,12 @@ class ReportApplier:
     def progress(self, rep: ReplicaState, report: Report, now: float) -> None:
         """Every sequence's progress in the report (a leaving replica's finals hand its work back)."""
         for p in report.progress:
-            self.seq_progress(rep, p, now, report.leaving)
+            self.seq_progress(rep, p, now, report.leaving, report.leaving and report.engine_dead)
 
-    def seq_progress(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False) -> None:
-        """One sequence's new tokens, and its segment's end if this is its final report."""
+    def seq_progress(self, rep: ReplicaState, p: SeqProgress, now: float, leaving: bool = False,
+                     engine_dead: bool = False) -> None:
+        """One sequence's new tokens, and its segment's end if this is its final report (`leaving`
+        with `engine_dead`: the goodbye of a replica whose engine died or broke)."""
         seq = self.seqs.get(p.seq_id)
         if seq is None and self.adoption.take_final(rep, p, now, leaving):
             return
@@ -109,8 +111,10 @@ class ReportApplier:
             seq.error = p.error or "engine error"
             self.moves.finish(seq, "error", now, rep.replica_id)
         elif reason == "abort" or self.segment_cut(seq, reason):
-            # An abort nobody ordered is a replica handing its work back before it stops.
-            cause = seq.give_up_cause or ("replica_left" if reason == "abort" else None)
+            # An abort nobody ordered is a replica handing its work back before it stops (or, its
+            # engine dead or broken, before Serve replaces it: a death, not a scale-down).
+            unordered = "replica_lost" if engine_dead else "replica_left"
+            cause = seq.give_up_cause or (unordered if reason == "abort" else None)
             self.moves.requeue_after_segment(seq, rep.replica_id, now, cause)
         else:
             self.moves.finish(seq, reason, now, rep.replica_id)
@@ -139,11 +143,12 @@ class ReportApplier:
     def note_swaps(self, seq: SeqState, swaps: list) -> None:
         """The replica swapped weights under this attempt (running="keep"): its tokens from
         segment_start + offset on are the new version's. Every report after the swap carries it
-        again: a version already last in weight_versions is not added twice."""
+        again, each swap of the attempt: a version already in weight_versions is not added twice
+        (versions only grow: a version appears once in a sequence's history)."""
         for offset, version in swaps:
             if not (is_int(offset) and is_int(version)) or offset < 0:
                 continue
-            if seq.weight_versions and seq.weight_versions[-1][1] == version:
+            if any(v == version for _, v in seq.weight_versions):
                 continue
             at = max(seq.segment_start + offset, seq.weight_versions[-1][0] if seq.weight_versions else 0)
             seq.weight_versions.append((at, version))
