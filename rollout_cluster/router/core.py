@@ -66,8 +66,6 @@ class Applied:
     stalled: bool = False  # the replica was declared stalled (now or before): answer with Orders.stop
 
 
-
-
 class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
@@ -127,7 +125,7 @@ class RouterCore:
         self.weights.floor.began(now)  # (a fresh router's start, for weights orders: weights_floor.py)
         if self.fleet.gone(report):  # (a stalled one's reports are never applied: its work runs elsewhere)
             return Applied(None, stalled=self.fleet.was_stalled(report))
-        finished, requeues = self.moves.finished_count, self.moves.requeues
+        finished, pushed = self.moves.finished_count, self.queue.pushed
         rep = self.membership.register(report, now)
         # (a report the router processed late, after a newer one: what it lists is older than what was sent since)
         fresh = not report.number or report.number > rep.last_report_number
@@ -143,7 +141,7 @@ class RouterCore:
             stalled = True
         elif report.listing is not None:
             self.reports.reconcile(rep, report.listing.held, report.listing.aborting, now, fresh)
-        return Applied(rep.replica_id, self.moves.finished_count != finished, self.moves.requeues != requeues,
+        return Applied(rep.replica_id, self.moves.finished_count != finished, self.queue.pushed != pushed,
                        report.leaving, stalled)
 
     def decide(self, replica_id: str, now: float, timer=None) -> Orders:

@@ -154,11 +154,13 @@ class WorkQueue:
         # ones, and partial rollouts resumed in a new batch (continuations not yet run here)
         self.homed: "dict[str, OrderedDict[str, SeqState]]" = {}
         self._reserved_for: "dict[str, str]" = {}  # seq_id -> the replica whose lane holds it
+        self.pushed = 0  # sequences pushed, ever: a change is work for held pulls (Serve's router wakes them)
 
     def __len__(self) -> int:  # every pull asks: O(1)
         return len(self.fresh) + len(self.continuations) + len(self._reserved_for)
 
     def push(self, seq: SeqState, reserved_for: Optional[str] = None) -> None:
+        self.pushed += 1
         self.remove(seq)  # one lane holds a sequence (re-reserved elsewhere, or requeued): O(1)
         if reserved_for is not None:
             self.reserved.setdefault(reserved_for, OrderedDict())[seq.seq_id] = seq

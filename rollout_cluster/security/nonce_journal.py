@@ -13,8 +13,8 @@ them without reading values, and keys the window left behind are deleted as new 
 from __future__ import annotations
 
 import re
-
-from typing import Protocol
+import threading
+from typing import Callable, Optional, Protocol
 
 
 class KV(Protocol):
@@ -29,10 +29,24 @@ class NonceJournal:
     """The accepted nonces of one app's routers. `window_ms`: how long an order's nonce must be
     remembered (the verifier's: orders issued further back are refused for skew anyway)."""
 
-    def __init__(self, kv: KV, window_ms: int):
+    def __init__(self, kv: KV, window_ms: int, warn: Optional[Callable[[str], None]] = None):
         self.kv = kv  # the store shared by this app's router incarnations
         self.window_ms = window_ms  # a nonce older than this (from its order's issued_ms) is dropped
         self.written: dict[str, int] = {}  # key -> issued_ms: the keys this journal knows still live
+        self.warn = warn or (lambda message: None)  # how a store that fails is said (accepted)
+        self._lock = threading.Lock()  # accepted() may run in several threads at once (Serve's router)
+
+    def accepted(self, nonce: str, issued_ms: int) -> None:
+        """Journal an order the verifier accepted, before it runs. A store that fails is said
+        (`warn`), not raised: the order still runs; only a replay across the next restart is no
+        longer refused."""
+        try:
+            with self._lock:
+                # (its issued_ms for the clock: the router's is within the skew of it, and the window is twice that)
+                self.record(nonce, issued_ms, issued_ms)
+        except Exception as e:  # noqa: BLE001 (the store, not this router, is at fault)
+            self.warn(f"control orders: nonce not journaled ({type(e).__name__}: {e}); the order runs, "
+                      f"and would run again if replayed to the router Serve starts after this one")
 
     def recall(self, now_ms: int) -> dict[str, int]:
         """The nonces (-> issued_ms) accepted within the window by any router before this one;
@@ -85,24 +99,18 @@ class GcsKV:
         self._kv._internal_kv_del(key.encode(), namespace=self.namespace)
 
 
-def attach(verifier, kv: KV, now_ms: int, warn) -> NonceJournal:
-    """A router's verifier made to remember its predecessors' nonces and journal its own.
+def attach(verifier, kv: KV, now_ms: int, warn, hook: bool = True) -> NonceJournal:
+    """A router's verifier made to remember its predecessors' nonces, and a journal of its own:
+    `journal.accepted(nonce, issued_ms)` writes one (thread-safe; the Serve router calls it in a
+    thread, `hook=False`), or with `hook` the verifier calls it as it accepts each order.
     `warn(message)`: a store that fails is said, not fatal (the orders still run; only a replay
     across the next restart is no longer refused)."""
-    journal = NonceJournal(kv, int(2 * verifier.max_skew_s * 1000))
+    journal = NonceJournal(kv, int(2 * verifier.max_skew_s * 1000), warn)
     try:
         verifier.remember(journal.recall(now_ms))
     except Exception as e:  # noqa: BLE001 (the store, not this router, is at fault)
         warn(f"control orders: the nonces of the router before this one could not be read "
              f"({type(e).__name__}: {e}); one replayed from before the restart is not refused")
-
-    def record(nonce: str, issued_ms: int) -> None:
-        try:
-            # (its issued_ms for the clock: the router's is within the skew of it, and the window is twice that)
-            journal.record(nonce, issued_ms, issued_ms)
-        except Exception as e:  # noqa: BLE001
-            warn(f"control orders: nonce not journaled ({type(e).__name__}: {e}); the order runs, "
-                 f"and would run again if replayed to the router Serve starts after this one")
-
-    verifier.on_accept = record
+    if hook:
+        verifier.on_accept = journal.accepted
     return journal

@@ -24,8 +24,16 @@ def deploy(app, cfg: ClusterConfig, timeout_s: float) -> None:
     name = cfg.app_name
     # external_scaler_enabled: RolloutClient.scale sets the fleet's size in place (Serve's
     # external scaling API); without it Serve refuses that call.
-    _run(app, _blocking=False, name=name, route_prefix=f"/{name}", external_scaler_enabled=True)
     deadline = time.monotonic() + timeout_s
+    existed = name in serve.status().applications  # (an update: a failed one leaves the app that ran)
+    try:
+        # (inside: _run itself waits for the ingress deployment and every node's proxy, and may
+        # raise or be interrupted after the controller took the app)
+        _run(app, _blocking=False, name=name, route_prefix=f"/{name}", external_scaler_enabled=True)
+    except BaseException:
+        if not existed:
+            serve.delete(name)
+        raise
     try:
         while True:
             status = serve.status().applications.get(name)

@@ -2,10 +2,19 @@
 (counters.py) exported, and gauges read from the core every second."""
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ..router.core import RouterCore
 from ..router.counters import RouterMetrics
+
+
+# A replica that left keeps its counters' series this long, then they go: long enough for every
+# scrape (and an alert's increase() window) to see their last counts, and the registry does not
+# grow with every replica a fleet ever had (Serve names each replacement anew).
+GONE_SERIES_KEEP_S = 900.0
 
 
 class PrometheusRouterMetrics(RouterMetrics):
@@ -46,6 +55,8 @@ class PrometheusRouterMetrics(RouterMetrics):
         self.stalls_total = Counter("rollout_replica_stalls_total", "Replicas declared stalled: they held running "
                                     "sequences and reported no new token for router.stall_timeout_s (their sequences "
                                     "continued elsewhere; Serve replaces them)", registry=r)
+        self._series: dict[str, set] = {}  # replica id -> (counter, label values) of its counters' series
+        self._gone_since: dict[str, float] = {}  # replica id -> when gauges() first found it gone
         self.port = port
         if port:
             start_http_server(port, registry=r)
@@ -53,18 +64,23 @@ class PrometheusRouterMetrics(RouterMetrics):
     def decision(self, seconds: float) -> None:
         self.decision_s.observe(seconds)
 
+    def _count(self, counter: Counter, replica_id: str, *labels: str) -> None:
+        """Count once in `counter`'s series of (replica_id, *labels), remembered for pruning."""
+        counter.labels(replica_id, *labels).inc()
+        self._series.setdefault(replica_id, set()).add((counter, (replica_id, *labels)))
+
     def migration(self, source: str, reprefill_tokens: int) -> None:
-        self.migrations.labels(source).inc()
+        self._count(self.migrations, source)
         self.reprefill.inc(reprefill_tokens)
 
     def give_up_latency(self, seconds: float) -> None:
         self.give_up_s.observe(seconds)
 
     def finished(self, replica_id: str, reason: str) -> None:
-        self.finished_total.labels(replica_id, reason).inc()
+        self._count(self.finished_total, replica_id, reason)
 
     def resumed(self, source: str, reason: str) -> None:
-        self.resumed_total.labels(source, reason).inc()
+        self._count(self.resumed_total, source, reason)
 
     def replica_stalled(self, replica_id: str) -> None:
         self.stalls_total.inc()
@@ -78,7 +94,7 @@ class PrometheusRouterMetrics(RouterMetrics):
     def batch_refused(self, limit: str) -> None:
         self.busy_total.labels(limit).inc()
 
-    def gauges(self, core: RouterCore) -> None:
+    def gauges(self, core: RouterCore, now: Optional[float] = None) -> None:
         self.queued.set(len(core.queue))
         self.weights_version.set(core.weights.version)
         self.weights_failed.set(len(core.weights.errors))
@@ -90,3 +106,16 @@ class PrometheusRouterMetrics(RouterMetrics):
         for rid in self._running_labels - set(core.fleet.replicas):  # gone: sum() must not count it
             self.running.remove(rid)
         self._running_labels = set(core.fleet.replicas)
+        self._prune_gone(set(core.fleet.replicas), time.monotonic() if now is None else now)
+
+    def _prune_gone(self, live: set, now: float) -> None:
+        """Drop the counters' series of replicas gone for GONE_SERIES_KEEP_S ("-": none, kept)."""
+        for rid in list(self._series):
+            if rid in live or rid == "-":
+                self._gone_since.pop(rid, None)
+                continue
+            since = self._gone_since.setdefault(rid, now)
+            if now - since >= GONE_SERIES_KEEP_S:
+                for counter, labels in self._series.pop(rid):
+                    counter.remove(*labels)
+                del self._gone_since[rid]

@@ -76,24 +76,29 @@ class Router:
         self.verifier = OrderVerifier(read_keys(sec), sec.max_clock_skew_s, sec.allow_unsigned_control)
         # ... and remembers the nonces its predecessors accepted (a restart is no replay window)
         app = _app_name()
-        if app is not None:
-            attach_journal(self.verifier, GcsKV(f"rollout_cluster.nonces.{app}"), int(time.time() * 1000), log.warning)
+        self.journal = None if app is None else attach_journal(
+            self.verifier, GcsKV(f"rollout_cluster.nonces.{app}"), int(time.time() * 1000), log.warning, hook=False)
         self.creds = ReplicaCredentials(self.verifier, self.metrics)
         self.credentials = self.creds.issued  # replica_id -> the credential it reports with
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
-    def _order(self, order, op: str) -> dict:
-        """The arguments of a control order, or OrderRefused (counted by reason)."""
+    async def _order(self, order, op: str) -> dict:
+        """The arguments of a control order, or OrderRefused (counted by reason). Its nonce is
+        journaled before it runs (in a thread: the GCS may be slow, and pulls go on meanwhile; a
+        replay to this router is refused from memory at once)."""
         try:
-            return self.verifier.check(order, op, time.time())
+            args = self.verifier.check(order, op, time.time())
         except OrderRefused as e:
             self.metrics.refused(e.reason)
             log.warning("%s", e)
             raise
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.accepted, order.nonce, order.issued_ms)
+        return args
 
     async def register(self, order) -> str:
         """A replica's signed request for its report credential (serve/router_credentials.py)."""
-        return self.creds.register(self._order(order, "register"))
+        return self.creds.register(await self._order(order, "register"))
 
     async def _reap(self) -> None:
         while True:
@@ -104,12 +109,16 @@ class Router:
                 log.exception("the router's once-a-second check failed; it runs again in a second")
 
     def _reap_once(self, now: float) -> None:
-        """Replicas that stopped pulling, the push watch, stalled replicas, abandoned and finished batches."""
+        """Replicas that stopped pulling, the push watch, stalled replicas, abandoned and finished
+        batches; then whoever waits for what changed is woken (held pulls for work queued, drivers'
+        fetches for sequences finished: a cancelled one of a dead replica, the queue failed)."""
+        mark = self._mark()
         dead = self.core.expire(now)
         if dead:
             log.warning("replicas %s stopped pulling; their sequences were requeued", dead)
             for rid in dead:
                 self.work_ready.pop(rid, None)
+                self.creds.forget(rid)  # (a dead replica's credential is no longer good)
             self._wake_all()
         try:
             died = self.push_watch.tick()
@@ -122,6 +131,7 @@ class Router:
             self._wake_all()  # their work is queued: the others take it now (a held pull of theirs ends)
             for rid in stalled:
                 self.work_ready.pop(rid, None)
+                self.creds.forget(rid)
         dropped = self.core.drop_abandoned(now, self.cfg.router.abandoned_batch_s)
         for bid in dropped:  # (the reasons kept are the latest DROPPED_KEPT: a larger tick outruns them)
             log.warning("batch %s: %s", bid, self.core.batches.dropped.get(bid, "dropped as abandoned"))
@@ -131,7 +141,19 @@ class Router:
             self._wake_all()  # give-up orders for the replicas that ran them
         for bid in self.core.drop_finished(now, self.cfg.router.finished_batch_keep_s):
             self.submit_t.pop(bid, None)  # (fetched whole; its driver never fetched from its end)
-        self.metrics.gauges(self.core)
+        self._after(mark)
+        self.metrics.gauges(self.core, now)
+
+    def _mark(self) -> tuple:
+        """What a change is measured against (_after): sequences queued and finished, ever."""
+        return self.core.queue.pushed, self.core.moves.finished_count
+
+    def _after(self, mark: tuple) -> None:
+        pushed, finished = mark
+        if self.core.queue.pushed != pushed:  # (an adoption wait's end, a dead replica's work)
+            self._wake_all()
+        if self.core.moves.finished_count != finished:
+            self._notify_batches()
 
     def _wake_all(self) -> None:
         for ev in self.work_ready.values():
@@ -148,6 +170,8 @@ class Router:
         core = self.core
         applied = core.apply(report, now)
         if applied.stalled:  # declared now or before: its work continues elsewhere; it stops
+            if applied.finished:  # (its cancelled sequences ended with it)
+                self._notify_batches()
             if applied.replica_id is not None:
                 self.stalls.note([report.replica_id])
                 self.work_ready.pop(report.replica_id, None)
@@ -254,7 +278,7 @@ class Router:
         return new, new_cursor, done
 
     async def cancel(self, order) -> int:
-        n = self.core.cancel(self._order(order, "cancel")["batch_id"], time.monotonic())
+        n = self.core.cancel((await self._order(order, "cancel"))["batch_id"], time.monotonic())
         self._wake_all()
         self._notify_batches()
         return n
@@ -263,7 +287,7 @@ class Router:
         """Order every replica to load `path` as `version` (between batches); returns the version.
         The path must resolve under one of security.checkpoint_roots and be a complete checkpoint
         (docs/checkpoints.md), or the fleet keeps its weights and the caller gets why."""
-        args = self._order(order, "update_weights")
+        args = await self._order(order, "update_weights")
         path = await checked_checkpoint(self, args)
         v = self.core.update_weights(path, args.get("version"), running=args.get("running") or "finish",
                                      now=time.monotonic())
@@ -276,7 +300,7 @@ class Router:
         returns the version. The signed order names the buckets' object ids: others are refused.
         `lease`: the trainer's (transfer/lease.py), watched while a streamed push's objects still
         come: if the trainer dies, the push is aborted (serve/push_watch.py)."""
-        args = self._order(order, "push_weights")
+        args = await self._order(order, "push_weights")
         source = checked_push(self, args, buckets)
         v = self.core.update_weights(source, args.get("version"), tuple(buckets), args.get("running") or "finish",
                                      now=time.monotonic(), total=args.get("objects"))
@@ -291,7 +315,7 @@ class Router:
         """The later buckets of the push the fleet is at (the trainer puts them while the replicas
         load the first ones): handed to every replica ordered it. Returns how many objects the
         push has now. The signed order names their object ids and where they start."""
-        args = self._order(order, "push_more")
+        args = await self._order(order, "push_more")
         source = checked_push(self, args, buckets)
         n = self.core.control.push_more(source, args.get("start"), tuple(buckets))
         self._wake_all()
@@ -302,7 +326,7 @@ class Router:
         the weights it held before (RouterCore.abort_push), each replica's load of the push stops at
         once (reloading those weights where it had begun replacing them) instead of waiting out
         bucket_stream.STALL_S. {"aborted": version or None, "version": the fleet's now}."""
-        source, reason = checked_abort(self._order(order, "push_abort"))
+        source, reason = checked_abort(await self._order(order, "push_abort"))
         return self._abort_push(source, reason, time.monotonic())
 
     def _abort_push(self, source: str, reason: str, now: float) -> dict:
@@ -316,12 +340,12 @@ class Router:
 
     async def sleep(self, order) -> int:
         """Put every engine to sleep (vLLM sleep mode, between batches); returns the level."""
-        level = self.core.sleep_fleet(self._order(order, "sleep").get("level", 1))
+        level = self.core.sleep_fleet((await self._order(order, "sleep")).get("level", 1))
         self._wake_all()
         return level
 
     async def wake(self, order) -> None:
-        self._order(order, "wake")
+        await self._order(order, "wake")
         self.core.wake_fleet()
         self._wake_all()
 
@@ -346,7 +370,9 @@ class Router:
 
     async def set_fleet_target(self, order) -> int:
         """RolloutClient.scale told Serve to run `replicas`: the count static and chunked use."""
-        self.core.set_fleet_target(self._order(order, "set_fleet_target").get("replicas"), time.monotonic())
+        args = await self._order(order, "set_fleet_target")
+        self.core.set_fleet_target(args.get("replicas"), time.monotonic())
+        self._wake_all()  # (what static and chunked decide changes with it)
         return self.core.fleet.expected
 
     async def status(self) -> dict:
@@ -354,7 +380,7 @@ class Router:
 
     async def set_trace(self, order) -> None:
         """Record (time, replica, sequences held) at every pull: benchmarks plot it."""
-        self.core.trace = [] if self._order(order, "set_trace").get("on", True) else None
+        self.core.trace = [] if (await self._order(order, "set_trace")).get("on", True) else None
         self.submit_t.clear()
 
     async def take_trace(self, batch_id: str) -> list:
@@ -374,7 +400,7 @@ class Router:
         """Swap the policy between batches (benchmarks run every policy on one cluster)."""
         from ..config import PolicyConfig
 
-        policy = self._order(order, "set_policy").get("policy")
+        policy = (await self._order(order, "set_policy")).get("policy")
         if not isinstance(policy, dict):
             raise TypeError(f"policy={policy!r}: must be a mapping")
         if self.core.seqs:
