@@ -113,6 +113,7 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
         return wait_for_version(client, v, source, "push_weights", timeout_s, deadline)
     finally:  # every replica loaded or failed (or the wait gave up): the handles close
         if hold is not None and not hold.release(timeout_s):
+            hold.abandon()
             log.warning("push_weights: a replica still loads over CUDA IPC after %.0f s; its tensors are kept "
                         "(never freed) so that it reads no freed memory", timeout_s)
 

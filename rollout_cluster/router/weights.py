@@ -91,6 +91,8 @@ class FleetWeights:
         if broke is not None:
             raise InputError("path", path, f"its load as version {broke.version} failed on replica {broke.replica} "
                              f"({broke.error}); a broken checkpoint is not ordered again: write it under a new path")
+        if path in self.aborted_reasons and path != self.path:  # (its push_abort came before its order)
+            raise InputError("source", path, f"was aborted by its trainer ({self.aborted_reasons[path]}): push again")
         if version is None:
             version = self.floor.lowest_next(self.version)
         if not is_int(version) or version < self.floor.lowest_next(self.version):
@@ -151,8 +153,13 @@ class FleetWeights:
         the version it was at before (no replica could hold the push: none has all of it), and the
         next version is numbered above the aborted one, which names these weights for good. Returns
         the aborted version; None when `source` is not a push still coming (one whose objects all
-        came, another, or one already aborted): nothing changes."""
+        came, another, or one already aborted): nothing changes, but a push the router never took
+        (its abort came first: the trainer's order went unanswered, and the two crossed) is
+        remembered as aborted, and its order refused if it comes after."""
         if self.previous is None or source != self.path:
+            held = {self.path, self.previous[1] if self.previous else None}
+            if isinstance(source, str) and source not in held:  # (push_abort's source: checked_abort)
+                self._remember_aborted(source, reason)
             return None
         aborted = self.version
         self.floor.passed(aborted, f"push {source} was aborted as version {aborted}")
@@ -160,14 +167,17 @@ class FleetWeights:
         self.previous, self.total, self.keep = None, None, False
         self.aborted = {"version": aborted, "source": source, "reason": reason, "back_to": self.version,
                         "replicas": {}}
-        self.aborted_reasons[source] = reason
-        while len(self.aborted_reasons) > BROKEN_KEPT:
-            self.aborted_reasons.pop(next(iter(self.aborted_reasons)))
+        self._remember_aborted(source, reason)
         self.sent.clear()
         self.errors.clear()
         self.held_back.clear()
         self.load_deaths.clear()
         return aborted
+
+    def _remember_aborted(self, source: str, reason: str) -> None:
+        self.aborted_reasons[source] = reason
+        while len(self.aborted_reasons) > BROKEN_KEPT:
+            self.aborted_reasons.pop(next(iter(self.aborted_reasons)))
 
     def check_batch(self, version, replicas: int) -> None:
         """A batch that names its weights version runs on it or is refused: a trainer that updated

@@ -37,8 +37,10 @@ def checked(named_tensors: Iterable, bucket_bytes: int) -> Iterator[tuple]:
     check_bucket_bytes(bucket_bytes)
     seen = set()
     for item in named_tensors:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+        if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(f"named_tensors: expected (name, tensor) pairs, got {type(item).__name__}")
+        if not isinstance(item[0], str):
+            raise TypeError(f"named_tensors: a name must be a str, got {item[0]!r} ({type(item[0]).__name__})")
         name, tensor = item
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"named_tensors[{name!r}]: expected a torch.Tensor, got {type(tensor).__name__}")

@@ -119,19 +119,27 @@ class IpcHold:
                         os.unlink(self.lease)
                     except FileNotFoundError:
                         pass
-                    return False
+                    return False  # (the descriptor stays open for a later release(); abandon() closes it)
                 time.sleep(0.05)
         try:
             os.unlink(self.lease)
         except FileNotFoundError:
             pass
         os.close(self.fd)
+        self.fd = -1
         self.tensors = []
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # frees what the engines released (torch keeps sent blocks till then)
         return True
+
+    def abandon(self) -> None:
+        """After a release() that timed out, no other comes: close the lease's descriptor (its
+        file is unlinked already; the tensors stay kept, as release() left them)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 _KEPT: list = []  # tensors of pushes whose lease a load still held at release (never freed)
