@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -28,6 +30,8 @@ PROMPT_CONTEXT = 8
 _UNFINISHED = "\ufffd"  # a character whose bytes are not all there yet: the stream holds it back
 # What a codec reads of a model (a hub model's download is these files alone, not its weights)
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/*.jinja"]
+# the most the Gateway's start waits for the Hub (hub_folder); $ROLLOUT_HUB_TIMEOUT_S sets it
+HUB_TIMEOUT_S = float(os.environ.get("ROLLOUT_HUB_TIMEOUT_S") or 30.0)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "owner/name", as the Hub spells a model's id
 log = logging.getLogger("ray.serve")
 
@@ -195,18 +199,36 @@ class TextCodec:
                                **{"tools": None, "documents": None, **special, **kwargs})
 
 
-def hub_folder(repo_id: str) -> Optional[Path]:
-    """The Hugging Face cache's folder of `repo_id`'s tokenizer files, fetched into it if missing
-    (HF_HOME, HF_TOKEN and HF_HUB_OFFLINE apply, as to vLLM's engines); None where the Hub and the
-    cache have none (said in the log: text prompts are then refused naming the field)."""
-    try:
-        from huggingface_hub import snapshot_download
+def hub_folder(repo_id: str, timeout_s: float = HUB_TIMEOUT_S) -> Optional[Path]:
+    """The Hugging Face cache's folder of `repo_id`'s tokenizer files: the cache's own first (no
+    network), else fetched into it within `timeout_s` (a Hub or proxy that does not answer must
+    not hold up the Gateway's start: huggingface_hub's first call has no timeout of its own).
+    HF_HOME, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply, as to vLLM's engines. None where the
+    cache has none and the Hub gave none in time (said in the log: text prompts are then refused
+    naming the field)."""
+    from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES))
-    except Exception as e:
-        log.warning("no tokenizer for engine.model=%r from the Hugging Face cache or Hub (%s: %s): text prompts "
-                    "and chat are refused; token ids work", repo_id, type(e).__name__, e)
-        return None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES, local_files_only=True))
+    except Exception:  # noqa: BLE001 (not in the cache: ask the Hub)
+        pass
+    got: dict = {}
+
+    def fetch() -> None:
+        try:
+            got["path"] = snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES)
+        except Exception as e:  # noqa: BLE001
+            got["error"] = e
+
+    worker = threading.Thread(target=fetch, name=f"tokenizer-of-{repo_id}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if "path" in got:
+        return Path(got["path"])
+    why = got.get("error") or TimeoutError(f"no answer within {timeout_s:g} s")
+    log.warning("no tokenizer for engine.model=%r from the Hugging Face cache or Hub (%s: %s): text prompts "
+                "and chat are refused; token ids work", repo_id, type(why).__name__, why)
+    return None
 
 
 def _templates(folder: Path, config: dict) -> Union[str, dict, None]:
