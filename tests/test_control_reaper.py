@@ -1,40 +1,13 @@
 """The Serve router's reaper (serve/router.py _reap) keeps running: it expires silent
 replicas every second for the router's whole life."""
 import asyncio
-import time as real_time
 
 from rollout_cluster.config import ClusterConfig, to_dict
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SequenceRequest
 from rollout_cluster.router import batches as batches_module
 from rollout_cluster.serve import router as router_module
 from rollout_cluster.serve.router import Router
-
-
-class Clock:
-    """The router module's `time`: monotonic() runs `offset` seconds ahead when a test says so."""
-
-    def __init__(self):
-        self.offset = 0.0
-
-    def monotonic(self):
-        return real_time.monotonic() + self.offset
-
-    def time(self):
-        return real_time.time()
-
-    def perf_counter(self):
-        return real_time.perf_counter()
-
-
-class FastAsyncio:
-    """The router module's `asyncio`, its reaper's 1 s sleep cut to 10 ms."""
-
-    def __getattr__(self, name):
-        return getattr(asyncio, name)
-
-    @staticmethod
-    async def sleep(s):
-        await asyncio.sleep(min(s, 0.01))
+from router_support import Clock, FastAsyncio
 
 
 def report(rid: str) -> Report:

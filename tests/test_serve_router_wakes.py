@@ -17,34 +17,7 @@ from rollout_cluster.router import adoption as router_adoption
 from rollout_cluster.serve import router as router_module
 from rollout_cluster.serve.metrics import GONE_SERIES_KEEP_S
 from rollout_cluster.serve.router import Router
-from router_support import SIGNER, order, pull
-
-
-class Clock:
-    """The router module's `time`: monotonic() runs `offset` seconds ahead when a test says so."""
-
-    def __init__(self):
-        self.offset = 0.0
-
-    def monotonic(self):
-        return real_time.monotonic() + self.offset
-
-    def time(self):
-        return real_time.time()
-
-    def perf_counter(self):
-        return real_time.perf_counter()
-
-
-class FastAsyncio:
-    """The router module's `asyncio`, its reaper's 1 s sleep cut to 10 ms (everything else as is)."""
-
-    def __getattr__(self, name):
-        return getattr(asyncio, name)
-
-    @staticmethod
-    async def sleep(s):
-        await asyncio.sleep(min(s, 0.01))
+from router_support import SIGNER, Clock, FastAsyncio, order, pull
 
 
 def report(rid: str, progress=(), leaving: bool = False) -> Report:
