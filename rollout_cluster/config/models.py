@@ -121,6 +121,10 @@ class RouterConfig(Section):
         "a replica that holds running sequences and reports no new token for this long has stalled: its work "
         "continues elsewhere and it fails its health check (Serve replaces it); 0: never"),
         **_also("0 (never) or >= twice the longest report interval, 2 x min(5, router.replica_timeout_s / 4)"))
+    engine_error_retries: int = Field(2, ge=0, le=100, description=(
+        "a sequence that an engine ends with a retryable error (vLLM's finish_reason \"error\": a request-level "
+        "failure inside the engine, such as a KV load that failed) continues from its tokens so far, at most this "
+        "many times; the next such error ends it with finish_reason \"error\" (0: never retried)"))
     max_sessions: int = Field(65536, ge=0, description=(
         "multi-turn sessions whose last replica the router remembers (session affinity; least recently used "
         "forgotten first; 0: no affinity)"))

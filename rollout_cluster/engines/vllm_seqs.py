@@ -24,6 +24,19 @@ log = logging.getLogger(__name__)
 _SALT_PAD = "~" * (MAX_CACHE_SALT_CHARS + 1)  # (makes an engine-made salt longer than any a request may bring)
 
 
+def engine_error(out) -> tuple:
+    """(message, retryable) of a request vLLM ended with finish_reason "error". vLLM documents that
+    reason as a retryable request-level internal error (a KV load that failed, a multimodal cache
+    miss); releases that attach a RequestError (`out.error`: code, message, retryable) say which."""
+    err = getattr(out, "error", None)
+    if err is None:
+        return 'engine: vLLM ended the request with finish_reason "error" (a request-level failure inside it)', True
+    code, message = getattr(err, "code", None), getattr(err, "message", None)
+    retryable = getattr(err, "retryable", True)
+    text = f"engine: vLLM ended the request with an error: {code or 'error'}: {message or err}"
+    return text, retryable is True
+
+
 class VllmSeqs:
     def __init__(self, owner, capacity: int):
         self.owner = owner  # the VllmEngine: its `engine` is vLLM's AsyncLLM, once started
@@ -110,12 +123,16 @@ class VllmSeqs:
                     made.extend(toks)
                     if lps is not None:
                         made_lps.extend(lps)
+                    error, retryable = engine_error(out) if reason == "error" else (None, False)
                     if reason and key in self.whole:
-                        self.pending.append(self._whole(work, made, made_lps, reason, self.swaps.get(key)))
+                        self.pending.append(self._whole(work, made, made_lps, reason, self.swaps.get(key),
+                                                        error, retryable))
                     else:
                         if reason:
-                            self.ended_whole[key] = (work, made, made_lps, reason, self.swaps.get(key))
+                            self.ended_whole[key] = (work, made, made_lps, reason, self.swaps.get(key),
+                                                     error, retryable)
                         self.pending.append(SeqProgress(work.seq_id, work.attempt, toks, lps, reason,
+                                                        error=error, retryable=retryable,
                                                         cached_tokens=hit, offset=produced,
                                                         swaps=self.swaps.get(key)))
                     produced += len(toks)
@@ -147,16 +164,18 @@ class VllmSeqs:
         if key in self.whole:
             self.pending.append(self._whole(work, made, made_lps, "abort", self.swaps.get(key)))
         else:
-            self.ended_whole[key] = (work, made, made_lps, "abort", self.swaps.get(key))
+            self.ended_whole[key] = (work, made, made_lps, "abort", self.swaps.get(key), None, False)
             self.pending.append(SeqProgress(work.seq_id, work.attempt, [], None, "abort", offset=produced,
                                             swaps=self.swaps.get(key)))
         self.ended += 1
 
     @staticmethod
-    def _whole(work: Work, made: array, made_lps: array, reason: str, swaps=None) -> SeqProgress:
+    def _whole(work: Work, made: array, made_lps: array, reason: str, swaps=None, error=None,
+               retryable: bool = False) -> SeqProgress:
         """The final report of an attempt with its whole output (report_whole)."""
         lps = made_lps.tolist() if work.sampling.logprobs is not None and len(made_lps) == len(made) else None
-        return SeqProgress(work.seq_id, work.attempt, made.tolist(), lps, reason, offset=0,
+        return SeqProgress(work.seq_id, work.attempt, made.tolist(), lps, reason, error=error, retryable=retryable,
+                           offset=0,
                            prompt_token_ids=list(work.prompt_token_ids or ()), prior_logprobs=work.prior_logprobs,
                            swaps=swaps, weight_versions=work.weight_versions)
 
@@ -172,8 +191,8 @@ class VllmSeqs:
         kept = self.ended_whole.get((p.seq_id, p.attempt)) if p.finish_reason else None
         if kept is None or p.prompt_token_ids is not None:
             return p
-        work, made, made_lps, _, swaps = kept
-        whole = self._whole(work, made, made_lps, p.finish_reason, swaps)
+        work, made, made_lps, _, swaps, error, retryable = kept
+        whole = self._whole(work, made, made_lps, p.finish_reason, swaps, error, retryable)
         whole.cached_tokens = p.cached_tokens
         return whole
 

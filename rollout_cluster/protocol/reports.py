@@ -20,6 +20,10 @@ class SeqProgress:
     logprobs: Optional[list] = None
     finish_reason: Optional[str] = None  # set on the segment's one final report
     error: Optional[str] = None
+    # A final "error" that the engine calls retryable: a request-level failure inside it (vLLM's
+    # finish_reason "error": a KV load that failed, a cache miss), not the request's own fault. The
+    # router continues the sequence from its tokens so far, up to router.engine_error_retries times.
+    retryable: bool = False
     num_tokens: int = -1  # simulation reports counts without ids
     # vLLM, on a segment's first report: prompt tokens it found in its prefix cache (-1: not known).
     # For a continuation the router counts the rest as re-prefilled for real.

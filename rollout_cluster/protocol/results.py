@@ -49,7 +49,8 @@ class Migration:
     # last reported tokens (what the replica made after its last report was generated again).
     # "router_restart": the router that ran it restarted; the new one took over its output so far.
     # "weights_update": an update with running="recompute" gave it up. "report_gap": a report of
-    # its replica skipped tokens; it continued from the tokens the router held.
+    # its replica skipped tokens; it continued from the tokens the router held. "engine_error": its
+    # engine ended it with a retryable error (router.engine_error_retries); it continued from its tokens.
     reason: str = "policy"
 
 

@@ -70,7 +70,7 @@ class RouterCore:
     def __init__(self, policy: Policy, expected_replicas: int = 1, replica_timeout_s: float = 60.0,
                  metrics: Optional[RouterMetrics] = None, record_tokens: bool = True, trace: bool = False,
                  id_prefix: str = "", limits: Optional[BatchLimits] = None, id_salt=None,
-                 max_sessions: int = 65536, stall_timeout_s: float = 0.0):
+                 max_sessions: int = 65536, stall_timeout_s: float = 0.0, engine_error_retries: int = 2):
         self.id_prefix = id_prefix  # this router's batch and sequence ids start with it
         self.metrics = metrics or RouterMetrics()
         # Plain state the components share (each gets what it needs, no component gets the core).
@@ -94,7 +94,7 @@ class RouterCore:
                                      self.control, self.weights, self.moves, self.counters, self.metrics)
         self.tracing = RouterTrace([] if trace else None)  # what a driver's set_trace records
         self.reports = ReportApplier(self.seqs, self.control, self.moves, self.adoption, self.outbox, self.tracing,
-                                     self.counters, record_tokens)
+                                     self.counters, record_tokens, engine_error_retries)
         self.membership = Membership(self.fleet, stall_timeout_s, self.queue, self.outbox, self.moves,
                                      self.dispatcher, self.adoption, self.weights, self.sleep, self.digests,
                                      self.counters, self.metrics)

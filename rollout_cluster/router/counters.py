@@ -41,6 +41,9 @@ class RouterCounters:
     weights_recomputed: int = 0  # running sequences given up by an in-flight weights update, continued on the new weights
     weights_kept: int = 0  # running sequences whose weights were swapped under them (running="keep")
     recovered: int = 0  # sequences continued from their last reported tokens after their replica was lost
+    # segments an engine ended with a retryable error (SeqProgress.retryable) that continued from their
+    # tokens so far (router.engine_error_retries bounds them per sequence; also counted in `recovered`)
+    engine_error_retries: int = 0
     orphans_given_up: int = 0  # attempts a replica ran that this router did not know (a predecessor's)
     orphan_outputs_kept: int = 0  # whole outputs of such attempts kept for their resubmission
     whole_finals_asked: int = 0  # such finals that came as deltas and were asked for again, whole

@@ -36,11 +36,13 @@ def _without_first(p: SeqProgress, skip: int) -> SeqProgress:
 
 class ReportApplier:
     def __init__(self, seqs: dict[str, SeqState], control: FleetControl, moves: SeqMoves, adoption: OrphanAdoption,
-                 outbox: Outbox, tracing: RouterTrace, counters: RouterCounters, record_tokens: bool):
+                 outbox: Outbox, tracing: RouterTrace, counters: RouterCounters, record_tokens: bool,
+                 engine_error_retries: int = 2):
         self.seqs = seqs  # the router's live sequences: a report's progress names them
         self.control, self.moves, self.adoption, self.outbox = control, moves, adoption, outbox
         self.tracing, self.counters = tracing, counters
         self.record_tokens = record_tokens  # False in the simulator: tokens are counted, not kept
+        self.engine_error_retries = engine_error_retries  # retryable engine errors a sequence continues after
 
     def engine_state(self, rep: ReplicaState, report: Report, now: float) -> None:
         """Its sleep level and weights, unless a newer report's were applied already (a pull the
@@ -108,8 +110,7 @@ class ReportApplier:
             return
         del rep.seqs[seq.seq_id]
         if reason == "error":
-            seq.error = p.error or "engine error"
-            self.moves.finish(seq, "error", now, rep.replica_id)
+            self.ended_in_error(rep, seq, p, now)
         elif reason == "abort" or self.segment_cut(seq, reason):
             # An abort nobody ordered is a replica handing its work back before it stops (or, its
             # engine dead or broken, before Serve replaces it: a death, not a scale-down).
@@ -135,10 +136,27 @@ class ReportApplier:
             return
         del rep.seqs[seq.seq_id]
         if p.finish_reason == "error":
-            seq.error = p.error or "engine error"
-            self.moves.finish(seq, "error", now, rep.replica_id)
+            self.ended_in_error(rep, seq, p, now)
         else:  # its end (and the tokens before it) must be made again
             self.moves.requeue_after_segment(seq, rep.replica_id, now, seq.give_up_cause or "report_gap")
+
+    def ended_in_error(self, rep: ReplicaState, seq: SeqState, p: SeqProgress, now: float) -> None:
+        """A segment the engine ended with an error. One it calls retryable (a failure inside the engine,
+        not the request's) continues from the tokens the router holds, as after a replica's loss, at most
+        engine_error_retries times a sequence; any other, or one past that bound, ends the sequence."""
+        why = p.error or "engine error"
+        if p.retryable is True and not seq.cancelled and seq.engine_errors < self.engine_error_retries:
+            seq.engine_errors += 1
+            self.counters.engine_error_retries += 1
+            log.warning("%s ended in an error on %s (%s): continuing from its %d tokens (retry %d of %d)",
+                        seq.seq_id, rep.replica_id, why, seq.generated, seq.engine_errors, self.engine_error_retries)
+            self.moves.requeue_after_segment(seq, rep.replica_id, now, "engine_error")
+            return
+        if p.retryable is True and not seq.cancelled:
+            why += (f" (the engines' retryable errors ended it {seq.engine_errors + 1} times; "
+                    f"router.engine_error_retries={self.engine_error_retries})")
+        seq.error = why
+        self.moves.finish(seq, "error", now, rep.replica_id)
 
     def note_swaps(self, seq: SeqState, swaps: list) -> None:
         """The replica swapped weights under this attempt (running="keep"): its tokens from

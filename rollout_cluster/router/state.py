@@ -58,6 +58,7 @@ class SeqState:
     # starts on its replica's version; an in-flight update (update_weights running=...) moves it
     weight_versions: list = field(default_factory=list)
     give_up_cause: Optional[str] = None  # why the router gave up its running segment, besides a move (a weights update)
+    engine_errors: int = 0  # segments an engine ended with a retryable error, each continued (engine_error_retries)
     delivered_pull: int = -1  # the replica's pull whose reply carried the current attempt's Work
     give_up_pull: int = -1  # the replica's pull whose reply carried the give-up of the current attempt
 

@@ -67,7 +67,8 @@ class Router:
         self.core = RouterCore(make_policy(cfg.policy, cost), expected, cfg.router.replica_timeout_s, self.metrics,
                                id_prefix=self.router_id[:6] + "-", limits=BatchLimits.of(cfg.limits),
                                id_salt=lambda: secrets.token_hex(8),  # a batch's id is its capability: unguessable
-                               stall_timeout_s=cfg.router.stall_timeout_s, max_sessions=cfg.router.max_sessions)
+                               stall_timeout_s=cfg.router.stall_timeout_s, max_sessions=cfg.router.max_sessions,
+                               engine_error_retries=cfg.router.engine_error_retries)
         self.stalls = StallWatch(self.core)  # replicas that pull on while their engine makes no progress
         self.push_watch = PushWatch(self.core)  # the trainer of a streamed push still coming: alive?
         # Control orders are signed (security/signing.py); each replica reports with the credential
