@@ -52,9 +52,13 @@ def at_least(low: int):
 
 
 def int_list(text: str) -> list[int]:
-    """Comma-separated integers (--seeds 0,1,2)."""
+    """Comma-separated distinct integers (--seeds 0,1,2: results are keyed by the value, so a value
+    given twice would mix two runs under one key)."""
     try:
         values = [int(s) for s in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers, not {text!r}") from None
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} lists {','.join(map(str, twice))} more than once")
     return values

@@ -97,10 +97,16 @@ def balance_bound(requests, cost: CostModel, replicas: int) -> float:
     """
     t = 0.0
     shape, first = request_shapes(requests), first_of_group(requests)
+    group_t: dict = {}  # prompt_index -> when its first sequence was admitted (its prompt's prefill began)
     for interval in fluid_schedule(requests, cost, replicas):
         admitted_t = interval.t - interval.prefill_s
+        for i in interval.admitted:
+            group_t.setdefault(requests[i].prompt_index, admitted_t)
+        # A sibling decodes once admitted, and no sooner than its group's prompt is prefilled: at
+        # least the group's first admission + its prefill and its own decode alone.
         t = max(t, interval.t + interval.seconds,
-                *(admitted_t + (alone_s if first[i] else decode_alone_s)(cost, *shape[i]) for i in interval.admitted))
+                *(max(admitted_t + (alone_s if first[i] else decode_alone_s)(cost, *shape[i]),
+                      group_t[requests[i].prompt_index] + alone_s(cost, *shape[i])) for i in interval.admitted))
     return t
 
 

@@ -200,6 +200,13 @@ def engine_config(path: str):
     return cfg
 
 
+def whole_words_in(part: str, key: str) -> bool:
+    """Whether `part`'s words are a run of whole words of `key` ('seed 1' is in 'seed 1 pull', not
+    in 'seed 10 pull'; 'pull r1' is not in 'pull r10')."""
+    want, words = part.split(), key.split()
+    return bool(want) and any(words[i:i + len(want)] == want for i in range(len(words) - len(want) + 1))
+
+
 def calibrate_from_samples(args) -> CostModel:
     """`calibrate --from-samples DIR/step_samples.json --base-profile P --out FILE`."""
     from ..engines.cost_model import load_profile
@@ -207,7 +214,7 @@ def calibrate_from_samples(args) -> CostModel:
     if not args.base_profile:
         raise FlagError("--from-samples needs --base-profile (the prefill rate and KV capacity come from it)")
     data = json.loads(Path(args.from_samples).read_text())
-    keys = [k for k in data if not args.samples_of or args.samples_of in k]
+    keys = [k for k in data if not args.samples_of or whole_words_in(args.samples_of, k)]
     if not keys:
         raise FlagError(f"--samples-of={args.samples_of!r}: no run in {args.from_samples} (runs: {', '.join(data)})")
     samples = [tuple(x) for k in keys for x in data[k]]
@@ -219,6 +226,7 @@ def calibrate_from_samples(args) -> CostModel:
         model, info = profile_from_samples(samples, base, args.name or f"{base.name}-cluster")
     except ValueError as e:
         raise FlagError(f"--from-samples={args.from_samples} (runs {', '.join(keys)}): {e}") from None
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         f"# fitted by `rollout-cluster calibrate --from-samples {args.from_samples}` over runs: {', '.join(keys)}\n"
         f"# {info['samples']} step-time reports; median rel. error {info['median_rel_error']:.3f}, "

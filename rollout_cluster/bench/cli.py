@@ -162,7 +162,8 @@ def add_commands(sub) -> None:
                         "(the engines as they ran in the cluster); prefill and KV come from --base-profile")
     p.add_argument("--base-profile", default=None, help="with --from-samples: built-in name or YAML")
     p.add_argument("--samples-of", default=None,
-                   help="with --from-samples: only runs whose key contains this (keys: 'seed S POLICY')")
+                   help="with --from-samples: only runs whose key contains these whole words (keys: 'seed S POLICY', "
+                        "'seed S POLICY rR' with --repeats: 'seed 1' is not 'seed 10')")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--contexts", default="64,512,1024")

@@ -228,4 +228,8 @@ def parse_policies(text: Optional[str]) -> list:
     if unknown or not names:
         raise FlagError(f"--policies={text!r}: unknown {','.join(unknown) or 'none given'}; "
                         f"choose from {','.join(POLICIES)}")
+    twice = sorted({p for p in names if names.count(p) > 1})
+    if twice:
+        raise FlagError(f"--policies={text!r}: {','.join(twice)} listed more than once (each policy runs once a seed; "
+                        "--repeats runs rounds)")
     return names

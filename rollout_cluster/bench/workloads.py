@@ -39,8 +39,9 @@ class LongtailSpec:
     def validate(self) -> "LongtailSpec":
         """The spec, or a FlagError naming the bench flag (each field is `--<field with dashes>`)."""
         checks = [("prompts", self.prompts >= 1, ">= 1"), ("samples", self.samples >= 1, ">= 1"),
-                  ("median", self.median > 0, "> 0"), ("sigma_prompt", self.sigma_prompt >= 0, ">= 0"),
-                  ("sigma_sample", self.sigma_sample >= 0, ">= 0"),
+                  ("median", 0 < self.median < math.inf, "> 0 and finite"),
+                  ("sigma_prompt", 0 <= self.sigma_prompt < math.inf, ">= 0 and finite"),
+                  ("sigma_sample", 0 <= self.sigma_sample < math.inf, ">= 0 and finite"),
                   ("max_tokens", self.max_tokens >= MIN_LENGTH, f">= {MIN_LENGTH}"),
                   ("prompt_min", 1 <= self.prompt_min <= self.prompt_max, f">= 1 and <= --prompt-max ({self.prompt_max})")]
         for name, ok, rule in checks:
@@ -84,10 +85,16 @@ def _longtail_draws(spec: LongtailSpec):
     spec.validate()
     rng = random.Random(spec.seed)
     for p in range(spec.prompts):
-        difficulty = rng.lognormvariate(math.log(spec.median), spec.sigma_prompt)
-        plen = rng.randint(spec.prompt_min, spec.prompt_max)
-        lengths = [int(min(spec.max_tokens, max(MIN_LENGTH, rng.lognormvariate(math.log(difficulty), spec.sigma_sample))))
-                   for _ in range(spec.samples)]
+        try:
+            difficulty = rng.lognormvariate(math.log(spec.median), spec.sigma_prompt)
+            plen = rng.randint(spec.prompt_min, spec.prompt_max)
+            lengths = [int(min(spec.max_tokens, max(MIN_LENGTH, rng.lognormvariate(math.log(difficulty),
+                                                                                    spec.sigma_sample))))
+                       for _ in range(spec.samples)]
+        except (OverflowError, ValueError) as e:  # a length past what a float holds, or one of 0
+            raise FlagError(f"--median={spec.median!r} with --sigma-prompt={spec.sigma_prompt!r} and --sigma-sample="
+                            f"{spec.sigma_sample!r}: prompt {p}'s lengths cannot be drawn ({e}); use a smaller median "
+                            "or spread") from None
         yield p, difficulty, plen, lengths
 
 
