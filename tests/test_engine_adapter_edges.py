@@ -1,7 +1,7 @@
 """The vLLM engine adapter at its edges (engines/vllm_seqs.py, vllm_weights.py, weight_keep.py),
 driven through fakes of vLLM's AsyncLLM (no engine runs): the keep swap's cache salt lives where no
-request's salt can reach, the decode rate counts the sequences that made the tokens, and one race
-of the keep swap's marks that is known and not fixed (strict xfail: it fails once fixed)."""
+request's salt can reach, the decode rate counts the sequences that made the tokens, and a request
+vLLM finished just before a keep swap gets no mark of the new weights."""
 import asyncio
 from types import SimpleNamespace
 
@@ -77,8 +77,6 @@ class FinishedJustBeforeTheSwapLLM:
         return True
 
 
-@pytest.mark.xfail(strict=True, reason="known race, docs/architecture.md (keep): a request finished in the "
-                   "step before the swap's looks like one still waiting")
 def test_a_keep_swap_does_not_mark_a_sequence_that_finished_on_the_old_weights():
     """vllm_seqs.py VllmSeqs.swapped: a running attempt absent from the worker's `sampled` counts
     as "still waiting (0 made)" unless the replica already took in one of its tokens (`seen`). A
@@ -101,6 +99,39 @@ def test_a_keep_swap_does_not_mark_a_sequence_that_finished_on_the_old_weights()
     (final,) = out
     assert final.token_ids == [100] and final.finish_reason == "length"
     assert final.swaps is None, f"token 100 was sampled on the old weights, yet the report marks {final.swaps}"
+
+
+class WaitingThroughTheSwapLLM(FinishedJustBeforeTheSwapLLM):
+    """Request "late#1" waits in vLLM's queue through the swap (not in the worker: `sampled` lacks
+    it) and makes its one token after it, on the new weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.swap_over = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id):
+        await self.swap_over.wait()
+        yield Out([200], finished=True, reason="length")
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        if method == "rc_swap_apply":
+            return [{"missing": [], "sampled": {}}]
+        return await super().collective_rpc(method, args, kwargs)
+
+
+def test_a_keep_swap_marks_a_sequence_still_waiting_at_its_first_token():
+    async def go():
+        llm = WaitingThroughTheSwapLLM()
+        eng = engine(llm)
+        eng.submit(Work("late", 1, [1, 2, 3], SamplingSpec(max_tokens=1, logprobs=0)))
+        await asyncio.sleep(0.01)
+        await keep_swap(eng, 2)
+        llm.swap_over.set()
+        await asyncio.gather(*eng.seqs.tasks.values())
+        return eng.drain()
+
+    (final,) = asyncio.run(asyncio.wait_for(go(), 60.0))
+    assert final.token_ids == [200] and final.swaps == [(0, 2)]
 
 
 # ---- 2. the keep swap's cache salt can equal a request's own salt ---------------------------------
