@@ -141,3 +141,26 @@ def test_a_pair_whose_name_is_no_str_is_refused_naming_the_name():
         list(pack([(0, torch.ones(2))]))
     message = str(e.value)
     assert "str" in message and "0" in message.replace("named_tensors", ""), message
+
+
+def test_an_nccl_channel_frees_its_communicator_when_closed():
+    """A relay opens one NCCL communicator per trainer session (init_communicator): close() must
+    free it (vLLM's PyNcclCommunicator.destroy), not only drop the reference, or every session
+    leaves its NCCL buffers on the device. Closing twice frees once; a vLLM without destroy is
+    dropped as before."""
+    from rollout_cluster.transfer.channels import NcclChannel
+
+    class Comm:
+        destroyed = 0
+
+        def destroy(self):
+            Comm.destroyed += 1
+
+    ch = NcclChannel.__new__(NcclChannel)  # (no GPU here: the channel's state, as __init__ leaves it)
+    ch.comm = Comm()
+    ch.close()
+    ch.close()
+    assert Comm.destroyed == 1 and ch.comm is None
+    ch.comm = object()  # a communicator without destroy
+    ch.close()
+    assert ch.comm is None

@@ -131,7 +131,13 @@ class NcclChannel:
         self.comm.group.barrier()
 
     def close(self) -> None:
-        self.comm = None
+        """Frees the communicator (its NCCL buffers on the device: a relay opens one per trainer
+        session). The last broadcast has returned, so ncclCommAbort, vLLM's destroy, has nothing to
+        stop; vLLM releases without `destroy` drop it unfreed."""
+        comm, self.comm = self.comm, None
+        destroy = getattr(comm, "destroy", None)
+        if destroy is not None:
+            destroy()
 
     def abort(self) -> None:
         """Ends the group from another thread while a receive waits on a trainer that is gone:
