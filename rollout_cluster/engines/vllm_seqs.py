@@ -58,10 +58,10 @@ class VllmSeqs:
         self.fenced: frozenset = frozenset()
         self.fence_open = asyncio.Event()
         self.cut: set = set()
-        # attempts whose final output came while they waited at the fence: vLLM finished them before
-        # the swap's reply reached us (outputs reach the frontend in the EngineCore's order), so on
-        # the old weights, though they are out of the worker by the swap (`swapped`: no mark)
-        self.ended_in_fence: set = set()
+        # attempts that got an output while they waited at the fence: vLLM ran them before the swap's
+        # reply reached us (outputs reach the frontend in the EngineCore's order); one the worker no
+        # longer held at the swap had finished, on the old weights (`swapped`: no mark)
+        self.got_at_fence: set = set()
         self.aborted: set = set()
         self.whole: set = set()  # attempts whose final report carries their whole output (report_whole)
         # attempts ended with a delta final not yet delivered -> (work, tokens, logprobs, reason,
@@ -106,8 +106,7 @@ class VllmSeqs:
                     await self.engine.abort([rid])
                 first = False
                 if key in self.fenced:  # a keep swap is applied under it: nothing of it until it is whole
-                    if out.finished:  # (its end is here: sampled before the swap's reply came, `swapped`)
-                        self.ended_in_fence.add(key)
+                    self.got_at_fence.add(key)  # (vLLM ran it before the swap's reply came: `swapped`)
                     await self.fence_open.wait()
                 if key in self.cut:  # ... and it broke the weights: this output and all after are dropped
                     continue
@@ -165,7 +164,7 @@ class VllmSeqs:
             self.aborted.discard(key)
             self.whole.discard(key)
             self.cut.discard(key)
-            self.ended_in_fence.discard(key)
+            self.got_at_fence.discard(key)
 
     def _abort_final(self, work: Work, key, made: array, made_lps: array, produced: int) -> None:
         if key in self.whole:
@@ -277,7 +276,7 @@ class VllmSeqs:
         for key in list(self.tasks):
             made = sampled.get(f"{key[0]}#{key[1]}")
             if made is None:  # not in vLLM's worker: still waiting (0 made), or finished already
-                if self.seen.get(key, 0) or key in self.ended_in_fence:
+                if self.seen.get(key, 0) or key in self.got_at_fence:
                     continue
                 made = 0
             self.swaps.setdefault(key, []).append((made, version))

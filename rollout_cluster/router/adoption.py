@@ -175,8 +175,9 @@ class OrphanAdoption:
             return False
         if self.id_prefix and p.seq_id.startswith(self.id_prefix):
             return False  # this router's own, finished already (a final sent whole after a lost reply)
-        if p.offset != 0 or p.prompt_token_ids is None or p.finish_reason == "error":
-            if p.finish_reason != "error" and self.id_prefix and not leaving:
+        failed = p.finish_reason == "error" and p.retryable is not True  # (a retryable one continues, as an abort)
+        if p.offset != 0 or p.prompt_token_ids is None or failed:
+            if not failed and self.id_prefix and not leaving:
                 # A delta: the replica did not know this router took over when it sent it (its pull
                 # went through the restart). Ask for it again whole: the engine keeps it a while.
                 # (Not of a replica saying goodbye: it goes, with what it kept.)

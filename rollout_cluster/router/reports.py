@@ -145,11 +145,16 @@ class ReportApplier:
         not the request's) continues from the tokens the router holds, as after a replica's loss, at most
         engine_error_retries times a sequence; any other, or one past that bound, ends the sequence."""
         why = p.error or "engine error"
+        hidden = seq.request.hidden_length
+        if p.retryable is True and (seq.generated >= seq.max_tokens or (hidden is not None and seq.generated >= hidden)):
+            self.moves.finish(seq, "length", now, rep.replica_id)  # its error came with its last token: nothing to retry
+            return
         if p.retryable is True and not seq.cancelled and seq.engine_errors < self.engine_error_retries:
             seq.engine_errors += 1
             self.counters.engine_error_retries += 1
             log.warning("%s ended in an error on %s (%s): continuing from its %d tokens (retry %d of %d)",
                         seq.seq_id, rep.replica_id, why, seq.generated, seq.engine_errors, self.engine_error_retries)
+            self.moves.give_up_t.pop(seq.seq_id, None)  # a policy's give-up in flight did not end it: the error did
             self.moves.requeue_after_segment(seq, rep.replica_id, now, "engine_error")
             return
         if p.retryable is True and not seq.cancelled:
