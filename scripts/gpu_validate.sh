@@ -5,6 +5,7 @@
 # Results go to $OUT/<step>/ (bench.json, bench.md, bench.png) and $OUT/<step>.log; `overhead`
 # also samples `top` every 5 s into $OUT/overhead/top.log and runs experiments/router-overhead/run.py.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
 RC="python3 -m rollout_cluster.cli"
 # The GPU-scale rl-longtail batch of the issue (and of shared/profiles' anchor runs).
@@ -14,6 +15,10 @@ step=$1
 SEEDS=${SEEDS:-0}
 POLICIES=${POLICIES:-static,pull,steal}
 LIMIT_S=${LIMIT_S:-570}
+case "$step" in
+  policies|overhead|steal|calibrate|overhead-control|colocated|tp) ;;
+  *) echo "unknown step $step: policies|steal|overhead|overhead-control|colocated|calibrate|tp" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT/$step"
 case "$step" in
   policies)
@@ -25,11 +30,12 @@ case "$step" in
     while true; do date +%T; top -b -n 2 -d 2 -o %CPU -w 200 | awk '/^top -/{n++} n==2' | sed -n 7,18p; sleep 3
     done > "$OUT/overhead/top.log" 2>&1 &
     sampler=$!
+    trap 'kill $sampler 2>/dev/null' EXIT  # (also when the step is interrupted)
     timeout 330 $RC bench --engine vllm --config configs/h200-1.5b.yaml --replicas 1 --policies pull --bare-engine $W \
       --seeds $SEEDS --profile h200-1.5b --out "$OUT/overhead"
     timeout 200 python3 experiments/router-overhead/run.py --config configs/h200-1.5b.yaml $W --seed ${SEEDS%%,*} \
       --out "$OUT/overhead"
-    kill $sampler ;;
+    ;;
   steal)  # the steal policy alone, on the same cluster shape as `policies`
     $RC make-model models/qwen2.5-7b --arch qwen2.5-7b
     timeout 300 $RC bench --engine vllm --config configs/h200x2-7b.yaml --policies steal $W --seeds $SEEDS \
@@ -52,4 +58,6 @@ case "$step" in
     timeout $LIMIT_S python3 experiments/gpu-weights-reload/run.py --tp ${TP:-2} --size ${SIZE:-256,2,4,2048} --out "$OUT/tp" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac 2>&1 | grep -v " INFO \|^INFO" | tail -c 60000 > "$OUT/$step.log"
+status=${PIPESTATUS[0]}  # the step's own (a timeout: 124)
 tail -c 6000 "$OUT/$step.log"
+exit $status

@@ -2,10 +2,10 @@
 host simulated engines (engine.kind: sim) pull from the Router while idle and while a batch runs;
 the router's own process CPU time (its status' router_cpu_s) is divided by the pulls it served.
 
-    python scripts/router_pull_cost.py [--replicas 1,4,8] [--seconds 15] [--pull-wait-s 0.05] [--idle-pull-wait-s 1.0]
+    python scripts/router_pull_cost.py [--replicas 1,4] [--seconds 20] [--pull-wait-s 0.05] [--idle-pull-wait-s 1.0]
         [--max-pulls-per-s 160,20,4]   # router.max_pulls_per_s: one app per value and fleet size
 
-Prints one JSON line per (replicas, phase): pulls/s, router CPU share, CPU ms per pull. It starts a
+(experiments/router-cost ran it with --replicas 1,4,8 --seconds 15.) Prints one JSON line per (replicas, phase): pulls/s, router CPU share, CPU ms per pull. It starts a
 local Ray cluster of its own (ray.init()), so stop any other first.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--pull-wait-s", type=float, default=0.05)
     ap.add_argument("--idle-pull-wait-s", type=float, default=None)
-    ap.add_argument("--max-pulls-per-s", default=str(RouterConfig.max_pulls_per_s))
+    ap.add_argument("--max-pulls-per-s", default=str(RouterConfig().max_pulls_per_s))
     a = ap.parse_args()
     import ray
 

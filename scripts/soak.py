@@ -67,6 +67,8 @@ def memory(pid: int) -> dict:
         while suffix in out:  # two children of one name
             suffix += "+"
         out[suffix] = {"pid": p.pid, "self_rss": info.rss, "self_uss": info.uss}
+    if "" not in out:  # the process itself exited while sampled: nothing to report this time
+        return {}
     for sample in out.values():
         sample["rss"], sample["uss"] = sample["self_rss"], sample["self_uss"]
     out[""].update(rss=tree_rss, uss=tree_uss)

@@ -7,20 +7,36 @@ woke), the busy replica's pulls (what they carried, where their time went), the 
 rate in 2 s windows of its first batch, and each profile's active samples by leaf frame.
 """
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
 
 
 def pct(values, q):
+    """Nearest rank, as the benchmarks' percentile (bench/run.py): the ceil(q * n)-th smallest."""
     v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))] if v else float("nan")
 
 
 def lag(lines, name):
     lags = [x["worst_ms"] for x in lines if x["kind"] == "lag"]
     print(f"{name}: event-loop lag over {len(lags)} samples: median {pct(lags, .5):.1f} ms, "
-          f"p90 {pct(lags, .9):.1f}, p99 {pct(lags, .99):.1f}, max {max(lags):.1f}")
+          f"p90 {pct(lags, .9):.1f}, p99 {pct(lags, .99):.1f}, max {max(lags, default=math.nan):.1f}")
+
+
+def read_lines(path: Path) -> list:
+    """A timeline's records; a line that does not parse (the last, torn, of a run cut short) is
+    skipped and counted."""
+    out, torn = [], 0
+    for x in path.read_text().splitlines():
+        try:
+            out.append(json.loads(x))
+        except json.JSONDecodeError:
+            torn += 1
+    if torn:
+        print(f"{path.name}: {torn} line(s) that do not parse skipped")
+    return out
 
 
 def pulls(lines):
@@ -45,6 +61,9 @@ def pulls(lines):
 
 
 def profile(path):
+    if not Path(path).exists():  # (gpu.sh's py-spy found no process to sample)
+        print(f"{path}: missing")
+        return
     leaf, total = Counter(), 0
     for line in open(path):
         stack, _, n = line.rstrip().rpartition(" ")
@@ -58,7 +77,7 @@ def profile(path):
 if __name__ == "__main__":
     folder = Path(sys.argv[1])
     for f in sorted([*folder.glob("replica-*.jsonl"), *folder.glob("bare.jsonl")]):
-        lines = [json.loads(x) for x in f.read_text().splitlines()]
+        lines = read_lines(f)
         lag(lines, f.stem)
         if f.stem.startswith("replica"):
             pulls(lines)

@@ -47,10 +47,13 @@ def markdown(table: list, policy: str = "steal") -> str:
     head = ("| seed | static (s) | balance bound (s) | static / balance | 1.45x needs (s) | needs vs balance "
             f"| {policy} (s) | {policy} vs balance | static / {policy} |")
     lines = [head, "|" + "---:|" * 9]
+    def num(value, form: str, unit: str = "") -> str:  # (a policy the bench did not run: None, shown as -)
+        return "-" if value is None else format(value, form) + unit
+
     for r in table:
         lines.append(f"| {r['seed']} | {r['static_s']:.2f} | {r['balance_bound_s']:.2f} | {r['static_over_balance']:.3f} "
-                     f"| {r['needed_s']:.1f} | {r['needed_vs_balance_pct']:+.1f} % | {r[policy + '_s']:.2f} "
-                     f"| {r[policy + '_vs_balance_pct']:+.1f} % | {r['static_over_' + policy]:.3f} |")
+                     f"| {r['needed_s']:.1f} | {r['needed_vs_balance_pct']:+.1f} % | {num(r[policy + '_s'], '.2f')} "
+                     f"| {num(r[policy + '_vs_balance_pct'], '+.1f', ' %')} | {num(r['static_over_' + policy], '.3f')} |")
     return "\n".join(lines)
 
 
