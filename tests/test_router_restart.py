@@ -412,7 +412,7 @@ def test_a_submit_waits_as_long_as_the_router_waits_for_a_replica():
     waits for the router's own answer (the batch, or its NoLiveReplicaError)."""
     router, reqs = SlowSubmitRouter(replica_in_s=200.0), requests(4)
     client = client_over(router)
-    client.call_timeout_s = 120.0
+    client.call_timeout_s, client.timeout_s = 120.0, 3600.0  # (a batch's timeout_s bounds the wait too: below)
     check_every_sequence_once_in_place(client.run_requests(reqs), reqs)
     assert router.bounds == [720.0]  # call_timeout_s + the router's wait
     assert len(router.core.batches) == 0  # fetched whole and released: none left behind
@@ -428,6 +428,10 @@ def test_a_submit_waits_as_long_as_the_router_waits_for_a_replica():
     assert follow.submit_timeout_s(follow.next(0.0)) == 125.0
     client.submit(reqs)  # a submit that the caller fetches by itself: the same bound
     assert router.bounds[-1] == 1920.0
+    # a batch that may take less than the router's wait asks it to wait no longer
+    follow = BatchFollower(reqs, timeout_s=30.0, call_timeout_s=120.0)
+    first = follow.next(0.0)
+    assert first.wait_for_replica_s == 30.0 and follow.submit_timeout_s(first) == 150.0
 
 
 def test_a_batch_timeout_of_zero_is_refused_not_taken_for_the_default():

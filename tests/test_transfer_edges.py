@@ -116,7 +116,7 @@ def test_a_push_whose_release_timed_out_closes_the_trainers_lease_descriptor(tmp
     client = types.SimpleNamespace(status=lambda: {"sleep": {"level": 0}},
                                    router=types.SimpleNamespace(handle=None, signer=None), call_timeout_s=5.0)
     try:
-        assert fleet_ops.push_weights(client, [], None, 1 << 20, timeout_s=0.1, transport="ipc") == 3
+        assert fleet_ops.push_weights(client, [("w", None)], None, 1 << 20, timeout_s=0.1, transport="ipc") == 3
         assert not os.path.exists(hold.lease)  # unlinked: no later replica opens the tensors
         with pytest.raises(OSError):
             os.fstat(fd)  # closed

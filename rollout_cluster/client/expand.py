@@ -17,7 +17,12 @@ def expand(prompts: Sequence, sampling: Union[SamplingSpec, Sequence[SamplingSpe
     """One SequenceRequest per (prompt, sample), in input order. A prompt whose n is invalid (n < 1,
     say) yields one request carrying the error, so it comes back as one error completion.
     A `Partial` among the prompts is one sample, whatever its spec's n: it continues after its tokens.
-    `sessions`: one multi-turn session id (or None) per prompt, for session affinity."""
+    `sessions`: one multi-turn session id (or None) per prompt, for session affinity. `prompts` may
+    be any iterable of prompts (a generator is taken whole), not a string or a mapping."""
+    if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__iter__"):
+        raise InputError("prompts", prompts, "must be a list of prompts (token-id lists or Partials)")
+    if not hasattr(prompts, "__len__"):
+        prompts = list(prompts)
     if not isinstance(sampling, SamplingSpec) and (isinstance(sampling, (str, bytes)) or not hasattr(sampling, "__len__")):
         raise InputError("sampling", sampling, "must be a SamplingSpec, or a list of them, one per prompt")
     if sessions is not None and not isinstance(sessions, str) and not hasattr(sessions, "__len__"):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Callable, Optional
 
-from ..protocol import WeightsNotLearned, check_replicas, check_weights_order
+from ..protocol import InputError, WeightsNotLearned, check_replicas, check_weights_order
 from ..serve.fleet_target import REPLICA_DEPLOYMENT
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,14 @@ def numbered(order: Callable[[], int], deadline: float) -> int:
 
 def update_weights(client, path: str, version: Optional[int], timeout_s: float, running: str = "finish") -> int:
     check_weights_order(version, running)  # (before the fleet is waited for)
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path.strip():
+        raise InputError("path", path, "must be a checkpoint folder's path (a non-empty string or a pathlib.Path)")
+    # absolute: the router checks it against security.checkpoint_roots, the replicas load it
+    path = os.path.abspath(path)
     deadline = time.monotonic() + timeout_s
     before_update(client, running, deadline)
-    # absolute: the router checks it against security.checkpoint_roots, the replicas load it
-    path = os.path.abspath(path) if isinstance(path, str) and path else path
     v = numbered(lambda: client.router.update_weights.remote(path, version, running).result(
         timeout_s=client.call_timeout_s), deadline)
     return wait_for_version(client, v, repr(path), "update_weights", timeout_s, deadline)
@@ -97,6 +102,7 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
     check_transport(transport, running)
     check_stream(stream)
     check_bucket_bytes(bucket_bytes)
+    check_named_tensors(named_tensors)
     hold = None
     if transport == "ipc":
         level = client.status()["sleep"]["level"]
@@ -116,6 +122,19 @@ def push_weights(client, named_tensors, version: Optional[int], bucket_bytes: in
             hold.abandon()
             log.warning("push_weights: a replica still loads over CUDA IPC after %.0f s; its tensors are kept "
                         "(never freed) so that it reads no freed memory", timeout_s)
+
+
+def check_named_tensors(named_tensors) -> None:
+    """What is plainly not (name, tensor) pairs, refused before the fleet is waited for: a mapping
+    (model.state_dict() where .items() was meant: its keys would be taken for pairs), nothing at
+    all, a string. Each pair is checked as it is packed."""
+    if isinstance(named_tensors, Mapping):
+        raise InputError("named_tensors", f"<a {type(named_tensors).__name__} of {len(named_tensors)}>",
+                         "must be (name, tensor) pairs: pass model.named_parameters() or state_dict().items()")
+    if isinstance(named_tensors, (str, bytes)) or not hasattr(named_tensors, "__iter__"):
+        raise InputError("named_tensors", named_tensors, "must be an iterable of (name, tensor) pairs")
+    if hasattr(named_tensors, "__len__") and len(named_tensors) == 0:
+        raise InputError("named_tensors", "[]", "is empty: nothing to push")
 
 
 def wait_for_version(client, v: int, path: str, op: str, timeout_s: float, deadline: Optional[float] = None) -> int:

@@ -134,9 +134,13 @@ class BatchFollower:
         self.cutter = BatchCut(requests, finish_fraction, finish_by)
         self.requests = requests
         self.timeout_s, self.call_timeout_s, self.max_restarts = timeout_s, call_timeout_s, max_restarts
-        self.asked_version, self.wait_for_replica_s = weights_version, wait_for_replica_s
+        self.asked_version = weights_version
         # the router's router.submit_wait_for_replica_s, as far as known (None: its default)
         self.router_wait_s = ROUTER_SUBMIT_WAIT_S if router_wait_s is None else router_wait_s
+        # how long a submit lets the router wait for a live replica: the caller's, else no longer than
+        # the batch may take (timeout_s), which the router's own default (600 s) would outlast
+        self.wait_for_replica_s = (wait_for_replica_s if wait_for_replica_s is not None
+                                   else timeout_s if timeout_s < self.router_wait_s else None)
         self.results: list = [None] * len(requests)
         self.received = 0
         self.restarts = 0

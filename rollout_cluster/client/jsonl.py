@@ -86,7 +86,7 @@ def parse_line(text: str, index: int, defaults: Optional[dict] = None) -> tuple:
             raise InputError("sample_index", sample, f"names one sample: the line's n must be 1, not {spec.n}")
         spec = spec.for_sample(sample)  # seeded as the sample it resumes
     check_request(SequenceRequest(ids, spec, index, 0, **extra))  # the resumed output and session, before the router
-    return ids, spec, extra
+    return ids, spec, extra, sample or 0
 
 
 def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional[LimitsConfig] = None) -> tuple:
@@ -104,7 +104,7 @@ def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional
             errors[i] = str(InputError(f"line {i + 1}", line, "is empty: expected a JSON object"))
             continue
         try:
-            ids, spec, extra = parse_line(line, i, defaults)
+            ids, spec, extra, first = parse_line(line, i, defaults)
         except InputError as e:
             errors[i] = str(e)
             continue
@@ -118,8 +118,8 @@ def read_requests(lines: list, defaults: Optional[dict] = None, limits: Optional
             raise LimitExceeded("limits.max_batch_sequences",
                                 f"line {i + 1} takes the batch past limits.max_batch_sequences="
                                 f"{limits.max_batch_sequences} sequences (split it)")
-        for j in range(spec.n):
-            requests.append(SequenceRequest(ids, spec.for_sample(j), i, j, **extra))
+        for j in range(spec.n):  # (a line that names its sample_index is that one sample, seeded as it)
+            requests.append(SequenceRequest(ids, spec.for_sample(j), i, first + j, **extra))
     return requests, errors
 
 

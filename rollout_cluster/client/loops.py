@@ -131,7 +131,7 @@ async def run_async(router, follower: BatchFollower, call_timeout_s: float,
                     follower.cancelled(False)
                 else:
                     follower.cancelled(True)
-    except (asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit, Exception):  # (the follower's own failure too, as run_sync's)
         if follower.batch_id and not follower.done:
             _cancel_unwaited(router, follower.batch_id)
         raise
