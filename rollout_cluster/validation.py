@@ -39,6 +39,10 @@ def check_request(req: SequenceRequest, model: Optional[ModelInfo] = None) -> No
         if bad is not None:
             raise InputError("prompt_token_ids", bad[1], f"token id outside the vocabulary [0, {model.vocab_size})")
     spec = req.sampling
+    # (vLLM indexes the logits by them: one past the vocabulary is a device-side fault that kills the engine)
+    bad = _first(list(spec.stop_token_ids or ()), lambda t: t < model.vocab_size)
+    if bad is not None:
+        raise InputError("stop_token_ids", bad[1], f"token id outside the vocabulary [0, {model.vocab_size})")
     limit = model.max_logprobs if model.max_logprobs >= 0 else model.vocab_size  # vLLM: -1 is the vocabulary
     if spec.logprobs is not None and spec.logprobs > limit:
         raise InputError("logprobs", spec.logprobs, f"must be at most the engine's max_logprobs={limit}")

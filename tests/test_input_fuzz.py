@@ -45,7 +45,7 @@ def valid_line(draw) -> dict:
         "n": st.integers(1, 3), "max_tokens": st.integers(1, 32), "temperature": st.floats(0, 2),
         "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1), "ignore_eos": st.booleans(),
         "logprobs": st.one_of(st.none(), st.integers(0, 5)), "seed": st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
-        "stop_token_ids": st.lists(st.integers(0, 2**31), max_size=3), "repetition_penalty": st.floats(0.01, 5),
+        "stop_token_ids": st.lists(st.integers(0, 999), max_size=3), "repetition_penalty": st.floats(0.01, 5),
         "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
         "cache_salt": st.one_of(st.none(), st.text(min_size=1, max_size=8)),
     }
@@ -147,9 +147,9 @@ def mutated_line(draw) -> tuple:
 def beyond_the_engine(draw) -> tuple:
     """(text, field): a line the reader accepts and a router serving MODEL refuses, naming `field`."""
     line = {k: v for k, v in draw(valid_line()).items() if k not in ("output_token_ids", "output_logprobs")}
-    field = draw(st.sampled_from(["prompt_token_ids", "logprobs", "temperature", "max_tokens"]))
-    if field == "prompt_token_ids":
-        line[field] = line[field] + [draw(st.integers(1000, 2**31 - 1))]
+    field = draw(st.sampled_from(["prompt_token_ids", "stop_token_ids", "logprobs", "temperature", "max_tokens"]))
+    if field in ("prompt_token_ids", "stop_token_ids"):  # an id past the vocabulary (1000)
+        line[field] = line.get(field, []) + [draw(st.integers(1000, 2**31 - 1))]
     elif field == "logprobs":
         line[field] = draw(st.integers(6, 10**6))
     elif field == "temperature":

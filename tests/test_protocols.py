@@ -244,7 +244,7 @@ def test_a_session_comes_from_the_header_else_from_user(client, router):
     assert {r.session for r in router.submitted} == {None}
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="models/tiny", prompt=[1], max_tokens=2, extra_headers={"X-Session-Id": "x" * 300})
-    assert e.value.body["param"] == "session"
+    assert e.value.body["param"] == "X-Session-Id"  # named where it came from
 
 
 def test_chat_takes_text_parts_and_refuses_images_and_own_templates_by_name(client, codec, router):

@@ -25,7 +25,7 @@ from .json_body import read_json
 from .openai_answers import (chat_logprobs, completion_logprobs, error, role_chunks, sampled_logprobs, streamed,
                              usage)
 from .openai_bodies import ChatBody, CompletionBody, answer_id, check_model, parse_body, session_of
-from .outputs import output_of, stop_list
+from .outputs import output_of, stops_of
 from .prompts import chat_prompt, check_count, checked_requests, prompt_ids, spec_of
 
 
@@ -63,7 +63,7 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             check_count(ctx, len(raw), spec.n)  # (before any prompt is tokenized)
             prompts = [prompt_ids(ctx, p, "prompt" if len(raw) == 1 else f"prompt[{i}]", body.add_special_tokens, cut)
                        for i, p in enumerate(raw)]
-            stops = stop_list(body.stop)
+            stops = stops_of(ctx, body.stop)
             requests = await checked_requests(ctx, prompts, spec, session_of(request, body))
         except ProtocolError as e:
             return error(e)
@@ -106,9 +106,12 @@ def openai_routes(ctx: ProtocolContext) -> APIRouter:
             if max_tokens is None:  # vLLM's: whatever room the context leaves
                 max_tokens = max(1, (model.max_model_len if model else 4096) - len(prompt))
             spec = spec_of(body.spec_fields(max_tokens, logprobs))
-            stops = stop_list(body.stop)
+            stops = stops_of(ctx, body.stop)
             requests = await checked_requests(ctx, [prompt], spec, session_of(request, body))
         except ProtocolError as e:
+            if e.param == "max_tokens" and body.max_completion_tokens is not None:  # (the name the client sent)
+                e = ProtocolError(e.status, e.message.replace("max_tokens", "max_completion_tokens"),
+                                  "max_completion_tokens", e.kind, e.retry_after_s)
             return error(e)
         rid, created = answer_id(request, body, "chatcmpl"), int(time.time())
         ids = body.return_token_ids

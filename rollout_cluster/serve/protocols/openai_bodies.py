@@ -18,8 +18,10 @@ from .truncation import Truncation, truncation_of
 _OFF = (None, False)
 # Fields vLLM's server takes that this one cannot honour: refused by name unless set to one of
 # the values that mean vLLM's default (the accepted values, and why anything else is refused).
-REFUSED = {"echo": _OFF, "best_of": _OFF, "use_beam_search": _OFF, "suffix": _OFF, "logit_bias": _OFF,
-           "prompt_logprobs": _OFF, "structured_outputs": _OFF, "response_format": _OFF, "guided_json": _OFF,
+# ({} and {"type": "text"}: what clients send for "no bias" and "no structured output", as vLLM serves them)
+REFUSED = {"echo": _OFF, "best_of": _OFF, "use_beam_search": _OFF, "suffix": _OFF, "logit_bias": _OFF + ({},),
+           "prompt_logprobs": _OFF, "structured_outputs": _OFF, "response_format": _OFF + ({"type": "text"},),
+           "guided_json": _OFF,
            "guided_regex": _OFF, "guided_choice": _OFF, "allowed_token_ids": _OFF, "bad_words": (None, False, []),
            "continue_final_message": _OFF, "prompt_embeds": _OFF, "logprob_token_ids": _OFF}
 REFUSED = {name: (accepted, "") for name, accepted in REFUSED.items()}
@@ -169,11 +171,18 @@ class Sampling(BaseModel):
 def session_of(request: Request, body: Sampling) -> Optional[str]:
     """The multi-turn session a request is a turn of (router/sessions.py sends the session's turns
     to the replica that ran the previous one): vLLM's session id (its `session_id` field, else the
-    X-Session-Id header, else `vllm_xargs.session_id`: the order vLLM reads them in), else OpenAI's `user`."""
+    X-Session-Id header, else `vllm_xargs.session_id`: the order vLLM reads them in), else OpenAI's `user`.
+    A session id too long is refused naming where it came from; a `user` that is no session id (vLLM
+    ignores it) only keeps the turn from affinity."""
     xargs = (body.model_extra or {}).get("vllm_xargs")
     from_xargs = xargs.get("session_id") if isinstance(xargs, dict) else None
-    return (body.session_id or request.headers.get(SESSION_HEADER)
-            or (from_xargs if isinstance(from_xargs, str) else None) or body.user)
+    for value, name in ((body.session_id, "session_id"), (request.headers.get(SESSION_HEADER), SESSION_HEADER),
+                        (from_xargs if isinstance(from_xargs, str) else None, "vllm_xargs.session_id")):
+        if value:
+            if len(value) > MAX_ID_CHARS:
+                raise ProtocolError(400, f"{name}: {len(value)} characters; at most {MAX_ID_CHARS}", name)
+            return value
+    return body.user if body.user and len(body.user) <= MAX_ID_CHARS else None
 
 
 def answer_id(request: Request, body: Sampling, prefix: str) -> str:

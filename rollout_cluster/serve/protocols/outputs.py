@@ -61,6 +61,16 @@ def output_of(ctx: ProtocolContext, c: Completion, stops: list, include_stop: bo
 MAX_STOP_STRINGS = 256
 
 
+def stops_of(ctx: ProtocolContext, value, param: str = "stop") -> list:
+    """The request's stop strings. Without a tokenizer none can be applied: refused, as vLLM refuses
+    stop strings it cannot detokenize for (it would silently run to max_tokens)."""
+    stops = stop_list(value, param)
+    if stops and ctx.codec is None:
+        raise ProtocolError(400, f"{param}: stop strings need the model's tokenizer, which this app does not have "
+                                 "(engine.tokenizer); use stop_token_ids", param)
+    return stops
+
+
 def stop_list(value, param: str = "stop") -> list:
     if value is None:
         return []

@@ -29,7 +29,7 @@ from .answers import answer
 from .batch import run_batch
 from .context import ProtocolContext, ProtocolError
 from .json_body import read_json
-from .outputs import output_of, stop_list
+from .outputs import output_of, stops_of
 from .prompts import chat_prompt, check_count, checked_requests, prompt_ids, spec_of
 from .truncation import sampling_truncation_of
 
@@ -89,7 +89,7 @@ def parse_model(model: type, body: dict):
         raise ProtocolError(400, f"{first['msg']}", ".".join(str(p) for p in first["loc"])) from None
 
 
-def _spec(req: TRLSampling) -> tuple:
+def _spec(ctx: ProtocolContext, req: TRLSampling) -> tuple:
     """(SamplingSpec, stop strings, include_stop) of a request: its fields, then generation_kwargs over them."""
     for name in ("images", "structured_outputs_regex", "guided_decoding_regex"):
         if getattr(req, name) is not None:
@@ -102,7 +102,7 @@ def _spec(req: TRLSampling) -> tuple:
             raise ProtocolError(400, f"generation_kwargs.{key}: not supported (supported: "
                                      f"{', '.join(sorted(GENERATION_KWARGS))})", f"generation_kwargs.{key}")
         fields[key] = value
-    stops = stop_list(fields.pop("stop", None), "generation_kwargs.stop")
+    stops = stops_of(ctx, fields.pop("stop", None), "generation_kwargs.stop")
     include = fields.pop("include_stop_str_in_output", False)
     if not isinstance(include, bool):
         raise ProtocolError(400, f"generation_kwargs.include_stop_str_in_output={include!r}: must be true or false",
@@ -118,7 +118,7 @@ def _spec(req: TRLSampling) -> tuple:
 async def _read(ctx: ProtocolContext, req) -> tuple:
     """A /generate/ or /chat/ request's (spec, stops, include_stop_str_in_output, truncation): the
     served model's max_model_len bounds the text tokenized."""
-    spec, stops, include = _spec(req)
+    spec, stops, include = _spec(ctx, req)
     model = await ctx.model_info()
     cut = sampling_truncation_of(req.truncate_prompt_tokens, model.max_model_len if model else None, spec.max_tokens)
     return spec, stops, include, cut
@@ -193,10 +193,16 @@ def trl_routes(ctx: ProtocolContext, relay=None) -> APIRouter:
             req = parse_model(ChatRequest, await read_json(request, ctx.limits))
             spec, stops, include, cut = await _read(ctx, req)
             kwargs = dict(req.chat_template_kwargs)
+            # vLLM's LLM.chat (behind trl vllm-serve) lays chat_template_kwargs over its own arguments
+            generation_prompt = kwargs.pop("add_generation_prompt", True)
+            if not isinstance(generation_prompt, bool):
+                raise ProtocolError(400, f"chat_template_kwargs.add_generation_prompt={generation_prompt!r:.80}: "
+                                         "must be true or false", "chat_template_kwargs.add_generation_prompt")
             if req.tools:
                 kwargs["tools"] = req.tools
             check_count(ctx, len(req.messages), spec.n, "messages")  # (before any is rendered)
-            prompts = [chat_prompt(ctx, m, f"messages[{i}]", kwargs, truncation=cut)
+            prompts = [chat_prompt(ctx, m, f"messages[{i}]", kwargs, truncation=cut,
+                                   add_generation_prompt=generation_prompt)
                        for i, m in enumerate(req.messages)]
             if not prompts:
                 raise ProtocolError(400, "messages: must not be empty", "messages")
