@@ -105,3 +105,14 @@ def test_a_long_openai_user_is_not_refused_as_a_session_the_request_never_named(
     # (256) is refused as "session=...", a field neither OpenAI's API nor the request has.
     got = post(app_over(router, codec), "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "user": "u" * 300})
     assert got.status_code == 200 or got.json()["error"]["param"] == "user", got.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [3, 4], "max_tokens": 2, "stop": ""}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stop": ["x", ""]}),
+    ("/generate/", {"prompts": [[3, 4]], "max_tokens": 2, "generation_kwargs": {"stop": [""]}}),
+])
+def test_an_empty_stop_string_is_refused_as_vllm_refuses_it(router, codec, path, body):
+    got = post(app_over(router, codec), path, body)
+    assert refused_naming(got, "stop") and "empty string" in got.text, got.text
+    assert not hasattr(router, "submitted")

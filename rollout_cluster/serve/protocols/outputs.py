@@ -75,8 +75,10 @@ def stop_list(value, param: str = "stop") -> list:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        value = [value]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if any(not s for s in value):  # (as vLLM's SamplingParams refuses it: it would match everywhere)
+            raise ProtocolError(400, f"{param}: must not contain an empty string", param)
         if len(value) > MAX_STOP_STRINGS:
             raise ProtocolError(400, f"{param}: {len(value)} stop strings; at most {MAX_STOP_STRINGS}", param)
         return value
