@@ -35,5 +35,7 @@ class ChunkedPolicy(Policy):
         self.rounds += 1
         out = []
         for rid, share in zip(sorted(view.replicas), split_contiguous(queued, len(view.replicas))):
-            out += [Assign(s, rid, segment_cap=self.chunk_tokens) for s in share]
+            # a pinned sequence (its penalties count its own output) runs whole: a later round's
+            # continuation would take its output for prompt
+            out += [Assign(s, rid, segment_cap=self.chunk_tokens if s.migratable else None) for s in share]
         return Decision(assign=out)

@@ -115,18 +115,26 @@ def expected_remaining_array(g: np.ndarray, cap: np.ndarray, size: np.ndarray, f
     return out
 
 
-_QUANTILES = np.zeros((0, 0))
+_QUANTILES: dict = {}  # (group size, finished) -> _phi_inv((finished + 0.5) / (size + 1))
+_QUANTILES_KEPT = 1 << 16  # (pairs seen: at most this many kept, the oldest forgotten first)
 
 
 def _quantile_of_finished(size: np.ndarray, finished: np.ndarray) -> np.ndarray:
-    """_phi_inv((finished + 0.5) / (size + 1)) from a table indexed by (size, finished)."""
-    global _QUANTILES
-    n = int(size.max()) + 1
-    if n > _QUANTILES.shape[0]:
-        n = max(n, 2 * _QUANTILES.shape[0], 64)
-        _QUANTILES = np.array([[_phi_inv((k + 0.5) / (m + 1.0)) if k <= m else 0.0 for k in range(n)]
-                               for m in range(n)])
-    return _QUANTILES[size.astype(np.intp), np.minimum(finished, size).astype(np.intp)]
+    """_phi_inv((finished + 0.5) / (size + 1)) per sequence, computed once per (size, finished)
+    pair present (a table of every pair up to the largest group would be size^2: a group of
+    limits.max_n samples would not fit in memory)."""
+    m = size.astype(np.int64)
+    k = np.minimum(finished, size).astype(np.int64)
+    pairs, where = np.unique(np.stack((m, k)), axis=1, return_inverse=True)
+    values = np.empty(pairs.shape[1])
+    for j, (mm, kk) in enumerate(pairs.T.tolist()):
+        q = _QUANTILES.get((mm, kk))
+        if q is None:
+            q = _QUANTILES[(mm, kk)] = _phi_inv((kk + 0.5) / (mm + 1.0))
+            if len(_QUANTILES) > _QUANTILES_KEPT:
+                _QUANTILES.pop(next(iter(_QUANTILES)))
+        values[j] = q
+    return values[where.reshape(-1)]
 
 
 def own_costs(rem: np.ndarray, ctx: np.ndarray, cost: CostModel) -> np.ndarray:

@@ -76,9 +76,9 @@ class Dispatcher:
         usable = self.control.usable
         if not all(usable(r) for r in replicas.values()):
             replicas = {rid: r for rid, r in replicas.items() if usable(r)}
-        # Replicas that failed loading the weights never become usable: not expected (chunked's
-        # first round, static's shares).
-        failed = sum(rid in self.fleet.replicas for rid in self.weights.errors)
+        # Replicas that failed loading the weights, or waking, never become usable until an order
+        # mends them: not expected (chunked's first round, static's shares).
+        failed = sum(rid in self.fleet.replicas for rid in set(self.weights.errors) | set(self.control.sleep.errors))
         return ClusterView(now, self.queue, replicas, self.batches.groups, self.seqs,
                            max(1, self.fleet.expected - failed), self.moves.finished_lengths,
                            self.counters.generated_tokens, self.counters.reprefill_tokens)
