@@ -78,9 +78,7 @@ class EngineMoves:
         return [t for t in (self.loading and self.loading[1], self.sleep_task) if t and not t.done()]
 
     async def ready_for_work(self) -> bool:
-        """Wait for the moves under way: work never starts beside them. (The router sends no work
-        while a move runs, as far as it knows; but a wake that came while the engine still went to
-        sleep reports (0, 0), as an awake replica does.) False when they left no engine awake with
+        """Wait for the moves under way: work never starts beside them. False when they left no engine awake with
         its weights (a deep wake's reload failed, say), or when the load it waited for failed: work
         sent with a load (running="keep") is labelled with that load's version, and the engine
         still holds the old one. Then run nothing; the next listing lacks that work, and the router
@@ -89,6 +87,8 @@ class EngineMoves:
         moves = self.in_progress()
         if not moves:
             return self.broken is None
+        # (the router sends no work while a move runs, as far as it knows: a wake behind a sleep
+        # under way is reported as waking, `states`; work sent before a move began waits here)
         loading = (self.loading[0], self.loading[2]) if self.loading else None
         await asyncio.gather(*moves, return_exceptions=True)
         if loading is not None and (self.weights_version, self.weights_path) != loading:
@@ -104,7 +104,12 @@ class EngineMoves:
                                noted=self.noted[0], noted_path=self.noted[1], handed=dict(self.weights_handed),
                                objects=len(self.streams.get(self.loading[2] if self.loading else self.noted[1], ())),
                                stopped=self.stopped_push)
-        return weights, SleepState(level=self.sleep_level, goal=self.sleep_goal, error=self.sleep_error)
+        level = self.sleep_level
+        if level == self.sleep_goal == 0 and self.sleep_task is not None and not self.sleep_task.done():
+            # a wake behind a sleep still under way: the engine is going to sleep and back (a level-2
+            # one reloads its weights), not awake; reported as waking, so the router sends no work
+            level = 1
+        return weights, SleepState(level=level, goal=self.sleep_goal, error=self.sleep_error)
 
     def reload_source(self) -> Optional[str]:
         """Where a level-2 sleeper reloads its weights from at wake: the latest checkpoint, else the

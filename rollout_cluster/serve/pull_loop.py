@@ -259,7 +259,10 @@ class PullLoop:
         `wait_s` for the engine to end them)."""
         held = self.engine.held()
         if held:
-            await self.engine.give_up(held)
+            try:
+                await self.engine.give_up(held)
+            except Exception as e:  # (what it reported is still handed back: the rest continues from there)
+                log.warning("giving up %d sequences failed (%r): handing back what they reported", len(held), e)
         partials, deadline = [], time.monotonic() + wait_s
         while self.engine.held() and time.monotonic() < deadline:
             partials += self.engine.drain()

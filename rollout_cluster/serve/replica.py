@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from ray import serve
@@ -74,7 +75,7 @@ class EngineReplica:
         elif getattr(self, "task", None) is not None:
             self.pull_loop.stop()
             try:
-                await asyncio.wait_for(self._hand_back(), HAND_BACK_S)
+                await asyncio.wait_for(self._hand_back(), HAND_BACK_S + 1.0)  # (_hand_back keeps to HAND_BACK_S)
             except Exception as e:  # the router requeues it after router.replica_timeout_s instead
                 log.warning("replica %s could not hand its work back (%r)", self.replica_id, e)
         if getattr(self, "timeline", None) is not None:
@@ -85,6 +86,7 @@ class EngineReplica:
         """Stop pulling, give up every sequence, wait for their partials, send them in a last
         report marked `leaving`."""
         router = self.cfg.router
+        start = time.monotonic()  # half the time for the pull in flight and the engine's give-ups, half for the goodbye
         wait = min(HAND_BACK_S / 2, max(router.pull_wait_s, router.idle_pull_wait_s) + 1.0)
         # The loop ends after the pull in flight (held up to idle_pull_wait_s, longer in a large
         # fleet: then the wait runs out and the task is cancelled), unless the router is gone.
@@ -96,7 +98,8 @@ class EngineReplica:
         except Exception:
             pass  # the loop's error is logged; what it held is still handed back
         held = self.engine.held()
-        report = self.pull_loop.goodbye(await self.pull_loop.give_up_all(HAND_BACK_S))
+        left = max(0.0, HAND_BACK_S / 2 - (time.monotonic() - start))
+        report = self.pull_loop.goodbye(await self.pull_loop.give_up_all(left))
         # With nothing to hand back the goodbye only saves the router a timeout; when the whole
         # application is being deleted the router may be gone already: do not wait long for it.
         try:
