@@ -115,7 +115,8 @@ def test_deaths_in_loads_of_the_routers_version_still_break_it():
     new_load = WeightsState(version=2, path="/ckpt/2", loading=3, loading_path="/ckpt/new-3")
     report(core, "c", TIMEOUT_S + 3, new_load)
     report(core, "c", TIMEOUT_S + 3.5, new_load, dead=True)
-    report(core, "b", TIMEOUT_S + 4, WeightsState(), dead=True)  # ordered, died before reporting its load
+    report(core, "b", TIMEOUT_S + 3.8, WeightsState())  # its order reached it ...
+    report(core, "b", TIMEOUT_S + 4, WeightsState(), dead=True)  # ... and it died before reporting its load
     assert [b["path"] for b in core.weights_status()["broken"]] == ["/ckpt/new-3"]
     assert core.weights.load_deaths == {("/ckpt/new-3", 3): ["c", "b"]}
 

@@ -97,7 +97,7 @@ class RouterCore:
                                      self.counters, record_tokens, engine_error_retries)
         self.membership = Membership(self.fleet, stall_timeout_s, self.queue, self.outbox, self.moves,
                                      self.dispatcher, self.adoption, self.weights, self.sleep, self.digests,
-                                     self.counters, self.metrics)
+                                     self.counters, self.metrics, self.control)
         self.intake = BatchIntake(limits or BatchLimits(), self.seqs, self.queue, self.batches, self.fleet,
                                   self.membership, self.control, self.weights, self.sleep, self.sessions,
                                   self.adoption, self.moves, self.counters, self.metrics, record_tokens)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..policy.base import Decision, Policy
-from ..protocol import Orders
+from ..protocol import LoadWeights, Orders
 from .batches import Batches
 from .control import FleetControl
 from .counters import RouterCounters, RouterMetrics
@@ -59,6 +59,9 @@ class Dispatcher:
             self.apply_decision(decision, now)
         orders = self.outbox.take(replica_id)
         orders.work_waiting = len(self.queue) > 0
+        for order in orders.control:
+            if isinstance(order, LoadWeights):  # (a death before this reply is no death in that load)
+                rep.weights_order_sent = order.version
         # (each stamp only for the attempt the order names: one of an earlier attempt says nothing of the current)
         for work in orders.start:
             seq = self.seqs.get(work.seq_id)

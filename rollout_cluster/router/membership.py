@@ -16,6 +16,7 @@ from typing import Optional
 
 from ..protocol import ModelInfo, Report
 from .adoption import OrphanAdoption
+from .control import FleetControl
 from .counters import RouterCounters, RouterMetrics
 from .digests import FleetDigests
 from .dispatch import Dispatcher
@@ -30,8 +31,9 @@ from .weights import FleetWeights
 class Membership:
     def __init__(self, fleet: Fleet, stall_timeout_s: float, queue: WorkQueue, outbox: Outbox, moves: SeqMoves,
                  dispatcher: Dispatcher, adoption: OrphanAdoption, weights: FleetWeights, sleep: FleetSleep,
-                 digests: FleetDigests, counters: RouterCounters, metrics: RouterMetrics):
+                 digests: FleetDigests, counters: RouterCounters, metrics: RouterMetrics, control: FleetControl):
         self.fleet, self.queue, self.outbox, self.moves, self.dispatcher = fleet, queue, outbox, moves, dispatcher
+        self.control = control  # a streamed push none of the replicas left can load is aborted
         self.adoption, self.weights, self.sleep, self.digests = adoption, weights, sleep, digests
         self.counters, self.metrics = counters, metrics
         # A replica holding running sequences with no new token for this long is stalled (0: never).
@@ -103,5 +105,8 @@ class Membership:
             self.moves.requeue_after_segment(seq, replica_id, now, "replica_lost")  # (a cancelled one finishes)
         self.queue.release_reserved(replica_id)
         self.dispatcher.replica_removed(replica_id)
-        if leaving:  # for good: if every replica left failed loading the weights, none can run its work
+        gone = self.control.abort_unloadable_push()  # the last replica that could still load a streamed push left
+        if gone is not None:
+            self.moves.after_push_abort(*gone, now)
+        elif leaving:  # for good: if every replica left failed loading the weights, none can run its work
             self.moves.fail_queued_if_no_replica_can_load(now)

@@ -116,6 +116,7 @@ class ReplicaState:
     # weights (one a replica cut off from a restarted router kept, which that router numbered again)
     weights_path: str = ""
     weights_ordered: Optional[int] = None  # the version a load_weights order is out for
+    weights_order_sent: Optional[int] = None  # ... and the version of the last load order a pull's reply carried
     weights_noted: Optional[int] = None  # the version a note_weights order (asleep) is out for
     weights_loading: int = 0  # the version it reports loading now (0: none): its weights are about to change
     weights_loading_path: str = ""  # ... and its source ("": not said)

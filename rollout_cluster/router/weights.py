@@ -223,6 +223,10 @@ class FleetWeights:
         if self.aborted is not None and w.error and w.error_path == self.aborted["source"]:
             self.aborted["replicas"][rep.replica_id] = w.error
         held_before = self.holds(rep)
+        # a load of the current version by this replica, ordered (or noted) by this router, or under way:
+        # only such a load shows a break was another replica's (a replica that held the version before
+        # the break, registered again after a silence, loaded nothing)
+        loaded_here = rep.weights_ordered == v or rep.weights_noted == v or self.loads_current(rep)
         # (a report that names no source for the number it held, a goodbye's, keeps the known one)
         same = w.version == rep.weights_version
         rep.weights_path = w.path if isinstance(w.path, str) and w.path else rep.weights_path if same else ""
@@ -230,7 +234,7 @@ class FleetWeights:
         rep.weights_loading_path = w.loading_path if w.loading and isinstance(w.loading_path, str) else ""
         handed = w.handed_counts()  # (a goodbye's, none counted, keeps the known one as the path does)
         rep.weights_handed = handed if handed else rep.weights_handed if same else {}
-        just_loaded = not held_before and self.holds(rep)
+        just_loaded = not held_before and self.holds(rep) and loaded_here
         if (rep.weights_noted == v and not self.current(w.noted, w.noted_path) and not self.holds(rep)
                 and not note_pending):
             rep.weights_noted = None  # the note was sent and the replica never saw it: again
@@ -288,10 +292,12 @@ class FleetWeights:
         and its replacement must get the version. So the DEATHS_TO_BREAK-th death during one
         version's loads is a break, as a failed load is; a replica that loads the version shows the
         deaths were their own (`_loaded` forgets the break). Only a death in a load of the current
-        version counts (or with it ordered and no load reported yet): not one in a load of another
+        version counts (or with its order delivered and no load reported yet: not one whose order
+        still waited in the outbox, which never reached an engine): not one in a load of another
         source's same number (a replica cut off from this restarted router, loading its predecessor's)."""
         v = self.version
-        if self.holds(rep) or not (self.loads_current(rep) if rep.weights_loading else rep.weights_ordered == v):
+        ordered = rep.weights_ordered == v and rep.weights_order_sent == v  # (an order still in the outbox reached none)
+        if self.holds(rep) or not (self.loads_current(rep) if rep.weights_loading else ordered):
             return
         died = self.load_deaths.setdefault((self.path, v), [])
         died.append(rep.replica_id)

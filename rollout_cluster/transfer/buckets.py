@@ -164,6 +164,19 @@ def pack_group(group: list, staging=None, bucket_bytes: int = 0) -> dict:
     return _packed(group, staging, bucket_bytes)  # (plan checked every tensor)
 
 
+def check_lists(header: dict, keys: tuple = ("names", "dtypes", "shapes")) -> None:
+    """A header's per-tensor lists are lists of one length: a shorter one would drop tensors
+    silently (zip), and the load would find them missing only once it began replacing weights."""
+    lists = {k: header.get(k) for k in keys}
+    bad = [k for k, v in lists.items() if not isinstance(v, (list, tuple))]
+    if bad:
+        raise ValueError(f"bucket header: {', '.join(bad)} must be a list, one entry per tensor")
+    lengths = {k: len(v) for k, v in lists.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError("bucket header: its lists differ in length (" + ", ".join(f"{k} {n}" for k, n in lengths.items())
+                         + "): one entry per tensor in each")
+
+
 def unpack(bucket: dict) -> list:
     """The (name, tensor) pairs of a bucket; the tensors view the bucket's bytes (read only). (An
     IPC bucket has no bytes: ipc.unpack_ipc reads it.)"""
@@ -171,6 +184,7 @@ def unpack(bucket: dict) -> list:
 
     import torch
 
+    check_lists(bucket, ("names", "dtypes", "shapes", "data"))
     out = []
     for name, dtype, shape, data in zip(bucket["names"], bucket["dtypes"], bucket["shapes"], bucket["data"]):
         torch_dtype = getattr(torch, dtype, None)
@@ -210,6 +224,7 @@ class Manifest:
 
         out = []
         for header in self.headers:
+            check_lists(header)
             bucket = []
             for name, dtype, shape in zip(header["names"], header["dtypes"], header["shapes"]):
                 torch_dtype = getattr(torch, dtype, None)

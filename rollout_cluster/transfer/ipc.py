@@ -171,6 +171,9 @@ def unpack_ipc(bucket: dict) -> IpcBucket:
     """An IPC bucket as the replica checks and loads it (buckets.unpack calls it)."""
     import torch
 
+    from .buckets import check_lists
+
+    check_lists(bucket)
     for name, dtype in zip(bucket["names"], bucket["dtypes"]):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
