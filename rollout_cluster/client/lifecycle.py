@@ -24,7 +24,7 @@ def signed_router(app_name: str, config: Optional[ClusterConfig], control_keys_f
     security = config.security if config else SecurityConfig()
     if control_keys_file:
         security = security.model_copy(update={"control_keys_file": control_keys_file})
-    return SignedRouter(serve.get_deployment_handle("Router", app_name), Signer(read_keys(security)))
+    return SignedRouter(serve.get_deployment_handle("Router", app_name), Signer(read_keys(security), app=app_name))
 
 
 def start(cls, config: Union[str, ClusterConfig, dict], address: Optional[str], wait_ready_s: float,

@@ -35,6 +35,18 @@ def check_private_dir(folder: str) -> None:
                               "user's with mode 0700, or set base_dir elsewhere")
 
 
+def check_private_file(path: str) -> None:
+    """Refuse a secret file another user made or could read or change: a link, not this user's, or
+    with any permission for its group or others."""
+    st = os.lstat(path)
+    why = ("is a link" if stat.S_ISLNK(st.st_mode) else
+           f"belongs to uid {st.st_uid}, not {os.getuid()}" if hasattr(os, "getuid") and st.st_uid != os.getuid() else
+           f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others may use it)" if st.st_mode & 0o077 else None)
+    if why:
+        raise PermissionError(f"{path} {why}: not used as a secret; remove it (a new one is made) or make it this "
+                              "user's with mode 0600")
+
+
 def ensure_local_secrets(cfg: ClusterConfig) -> list[str]:
     """Point `cfg.security` at secret files, making those that are missing; returns the files made."""
     sec = cfg.security
@@ -45,7 +57,7 @@ def ensure_local_secrets(cfg: ClusterConfig) -> list[str]:
     if not sec.control_keys_file and not read_keys(sec) and not sec.allow_unsigned_control:
         update["control_keys_file"] = str(folder / "control-keys")
     if update:
-        cfg.security = sec = sec.model_copy(update=update)
+        sec = sec.model_copy(update=update)  # (the config is pointed at them once they pass: below)
     for path, make in ((sec.token_file, new_token),
                        (sec.control_keys_file, lambda: f"local-{secrets.token_hex(4)} {secrets.token_hex(32)}\n")):
         if path and not os.path.exists(path):
@@ -53,6 +65,10 @@ def ensure_local_secrets(cfg: ClusterConfig) -> list[str]:
             check_private_dir(os.path.dirname(path) or ".")
             write_private(path, make() if make is not new_token else make() + "\n")
             made.append(path)
+        elif path and Path(path).parent == folder:  # made here before: used only where nobody else could have
+            check_private_dir(str(folder))
+            check_private_file(path)
+    cfg.security = sec
     for path in made:
         log.info("made the secret file %s (readable by its owner only)", path)
     return made

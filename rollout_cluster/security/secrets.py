@@ -69,10 +69,12 @@ def read_keys(security) -> dict[str, bytes]:
         if len(parts) != 2 or not KEY_ID.fullmatch(parts[0]):
             raise SecretError(f"{where}, entry {n}: must be `key_id secret` (key_id: letters, digits, _ . -)")
         kid, secret = parts
+        # (by entry number, never the key id: written in the wrong order, a hex secret passes for one)
         if len(secret) < MIN_KEY_CHARS:
-            raise SecretError(f"{where}, key {kid!r}: must be at least {MIN_KEY_CHARS} characters")
+            raise SecretError(f"{where}, entry {n}: the secret must be at least {MIN_KEY_CHARS} characters "
+                              "(is the line `key_id secret`, in that order?)")
         if kid in keys:
-            raise SecretError(f"{where}: key id {kid!r} given twice")
+            raise SecretError(f"{where}, entry {n}: its key id was given twice (in an earlier entry too)")
         keys[kid] = secret.encode()
     if not keys:
         raise SecretError(f"{where} holds no key")

@@ -6,7 +6,9 @@ operation, signed by an unknown key or with a bad signature, issued too far from
 replayed, and counts each refusal by reason. Pure: the clock is an argument, nothing is logged.
 
 The signature covers `canonical(...)`: compact JSON of [op, args, issued_ms, nonce, key_id] with
-sorted keys, so any signer (Python or not) can produce it.
+sorted keys, so any signer (Python or not) can produce it; an order bound to an app (`app`, as
+every signer here binds it) signs [op, args, issued_ms, nonce, key_id, app], and a router of
+another app refuses it (apps that share keys: one .secrets/ per config folder, one k8s Secret).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ CONTROL_OPS: dict[str, tuple[str, ...]] = {
     "cancel": ("batch_id",),
     "register": ("replica_id", "incarnation"),  # a replica asks for its report credential
 }
-REASONS = ("unsigned", "malformed", "wrong_op", "unknown_key", "bad_signature", "skew", "replay")
+REASONS = ("unsigned", "malformed", "wrong_op", "wrong_app", "unknown_key", "bad_signature", "skew", "replay")
 NONCE = re.compile(r"[0-9a-f]{32}")
 _DUMMY_KEY = b"\0" * 32  # an unknown key id still costs one HMAC: no timing tells it apart
 
@@ -62,16 +64,17 @@ class SignedOrder:
     issued_ms: int  # the signer's wall clock (Unix milliseconds) when it signed
     nonce: str  # 128 random bits, hex: the router accepts each nonce once
     key_id: str = ""  # the key that signed ("" with `signature`: unsigned)
-    signature: str = ""  # hex HMAC-SHA256 of canonical(op, args, issued_ms, nonce, key_id)
+    signature: str = ""  # hex HMAC-SHA256 of canonical(op, args, issued_ms, nonce, key_id, app)
+    app: str = ""  # the Serve app it is for ("": any app whose router holds the key)
 
 
-def canonical(op: str, args: dict, issued_ms: int, nonce: str, key_id: str) -> bytes:
-    return json.dumps([op, args, issued_ms, nonce, key_id], sort_keys=True, separators=(",", ":"),
-                      allow_nan=False, ensure_ascii=True).encode()
+def canonical(op: str, args: dict, issued_ms: int, nonce: str, key_id: str, app: str = "") -> bytes:
+    fields = [op, args, issued_ms, nonce, key_id] + ([app] if app else [])
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()
 
 
 def _mac(key: bytes, order: SignedOrder) -> str:
-    return hmac.new(key, canonical(order.op, order.args, order.issued_ms, order.nonce, order.key_id),
+    return hmac.new(key, canonical(order.op, order.args, order.issued_ms, order.nonce, order.key_id, order.app),
                     hashlib.sha256).hexdigest()
 
 
@@ -92,18 +95,20 @@ class Signer:
     """Signs control orders with the first configured key; with no key, makes unsigned orders
     (which only a router configured with security.allow_unsigned_control accepts)."""
 
-    def __init__(self, keys: Optional[dict] = None, clock=time.time):
+    def __init__(self, keys: Optional[dict] = None, clock=time.time, app: str = ""):
         self.key_id, self.key = next(iter((keys or {}).items()), ("", b""))
         self.clock = clock
+        self.app = app  # the app its orders are bound to ("": none)
 
     def sign(self, op: str, args: dict) -> SignedOrder:
         if op not in CONTROL_OPS:
             raise ValueError(f"op={op!r}: not a control operation ({', '.join(CONTROL_OPS)})")
         canonical(op, args, 0, "", "")  # args must be plain JSON: fail here, not at the router
-        order = SignedOrder(op, args, int(self.clock() * 1000), secrets.token_hex(16), self.key_id)
+        order = SignedOrder(op, args, int(self.clock() * 1000), secrets.token_hex(16), self.key_id, app=self.app)
         if not self.key:
             return order
-        return SignedOrder(order.op, order.args, order.issued_ms, order.nonce, order.key_id, _mac(self.key, order))
+        return SignedOrder(order.op, order.args, order.issued_ms, order.nonce, order.key_id, _mac(self.key, order),
+                           self.app)
 
 
 @dataclass
@@ -114,6 +119,7 @@ class OrderVerifier:
     keys: dict
     max_skew_s: float = 30.0
     allow_unsigned: bool = False
+    app: str = ""  # this router's app: an order bound to another is refused (wrong_app)
     refusals: Counter = field(default_factory=Counter)  # reason -> orders refused
     accepted: int = 0  # orders that passed
     _nonces: dict = field(default_factory=dict)  # nonce -> issued_ms, while within the skew window
@@ -144,6 +150,8 @@ class OrderVerifier:
             raise OrderRefused("malformed", bad)
         if order.op != op:
             raise OrderRefused("wrong_op", f"signed for {order.op[:40]!r}, sent as {op!r}")
+        if order.app and self.app and order.app != self.app:
+            raise OrderRefused("wrong_app", f"signed for app {order.app[:64]!r}, sent to app {self.app!r}")
         for name, value in order.args.items():
             try:
                 canonical(order.op, {name: value}, order.issued_ms, order.nonce, order.key_id)
@@ -199,7 +207,8 @@ def _malformed(order: "SignedOrder") -> str:
               ("issued_ms", type(order.issued_ms) is int, "an int (Unix milliseconds)"),
               ("nonce", isinstance(order.nonce, str) and bool(NONCE.fullmatch(order.nonce)), "32 lowercase hex digits"),
               ("key_id", isinstance(order.key_id, str), "a string"),
-              ("signature", isinstance(order.signature, str), "a string"))
+              ("signature", isinstance(order.signature, str), "a string"),
+              ("app", isinstance(order.app, str), "a string"))
     for name, ok, want in checks:
         if not ok:
             return f"{name}={_short(getattr(order, name))}: must be {want}"

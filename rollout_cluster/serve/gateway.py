@@ -48,6 +48,7 @@ from ..protocol import InputError, LimitExceeded, RouterBusy, WeightsVersionErro
 from ..security.secrets import read_keys, read_token
 from ..security.signed_router import SignedRouter
 from ..security.signing import Signer
+from .app_name import serve_app_name
 from ..text.codec import TextCodec
 from .call_timeline import TRACE_HEADER, CallTimeline, TimedRouter, current_label
 from .http_body import read_bounded
@@ -255,7 +256,7 @@ class Gateway:
         sec = cfg.security
         self.token = http_token(sec)
         # the Gateway cancels the batches it runs (a timeout, a cut): signed as a driver's cancel is
-        self.router = SignedRouter(router, Signer(read_keys(sec)))
+        self.router = SignedRouter(router, Signer(read_keys(sec), app=serve_app_name() or ""))
         self.replicas = replicas
         self.cfg = cfg
         # The HTTP path's processes run at the router's niceness: at Ray's 15 they answer late

@@ -19,6 +19,7 @@ from ..engines.factory import make_engine
 from ..security.secrets import read_keys
 from ..security.signed_router import SignedRouter
 from ..security.signing import Signer
+from .app_name import serve_app_name
 from .engine_moves import EngineMoves
 from .pull_loop import HAND_BACK_S, PullLoop
 from .router_link import RouterLink
@@ -40,7 +41,8 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.incarnation = uuid.uuid4().hex[:8]
         # registers with a signed order; every report carries the credential it got
-        self.link = RouterLink(SignedRouter(router, Signer(read_keys(self.cfg.security))), self.replica_id,
+        signer = Signer(read_keys(self.cfg.security), app=serve_app_name() or "")
+        self.link = RouterLink(SignedRouter(router, signer), self.replica_id,
                                self.incarnation)
         self.engine = make_engine(self.cfg, replica_rank())
         self.model = await self.engine.start()

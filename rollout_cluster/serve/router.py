@@ -33,6 +33,7 @@ from ..security.secrets import read_keys
 from ..security.nonce_journal import GcsKV
 from ..security.nonce_journal import attach as attach_journal
 from ..security.signing import OrderRefused, OrderVerifier
+from .app_name import serve_app_name
 
 log = logging.getLogger("ray.serve")
 # A new router's first batch (and one that names a weights version newer than it knows) waits this
@@ -42,10 +43,7 @@ WEIGHTS_LEARN_WAIT_S = 10.0
 
 def _app_name():
     """The Serve app this router serves; None outside a Serve replica (the class built directly)."""
-    try:
-        return serve.get_replica_context().app_name
-    except Exception:  # noqa: BLE001 (RayServeException: no replica context)
-        return None
+    return serve_app_name()
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -74,7 +72,9 @@ class Router:
         # Control orders are signed (security/signing.py); each replica reports with the credential
         # register() gave it, so that no other caller can speak for it.
         sec = cfg.security
-        self.verifier = OrderVerifier(read_keys(sec), sec.max_clock_skew_s, sec.allow_unsigned_control)
+        # (orders bound to another app that shares the keys are refused: wrong_app)
+        self.verifier = OrderVerifier(read_keys(sec), sec.max_clock_skew_s, sec.allow_unsigned_control,
+                                      app=_app_name() or cfg.app_name)
         # ... and remembers the nonces its predecessors accepted (a restart is no replay window)
         app = _app_name()
         self.journal = None if app is None else attach_journal(
