@@ -77,7 +77,8 @@ class SimEngineCore:
         t = 0.0
         while self.waiting and len(self.running) < self.cost.max_num_seqs:
             s = self.waiting[0]
-            if self.context + s.context + 1 > self.cost.kv_tokens and self.running:
+            # (the running sequences' next tokens come first, as vLLM schedules them)
+            if self.context + len(self.running) + s.context + 1 > self.cost.kv_tokens and self.running:
                 break
             self.waiting.popleft()
             s.admitted = True
@@ -90,6 +91,7 @@ class SimEngineCore:
             if not s.admitted_once and 0 < w.prefix_len < w.prompt_len:
                 self.reprefilled_tokens += prefilled
             s.admitted_once = True
+            self.prefix_cache.evict(self.context)  # (before the next admission looks the cache up)
         self.prefix_cache.evict(self.context)
         return t
 

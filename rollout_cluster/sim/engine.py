@@ -108,7 +108,8 @@ class FastEngineCore:
         cost, t, cache = self.cost, 0.0, self.prefix_cache
         while self.waiting and len(self.running) < cost.max_num_seqs:
             s = self.waiting[0]
-            if self.context + s.ctx0 + 1 > cost.kv_tokens and self.running:
+            # (the running sequences' next tokens come first, as vLLM schedules them)
+            if self.context + len(self.running) + s.ctx0 + 1 > cost.kv_tokens and self.running:
                 break
             self.waiting.popleft()
             s.s0, s.order = self.steps, next(self._order)
@@ -122,8 +123,8 @@ class FastEngineCore:
             if s.continuation:
                 self.reprefilled_tokens += prefilled
                 s.continuation = False
-        if cache.free and cache.free_tokens + self.context > cost.kv_tokens:
-            cache.evict(self.context)
+            if cache.free and cache.free_tokens + self.context > cost.kv_tokens:
+                cache.evict(self.context)  # (before the next admission looks the cache up)
         return t
 
     def _preempt_if_needed(self) -> None:

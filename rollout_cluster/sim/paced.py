@@ -25,7 +25,10 @@ class PacedSimulation(Simulation):
         report_now = False
         while t < until and e.busy:
             f = self.slowdown[rid] = self._slowdown(rid)
-            dt = e.advance(limit_s=(until - t) / f) * f
+            # an end waiting to be reported while work is queued becomes urgent at urgent_from: step
+            # no further than that, so it is reported then, not at the interval's end
+            stop = min(until, urgent_from) if e.finals and t < urgent_from and self.core.queue else until
+            dt = e.advance(limit_s=(stop - t) / f) * f
             self.busy[rid] += dt
             t += dt
             if e.finals and t >= urgent_from and (

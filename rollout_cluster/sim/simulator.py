@@ -150,7 +150,8 @@ class Simulation:
             if self.want_trace:
                 trace[rid].append((now, len(e.running) + len(e.waiting)))
             # Give-ups ordered for other replicas wait for their next pull, like the real system.
-            nxt = now + self.pull_interval_s
+            # (an idle replica with a final to report, a give-up's abort, pulls again at once, as PullLoop.pace)
+            nxt = now if (e.finals and not e.busy) else now + self.pull_interval_s
             if e.busy:
                 self._advance(rid, nxt)
                 nxt = max(self.clock[rid], now + 1e-6)
