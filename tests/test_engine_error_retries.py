@@ -186,10 +186,11 @@ class ErrorLLM:
         pass
 
 
-def run_one(final: Out) -> list:
+def run_one(final: Out, llm=None) -> list:
+    """One request through the adapter over `llm` (default: ErrorLLM ending with `final`): its reports."""
     async def main():
         eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
-        eng.engine = ErrorLLM(final)
+        eng.engine = llm or ErrorLLM(final)
         eng.submit(Work("s", 1, [1, 2, 3], SamplingSpec(max_tokens=10)))
         for _ in range(100):
             await asyncio.sleep(0)
@@ -221,16 +222,7 @@ def test_a_request_vllm_refuses_is_not_retryable():
             raise ValueError("prompt too long")
             yield  # (a generator)
 
-    async def main():
-        eng = VllmEngine(EngineConfig(), "m", on_cpu=True)
-        eng.engine = RefusingLLM(None)
-        eng.submit(Work("s", 1, [1, 2, 3], SamplingSpec(max_tokens=10)))
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if not eng.seqs.tasks:
-                break
-        return eng.drain()
-    (final,) = asyncio.run(main())
+    (final,) = run_one(None, RefusingLLM(None))
     assert final.finish_reason == "error" and final.retryable is False and "prompt too long" in final.error
 
 

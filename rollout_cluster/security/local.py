@@ -14,6 +14,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import Optional
 
 from ..config import ClusterConfig
 from .secrets import new_token, read_keys, read_token, write_private
@@ -22,14 +23,19 @@ log = logging.getLogger(__name__)
 SECRETS_DIR = ".secrets"
 
 
+def _not_private(path: str, mask: int, what: str) -> Optional[str]:
+    """Why `path` is not this user's alone (None: it is): a link, another user's, or `mask` bits set."""
+    st = os.lstat(path)
+    return ("is a link" if stat.S_ISLNK(st.st_mode) else
+            f"belongs to uid {st.st_uid}, not {os.getuid()}" if hasattr(os, "getuid") and st.st_uid != os.getuid() else
+            f"{what} (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & mask else None)
+
+
 def check_private_dir(folder: str) -> None:
     """Refuse to make secrets in a folder another user could change: one that is a link, is not
     this user's, or that its group or others may write (they could swap the token for their own
     before the cluster reads it)."""
-    st = os.lstat(folder)
-    why = ("is a link" if stat.S_ISLNK(st.st_mode) else
-           f"belongs to uid {st.st_uid}, not {os.getuid()}" if hasattr(os, "getuid") and st.st_uid != os.getuid() else
-           f"is writable by its group or others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 else None)
+    why = _not_private(folder, 0o022, "is writable by its group or others")
     if why:
         raise PermissionError(f"{folder} {why}: another user could replace the secrets made there; make it this "
                               "user's with mode 0700, or set base_dir elsewhere")
@@ -38,10 +44,7 @@ def check_private_dir(folder: str) -> None:
 def check_private_file(path: str) -> None:
     """Refuse a secret file another user made or could read or change: a link, not this user's, or
     with any permission for its group or others."""
-    st = os.lstat(path)
-    why = ("is a link" if stat.S_ISLNK(st.st_mode) else
-           f"belongs to uid {st.st_uid}, not {os.getuid()}" if hasattr(os, "getuid") and st.st_uid != os.getuid() else
-           f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others may use it)" if st.st_mode & 0o077 else None)
+    why = _not_private(path, 0o077, "may be used by its group or others")
     if why:
         raise PermissionError(f"{path} {why}: not used as a secret; remove it (a new one is made) or make it this "
                               "user's with mode 0600")
