@@ -48,6 +48,7 @@ FORGERIES = {  # the reason each is refused for -> the forgeries that meet it
                   "args_not_mapping", "args_not_json", "op_not_str", "key_id_not_str", "signature_bytes",
                   "register_no_replica"),
     "wrong_op": ("wrong_op", "flip_op"),
+    "wrong_app": ("other_app", "flip_app"),
     "unknown_key": ("unknown_key", "retired_key", "flip_key_id"),
     "bad_signature": ("flip_args", "flip_issued", "flip_nonce", "flip_signature", "arg_added", "other_deployment"),
     "skew": ("expired", "future"),
@@ -55,8 +56,9 @@ FORGERIES = {  # the reason each is refused for -> the forgeries that meet it
 }
 
 
-def sign(op: str, args: dict, key_id: str = "drill-new", secret: bytes = SECRET_NEW.encode(), shift_s: float = 0.0):
-    return Signer({key_id: secret}, clock=lambda: time.time() + shift_s).sign(op, args)
+def sign(op: str, args: dict, key_id: str = "drill-new", secret: bytes = SECRET_NEW.encode(), shift_s: float = 0.0,
+         app: str = ""):
+    return Signer({key_id: secret}, clock=lambda: time.time() + shift_s, app=app).sign(op, args)
 
 
 def flip_hex(s: str, rng: random.Random) -> str:
@@ -161,6 +163,9 @@ class Drill:
              "signature_bytes": lambda: (replace(good, signature=good.signature.encode()), "malformed"),
              "wrong_op": lambda: (sign(rng.choice([o for o in METHODS if o != op]), self.args(op)), "wrong_op"),
              "flip_op": lambda: (replace(good, op=flip_str(op, rng)), "wrong_op"),
+             # the drill's router serves app "rollout"; another app's driver holds the same keys
+             "other_app": lambda: (sign(op, good.args, app=f"app-{rng.randrange(10**6)}"), "wrong_app"),
+             "flip_app": lambda: (replace(sign(op, good.args, app="rollout"), app="rollouT"), "wrong_app"),
              "flip_key_id": lambda: (replace(good, key_id=flip_str(good.key_id, rng)), "unknown_key"),
              "flip_args": lambda: (self._flip_args(good), "bad_signature"),
              "flip_issued": lambda: (replace(good, issued_ms=good.issued_ms ^ (1 << rng.randrange(12))), "bad_signature"),
@@ -214,7 +219,7 @@ class Drill:
         self.messages.append(str(refusal))
 
     async def run(self, forged: int, start: int, valid_ops: tuple) -> None:
-        """Forged orders `start`...: the i-th is refused for REASONS[i % 7], at every method in turn,
+        """Forged orders `start`...: the i-th is refused for REASONS[i % 8], at every method in turn,
         each of that reason's forgeries in turn."""
         for i in range(start, start + forged):
             kinds, j = FORGERIES[REASONS[i % len(REASONS)]], i // len(REASONS)

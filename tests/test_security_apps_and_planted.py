@@ -88,3 +88,15 @@ def test_an_orders_app_is_signed_so_it_cannot_be_stripped_or_changed():
         forged = dataclasses.replace(good, app=app)  # (a fresh verifier each time: no replay)
         with pytest.raises(OrderRefused, match="bad_signature"):
             OrderVerifier(dict(keys), app="two" if app else "").check(forged, "wake", time.time())
+
+
+def test_an_order_whose_app_is_no_string_is_refused_as_malformed_naming_app():
+    import dataclasses
+    import time
+
+    from rollout_cluster.security.signing import OrderVerifier, Signer
+
+    keys = read_keys(SecurityConfig())
+    bad = dataclasses.replace(Signer(keys, app="one").sign("wake", {}), app=7)
+    with pytest.raises(OrderRefused, match=r"malformed.*app=7"):
+        OrderVerifier(dict(keys), app="one").check(bad, "wake", time.time())
