@@ -43,6 +43,22 @@ async def keep_swap(eng: VllmEngine, version: int):
     return await eng.load_tensors([[("model.norm.weight", torch.zeros(4))]], keep_as=version)
 
 
+def through_a_keep_swap(llm, work: Work, version: int = 2, after_swap=None) -> list:
+    """`work` submitted to an engine over `llm`, a keep swap to `version` once it runs in vLLM
+    (then `after_swap()`), and its reports once it ended."""
+    async def go():
+        eng = engine(llm)
+        eng.submit(work)
+        await asyncio.sleep(0.01)  # the request runs in vLLM
+        await keep_swap(eng, version)
+        if after_swap is not None:
+            after_swap()
+        await asyncio.gather(*eng.seqs.tasks.values())
+        return eng.drain()
+
+    return asyncio.run(asyncio.wait_for(go(), 60.0))
+
+
 # ---- 1. a keep swap marks a sequence that had finished on the old weights ------------------------
 class FinishedJustBeforeTheSwapLLM:
     """Request "short#1" (one token left: a continuation near max_tokens, a first-token EOS) is
@@ -86,17 +102,8 @@ def test_a_keep_swap_does_not_mark_a_sequence_that_finished_on_the_old_weights()
     weights, though all were sampled on the old ones (its Completion's weight_versions is wrong).
     Right, as the docstring says: "one it finished already gets no mark" - no swaps on its reports."""
 
-    async def go():
-        llm = FinishedJustBeforeTheSwapLLM()
-        eng = engine(llm)
-        eng.submit(Work("short", 1, [1, 2, 3], SamplingSpec(max_tokens=1, logprobs=0)))
-        await asyncio.sleep(0.01)  # the request runs in vLLM; nothing came out yet
-        await keep_swap(eng, 2)
-        await asyncio.gather(*eng.seqs.tasks.values())
-        return eng.drain()
-
-    out = asyncio.run(asyncio.wait_for(go(), 60.0))
-    (final,) = out
+    (final,) = through_a_keep_swap(FinishedJustBeforeTheSwapLLM(),
+                                   Work("short", 1, [1, 2, 3], SamplingSpec(max_tokens=1, logprobs=0)))
     assert final.token_ids == [100] and final.finish_reason == "length"
     assert final.swaps is None, f"token 100 was sampled on the old weights, yet the report marks {final.swaps}"
 
@@ -120,17 +127,9 @@ class WaitingThroughTheSwapLLM(FinishedJustBeforeTheSwapLLM):
 
 
 def test_a_keep_swap_marks_a_sequence_still_waiting_at_its_first_token():
-    async def go():
-        llm = WaitingThroughTheSwapLLM()
-        eng = engine(llm)
-        eng.submit(Work("late", 1, [1, 2, 3], SamplingSpec(max_tokens=1, logprobs=0)))
-        await asyncio.sleep(0.01)
-        await keep_swap(eng, 2)
-        llm.swap_over.set()
-        await asyncio.gather(*eng.seqs.tasks.values())
-        return eng.drain()
-
-    (final,) = asyncio.run(asyncio.wait_for(go(), 60.0))
+    llm = WaitingThroughTheSwapLLM()
+    (final,) = through_a_keep_swap(llm, Work("late", 1, [1, 2, 3], SamplingSpec(max_tokens=1, logprobs=0)),
+                                   after_swap=llm.swap_over.set)
     assert final.token_ids == [200] and final.swaps == [(0, 2)]
 
 

@@ -1,7 +1,6 @@
 """Engine-error retries where they meet the rest of the router and the adapter: an error that
 came with the last token, one that ends a segment the policy was giving up, an orphan's retryable
 error under a restarted router; and the keep swap's mark of a request that ran before the swap."""
-import asyncio
 
 import pytest
 
@@ -13,7 +12,7 @@ from rollout_cluster.policy.scripted import ScriptedPolicy
 from rollout_cluster.protocol import EngineStats, ModelInfo, Report, SamplingSpec, SeqProgress, SequenceRequest, Work
 from rollout_cluster.router.core import RouterCore
 
-from test_engine_adapter_edges import FinishedJustBeforeTheSwapLLM, Out, engine, keep_swap
+from test_engine_adapter_edges import FinishedJustBeforeTheSwapLLM, Out, through_a_keep_swap
 from test_router_adoption import PROMPT, orphan_handed_over, new_router, request as adoption_request
 
 COST = load_profile("a100-80g-7b")
@@ -115,15 +114,7 @@ def test_a_keep_swap_does_not_mark_at_token_0_a_request_whose_outputs_came_at_th
     at the fence (its final behind it), ran before the swap: it is not "still waiting", and gets no
     mark (0, version), which would label token 100, sampled before the swap, as the new weights'."""
 
-    async def go():
-        llm = TwoOutputsBeforeTheSwapLLM()
-        eng = engine(llm)
-        eng.submit(Work("two", 1, [1, 2, 3], SamplingSpec(max_tokens=2, logprobs=0)))
-        await asyncio.sleep(0.01)
-        await keep_swap(eng, 2)
-        await asyncio.gather(*eng.seqs.tasks.values())
-        return eng.drain()
-
-    out = asyncio.run(asyncio.wait_for(go(), 60.0))
+    out = through_a_keep_swap(TwoOutputsBeforeTheSwapLLM(),
+                              Work("two", 1, [1, 2, 3], SamplingSpec(max_tokens=2, logprobs=0)))
     assert [p.token_ids for p in out] == [[100], [101]]
     assert all(not p.swaps or p.swaps[0][0] >= 1 for p in out), [p.swaps for p in out]

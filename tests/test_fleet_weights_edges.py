@@ -3,11 +3,10 @@ a replica that dies before its load order reached it is no death in that load; a
 aborted when the last replica still loading it dies and every one left failed; a replica that held
 the version before a break, registered again, loaded nothing and does not end the break."""
 from rollout_cluster.protocol import EngineStats, LoadWeights, ModelInfo, Report, WeightsState
-from rollout_cluster.transfer.push import PUSH_SCHEME
 
 from test_fleet_sleep import batch, core_with, pull
+from test_push_abort import SRC, at_checkpoint_then_streaming
 
-SRC = f"{PUSH_SCHEME}review1"
 
 
 def loads(orders):
@@ -41,14 +40,8 @@ def test_a_streamed_push_is_aborted_when_the_last_replica_still_loading_it_dies(
     and no trainer will abort it: the router aborts it itself (abort_unloadable_push), as it does
     when the last load fails, and a serves v1 again. It did so only on a failing report, never
     when a death left only failed replicas: a got no work until a replacement for b reported."""
-    core = core_with(("a", "b"))
-    core.update_weights("/ck/1")
-    for rid in ("a", "b"):
-        pull(core, rid, 0.5)
-        pull(core, rid, 0.6, version=1, path="/ck/1")
-    assert core.update_weights(SRC, None, ("m", "b0"), total=4) == 2
-    for rid in ("a", "b"):
-        assert loads(pull(core, rid, 1.0, version=1, path="/ck/1")) == [LoadWeights(SRC, 2, ("m", "b0"))]
+    core = at_checkpoint_then_streaming()  # a loads the push; b's order waits ...
+    assert loads(pull(core, "b", 1.0, version=1, path="/ck/1")) == [LoadWeights(SRC, 2, ("m", "b0"))]  # ... b's too
     failed_push(core, "a", 61.0)  # b may still load it: nothing aborted yet
     assert core.weights_status()["version"] == 2
     assert core.expire(62.0) == ["b"]  # b's last pull was at 1.0

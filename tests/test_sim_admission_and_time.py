@@ -8,28 +8,20 @@ import pytest
 
 from rollout_cluster.config import PolicyConfig
 from rollout_cluster.engines.cost_model import load_profile
-from rollout_cluster.engines.sim_core import SimEngineCore
 from rollout_cluster.policy import make_policy
 from rollout_cluster.protocol import SamplingSpec, SequenceRequest, Work
-from rollout_cluster.sim.engine import FastEngineCore
 from rollout_cluster.sim.paced import PacedSimulation
 from rollout_cluster.sim.simulator import Simulation
 
+from test_sim import ENGINES, run_engine
+
 COST = load_profile("a100-80g-7b", max_num_seqs=64)
 SPEC = SamplingSpec(max_tokens=8192, ignore_eos=True)
-ENGINES = [FastEngineCore, SimEngineCore]
 
 
 def work(seq_id, prompt, length, attempt=1, group=None):
     return Work(seq_id, attempt, None, SPEC, stop_after=length, prompt_len=prompt,
                 prefix_key=None if group is None else ("b", group), prefix_len=0 if group is None else prompt)
-
-
-def run_engine(engine) -> float:
-    t = 0.0
-    while engine.busy:
-        t += engine.advance()
-    return t
 
 
 @pytest.mark.parametrize("engine", ENGINES)

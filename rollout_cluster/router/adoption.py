@@ -260,9 +260,7 @@ class OrphanAdoption:
         self.counters.adopted_tokens += len(tokens)
         self.metrics.resumed(out.replica_id, "router_restart")
         # "length" may be the old router's cut (a chunk, a hidden length's stop): the end only at a cap
-        hidden = req.hidden_length
-        at_cap = seq.generated >= req.sampling.max_tokens or (hidden is not None and seq.generated >= hidden)
-        if out.finish_reason == "stop" or at_cap:
+        if out.finish_reason == "stop" or seq.at_cap:
             self.host.unqueue(seq)
             self.host.finish(seq, "stop" if out.finish_reason == "stop" else "length", now, out.replica_id)
         else:

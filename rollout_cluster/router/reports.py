@@ -145,8 +145,7 @@ class ReportApplier:
         not the request's) continues from the tokens the router holds, as after a replica's loss, at most
         engine_error_retries times a sequence; any other, or one past that bound, ends the sequence."""
         why = p.error or "engine error"
-        hidden = seq.request.hidden_length
-        if p.retryable is True and (seq.generated >= seq.max_tokens or (hidden is not None and seq.generated >= hidden)):
+        if p.retryable is True and seq.at_cap:
             self.moves.finish(seq, "length", now, rep.replica_id)  # its error came with its last token: nothing to retry
             return
         if p.retryable is True and not seq.cancelled and seq.engine_errors < self.engine_error_retries:
@@ -181,9 +180,7 @@ class ReportApplier:
         """A policy's segment cap (not the sequence's own end) stopped this segment."""
         if reason != "length" or seq.segment_cap is None:
             return False
-        hidden = seq.request.hidden_length
-        return (seq.generated - seq.segment_start >= seq.segment_cap and seq.generated < seq.max_tokens
-                and (hidden is None or seq.generated < hidden))
+        return seq.generated - seq.segment_start >= seq.segment_cap and not seq.at_cap
 
     def reconcile(self, rep: ReplicaState, held: list, aborting: list, now: float, fresh: bool = True) -> None:
         """Work sent in the reply to an earlier pull that the replica does not hold never arrived

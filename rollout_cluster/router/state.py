@@ -85,6 +85,12 @@ class SeqState:
         return self.request.prompt_len + self.generated
 
     @property
+    def at_cap(self) -> bool:
+        """It made all it may: max_tokens, or its hidden length (a benchmark's true length)."""
+        hidden = self.request.hidden_length
+        return self.generated >= self.max_tokens or (hidden is not None and self.generated >= hidden)
+
+    @property
     def migratable(self) -> bool:
         return self.request.sampling.migratable
 
